@@ -1,0 +1,192 @@
+"""The trainer configuration: the one contract between the operator and the trainer.
+
+The operator renders it from the SFTJob spec and the planner's plan into a ConfigMap mounted at
+``/etc/sftjob/config.json`` (path in ``$SFTJOB_CONFIG``); the trainer loads it with
+:func:`TrainerConfig.load` and prints it at start. Environment the operator sets beside it
+(``PYTORCH_CUDA_ALLOC_CONF``, ``NCCL_*``, ``POD_NAME``) comes from the plan, not from here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+Method = Literal["lora", "qlora", "full"]
+Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+DatasetFormat = Literal["auto", "messages", "alpaca", "text"]
+Attention = Literal["sdpa", "flash_attention_2", "eager"]
+Optimizer = Literal["adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"]
+Sharding = Literal["none", "ddp", "fsdp"]
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors. Fields read as snake_case or camelCase, so the SFTJob spec (camelCase)
+    can reuse these models as its own blocks instead of restating them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+class JobRef(_Strict):
+    namespace: str = "default"
+    name: str = "local"
+    uid: str = ""
+    attempt: int = Field(default=0, ge=0)
+
+
+class ModelSource(_Strict):
+    """A hub id (``name``) or a local folder (``path``, already resolved inside the pod)."""
+
+    name: str | None = None
+    path: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        if (self.name is None) == (self.path is None):
+            raise ValueError("model needs exactly one of name (hub id) or path")
+        return self
+
+
+class DatasetSource(_Strict):
+    """A hub dataset (``name``) or a JSONL/Parquet file or folder (``path``)."""
+
+    name: str | None = None
+    path: str | None = None
+    format: DatasetFormat = "auto"
+    split: str = "train"
+    max_seq_length: int = Field(default=2048, ge=16)
+    # Malformed rows are skipped and counted; more than this fraction fails the job with DataError.
+    max_bad_row_fraction: float = Field(default=0.01, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSource:
+        if (self.name is None) == (self.path is None):
+            raise ValueError("dataset needs exactly one of name (hub id) or path")
+        return self
+
+
+class LoraSettings(_Strict):
+    r: int = Field(default=16, ge=1, le=1024)
+    alpha: int = Field(default=32, ge=1)
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class TrainingSettings(_Strict):
+    """Everything the planner decided (or the user overrode). The trainer applies it as given."""
+
+    epochs: float = Field(default=1.0, gt=0)
+    max_steps: int | None = Field(default=None, ge=1)
+    learning_rate: float = Field(default=2e-4, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = Field(default=0.03, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    global_batch_size: int = Field(default=32, ge=1)
+    micro_batch_size: int = Field(default=1, ge=1)
+    gradient_accumulation_steps: int = Field(default=1, ge=1)
+    gradient_checkpointing: bool = False
+    precision: Precision = "bf16"
+    tf32: bool = True
+    packing: bool = True
+    # Rows of packed sequences are this long (tokens); defaults to max_seq_length.
+    packing_length: int | None = Field(default=None, ge=16)
+    attention: Attention = "sdpa"
+    liger_kernels: bool = False
+    optimizer: Optimizer = "adamw_torch_fused"
+    dataloader_workers: int = Field(default=2, ge=0)
+    seed: int = 42
+    logging_every_steps: int = Field(default=10, ge=1)
+
+
+class TrainingOverrides(_Strict):
+    """The user's overrides (the SFTJob's ``spec.training``): every field unset means "plan it".
+
+    The planner applies what is set and never silently changes it; a plan that cannot fit with the
+    overrides is reported as not fitting.
+    """
+
+    epochs: float | None = Field(default=None, gt=0)
+    max_steps: int | None = Field(default=None, ge=1)
+    learning_rate: float | None = Field(default=None, gt=0)
+    warmup_ratio: float | None = Field(default=None, ge=0, lt=1)
+    weight_decay: float | None = Field(default=None, ge=0)
+    global_batch_size: int | None = Field(default=None, ge=1)
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    gradient_checkpointing: bool | None = None
+    precision: Precision | None = None
+    packing: bool | None = None
+    seed: int | None = None
+
+
+class DistributedSettings(_Strict):
+    nnodes: int = Field(default=1, ge=1)
+    nproc_per_node: int = Field(default=1, ge=1, le=8)
+    sharding: Sharding = "none"
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class CheckpointSettings(_Strict):
+    dir: str = "/checkpoints"
+    every_steps: int | None = Field(default=None, ge=1)
+    every_minutes: float | None = Field(default=30.0, gt=0)
+    keep: int = Field(default=3, ge=1)
+
+
+class GpuExpectation(_Strict):
+    """What preflight checks before heavy work. ``required=False`` is an explicit CPU run (tests)."""
+
+    required: bool = True
+    product: str | None = None  # e.g. "NVIDIA A800-SXM4-80GB" as the driver names it
+    memory_gib: float | None = None  # free memory the plan needs per GPU
+    min_driver: str = "525.60.11"
+
+
+class ReportSettings(_Strict):
+    """How the trainer tells the operator about progress: annotations on its own Pod."""
+
+    enabled: bool = True
+    interval_seconds: float = Field(default=30.0, gt=0)
+    metrics_port: int | None = 9401
+
+
+class TrainerConfig(_Strict):
+    schema_version: Literal[1] = 1
+    job: JobRef = JobRef()
+    model: ModelSource
+    dataset: DatasetSource
+    method: Method = "lora"
+    lora: LoraSettings = LoraSettings()
+    training: TrainingSettings = TrainingSettings()
+    distributed: DistributedSettings = DistributedSettings()
+    checkpoints: CheckpointSettings = CheckpointSettings()
+    output_dir: str = "/output"
+    gpu: GpuExpectation = GpuExpectation()
+    report: ReportSettings = ReportSettings()
+
+    @model_validator(mode="after")
+    def _batch_is_exact(self) -> TrainerConfig:
+        t = self.training
+        per_step = t.micro_batch_size * t.gradient_accumulation_steps * self.distributed.world_size
+        if per_step != t.global_batch_size:
+            raise ValueError(
+                f"global_batch_size {t.global_batch_size} != micro_batch_size {t.micro_batch_size}"
+                f" x gradient_accumulation_steps {t.gradient_accumulation_steps}"
+                f" x world_size {self.distributed.world_size}"
+            )
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrainerConfig:
+        return cls.model_validate(json.loads(Path(path).read_text()))

@@ -1,0 +1,46 @@
+"""Names and numbers that more than one part of sftjob must agree on, kept in one place."""
+
+API_GROUP = "sftjob.io"
+API_VERSION = "v1alpha1"
+KIND = "SFTJob"
+PLURAL = "sftjobs"
+
+# Labels and annotations the operator puts on (and reads from) the objects it owns.
+LABEL_JOB = "sftjob.io/job"
+LABEL_ATTEMPT = "sftjob.io/attempt"
+LABEL_ROLE = "sftjob.io/role"
+LABEL_RANK = "sftjob.io/node-rank"
+LABEL_GPU_TYPE = "sftjob.io/gpu-type"
+# Written by the trainer on its own Pod (JSON); read by the operator. The trainer never opens a
+# connection to the operator and the operator never connects to a pod: both go through the API server.
+ANNOTATION_PROGRESS = "sftjob.io/progress"
+ANNOTATION_CHECKPOINT = "sftjob.io/last-checkpoint"
+
+# NVIDIA GPU Feature Discovery labels and the device plugin's resource name.
+GPU_RESOURCE = "nvidia.com/gpu"
+GFD_PRODUCT = "nvidia.com/gpu.product"
+GFD_MEMORY = "nvidia.com/gpu.memory"
+GFD_COUNT = "nvidia.com/gpu.count"
+GFD_COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
+GFD_COMPUTE_MINOR = "nvidia.com/gpu.compute.minor"
+
+# Where the trainer finds things inside its pod.
+CONFIG_ENV = "SFTJOB_CONFIG"
+CONFIG_MOUNT = "/etc/sftjob"
+CONFIG_FILE = "config.json"
+CHECKPOINT_MOUNT = "/checkpoints"
+OUTPUT_MOUNT = "/output"
+MODEL_MOUNT = "/model"
+DATASET_MOUNT = "/data"
+TERMINATION_LOG = "/dev/termination-log"
+TRAINER_METRICS_PORT = 9401
+TORCHRUN_PORT = 29500
+
+# Checkpoint layout: a checkpoint is complete only when its marker file exists.
+CHECKPOINT_PREFIX = "checkpoint-"
+CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
+
+# The seed guide's minimum NVIDIA driver.
+MIN_DRIVER_VERSION = "525.60.11"
+
+DEFAULT_TRAINER_IMAGE = "ghcr.io/sftjob/trainer:0.1.0"

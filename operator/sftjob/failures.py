@@ -1,0 +1,75 @@
+"""Exit codes the trainer ends with and the failure classes the operator sorts ended attempts into.
+
+The trainer writes a one-line reason to /dev/termination-log and exits with one of these codes; the
+operator reads both from the container status. Keeping both sides on this one table is what lets the
+operator restart transient failures, fail permanent ones at once, and re-plan after CUDA OOM.
+"""
+
+from enum import IntEnum, StrEnum
+
+
+class ExitCode(IntEnum):
+    """Documented trainer exit codes (docs/failures.md lists them for users)."""
+
+    OK = 0
+    UNKNOWN = 1
+    CONFIG_ERROR = 10
+    DATA_ERROR = 11
+    MODEL_LOAD_ERROR = 12
+    GPU_UNAVAILABLE = 13
+    DRIVER_MISMATCH = 14
+    CUDA_OOM = 15
+    COMMUNICATION_ERROR = 16
+    STORAGE_ERROR = 17
+    PREEMPTED = 20  # SIGTERM received, current step finished, checkpoint saved
+
+
+class FailureClass(StrEnum):
+    CUDA_OOM = "CudaOOM"
+    HOST_OOM = "HostOOM"
+    PREEMPTED = "Preempted"
+    NODE_LOST = "NodeLost"
+    COMMUNICATION_ERROR = "CommunicationError"
+    IMAGE_PULL_ERROR = "ImagePullError"
+    CONFIG_ERROR = "ConfigError"
+    DATA_ERROR = "DataError"
+    MODEL_LOAD_ERROR = "ModelLoadError"
+    STORAGE_ERROR = "StorageError"
+    GPU_UNAVAILABLE = "GpuUnavailable"
+    DRIVER_MISMATCH = "DriverMismatch"
+    STALLED = "Stalled"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    UNKNOWN = "Unknown"
+
+
+EXIT_CODE_CLASS: dict[int, FailureClass] = {
+    ExitCode.UNKNOWN: FailureClass.UNKNOWN,
+    ExitCode.CONFIG_ERROR: FailureClass.CONFIG_ERROR,
+    ExitCode.DATA_ERROR: FailureClass.DATA_ERROR,
+    ExitCode.MODEL_LOAD_ERROR: FailureClass.MODEL_LOAD_ERROR,
+    ExitCode.GPU_UNAVAILABLE: FailureClass.GPU_UNAVAILABLE,
+    ExitCode.DRIVER_MISMATCH: FailureClass.DRIVER_MISMATCH,
+    ExitCode.CUDA_OOM: FailureClass.CUDA_OOM,
+    ExitCode.COMMUNICATION_ERROR: FailureClass.COMMUNICATION_ERROR,
+    ExitCode.STORAGE_ERROR: FailureClass.STORAGE_ERROR,
+    ExitCode.PREEMPTED: FailureClass.PREEMPTED,
+}
+
+# Fix the spec (or the data, or the model) and apply again: restarting cannot help.
+PERMANENT = frozenset(
+    {FailureClass.CONFIG_ERROR, FailureClass.DATA_ERROR, FailureClass.MODEL_LOAD_ERROR,
+     FailureClass.IMAGE_PULL_ERROR, FailureClass.DEADLINE_EXCEEDED}
+)
+# The node was at fault: retry elsewhere, avoiding it.
+NODE_FAULT = frozenset({FailureClass.GPU_UNAVAILABLE, FailureClass.DRIVER_MISMATCH, FailureClass.NODE_LOST})
+# Not the job's fault: restarts for these do not consume restartPolicy.maxRestarts (bounded separately).
+FREE_RESTART = frozenset({FailureClass.PREEMPTED, FailureClass.NODE_LOST})
+
+
+class TrainerError(Exception):
+    """Raised inside the trainer with the exit code it should end with and a one-line reason."""
+
+    def __init__(self, code: ExitCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
