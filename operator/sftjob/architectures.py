@@ -1,13 +1,22 @@
 """Model architectures the memory estimator and planner reason about.
 
-An architecture comes from the model's own config.json when the operator can read it, else from the
-SFTJob's size hints, else from the built-in table of common families below.
+An architecture comes from the model's own config.json when the operator can read it
+(:func:`architecture_from_hf_config`), else from the SFTJob's ``spec.model.architecture`` block, else
+from the built-in table of common families below (matched by hub id), else from a Llama-shaped guess
+sized to ``spec.model.parameters`` (:func:`resolve_architecture`).
 """
 
 from __future__ import annotations
 
+import math
+import re
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
+# Families whose HF modelling code Liger kernels patch (RMSNorm, RoPE, SwiGLU/GeGLU, fused linear CE).
+LIGER_FAMILIES = frozenset({"llama", "mistral", "qwen2", "gemma2"})
 
 
 class Architecture(BaseModel):
@@ -22,3 +31,242 @@ class Architecture(BaseModel):
     intermediate_size: int = Field(ge=1)
     vocab_size: int = Field(ge=1)
     tied_embeddings: bool = False
+    # Per-head width when it is not hidden_size / heads (Gemma 2).
+    head_dim: int | None = Field(default=None, ge=1)
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    family: str | None = None  # HF model_type ("llama", "qwen2", ...); None when unknown
+    name: str | None = None  # where the shape came from, for the plan's reasons
+
+    @property
+    def head_dimension(self) -> int:
+        return self.head_dim or self.hidden_size // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dimension
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dimension
+
+    @property
+    def attention_parameters(self) -> int:
+        h = self.hidden_size
+        bias = self.q_dim + 2 * self.kv_dim if self.attention_bias else 0
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + bias
+
+    @property
+    def mlp_parameters(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def layer_parameters(self) -> int:
+        """One decoder layer: attention, gated MLP and its RMSNorm weights."""
+        return self.attention_parameters + self.mlp_parameters + 2 * self.hidden_size
+
+    @property
+    def embedding_parameters(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_parameters(self) -> int:
+        """Parameters of an untied output projection (0 when it shares the embedding table)."""
+        return 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
+
+    @property
+    def parameters(self) -> int:
+        """Total parameters including embeddings (and the output head when untied)."""
+        return (
+            self.embedding_parameters
+            + self.lm_head_parameters
+            + self.layers * self.layer_parameters
+            + self.hidden_size
+        )
+
+    @property
+    def non_embedding_parameters(self) -> int:
+        """Total minus the input embedding table (HF's ``num_parameters(exclude_embeddings=True)``)."""
+        return self.parameters - self.embedding_parameters
+
+    @property
+    def matmul_parameters(self) -> int:
+        """Weights every token multiplies through: the decoder layers plus the output projection."""
+        return self.layers * (self.attention_parameters + self.mlp_parameters) + self.embedding_parameters
+
+    @property
+    def linear_parameters(self) -> int:
+        """Decoder-layer linear weights: what 4-bit quantisation (QLoRA) compresses."""
+        return self.layers * (self.attention_parameters + self.mlp_parameters)
+
+    @property
+    def liger_supported(self) -> bool:
+        return self.family in LIGER_FAMILIES
+
+    def lora_widths(self, target_modules: list[str] | str = "all-linear") -> tuple[int, int]:
+        """Summed (input, output) widths of the targeted projections: the per-token traffic of the
+        adapter paths, and what LoRA dropout copies (the inputs)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        shapes = {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+        everything = target_modules == "all-linear" or "all-linear" in target_modules
+        names = list(shapes) if everything else [m for m in target_modules if m in shapes]
+        return sum(shapes[m][0] for m in names), sum(shapes[m][1] for m in names)
+
+    def lora_parameters(self, r: int, target_modules: list[str] | str = "all-linear") -> int:
+        """Trainable LoRA parameters: r x (in + out) for every targeted projection in every layer."""
+        return self.layers * r * sum(self.lora_widths(target_modules))
+
+
+def _arch(
+    family: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv: int,
+    inter: int,
+    vocab: int,
+    tied: bool,
+    head_dim: int | None = None,
+) -> Architecture:
+    return Architecture(
+        layers=layers,
+        hidden_size=hidden,
+        heads=heads,
+        kv_heads=kv,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        tied_embeddings=tied,
+        head_dim=head_dim,
+        attention_bias=family == "qwen2",
+        family=family,
+    )
+
+
+# Shapes from each model's published config.json. Patterns match the lower-cased hub id anywhere,
+# so "meta-llama/Llama-3.1-8B-Instruct" and "unsloth/llama-3.1-8b" both find the 8B row.
+KNOWN_ARCHITECTURES: tuple[tuple[str, str, Architecture], ...] = (
+    ("Llama 3.2 1B", r"llama-?3\.2-1b\b", _arch("llama", 16, 2048, 32, 8, 8192, 128256, True)),
+    ("Llama 3.2 3B", r"llama-?3\.2-3b\b", _arch("llama", 28, 3072, 24, 8, 8192, 128256, True)),
+    ("Llama 3.x 8B", r"llama-?3(\.1)?-8b\b", _arch("llama", 32, 4096, 32, 8, 14336, 128256, False)),
+    ("Llama 3.x 70B", r"llama-?3(\.[13])?-70b\b", _arch("llama", 80, 8192, 64, 8, 28672, 128256, False)),
+    ("Llama 2 7B", r"llama-?2-7b\b", _arch("llama", 32, 4096, 32, 32, 11008, 32000, False)),
+    ("Llama 2 13B", r"llama-?2-13b\b", _arch("llama", 40, 5120, 40, 40, 13824, 32000, False)),
+    ("Llama 2 70B", r"llama-?2-70b\b", _arch("llama", 80, 8192, 64, 8, 28672, 32000, False)),
+    ("TinyLlama 1.1B", r"tinyllama", _arch("llama", 22, 2048, 32, 4, 5632, 32000, False)),
+    ("Qwen2.5 0.5B", r"qwen2\.5-([a-z]+-)?0\.5b\b", _arch("qwen2", 24, 896, 14, 2, 4864, 151936, True)),
+    ("Qwen2.5 1.5B", r"qwen2\.5-([a-z]+-)?1\.5b\b", _arch("qwen2", 28, 1536, 12, 2, 8960, 151936, True)),
+    ("Qwen2.5 3B", r"qwen2\.5-([a-z]+-)?3b\b", _arch("qwen2", 36, 2048, 16, 2, 11008, 151936, True)),
+    ("Qwen2.5 7B", r"qwen2\.5-([a-z]+-)?7b\b", _arch("qwen2", 28, 3584, 28, 4, 18944, 152064, False)),
+    ("Qwen2.5 14B", r"qwen2\.5-([a-z]+-)?14b\b", _arch("qwen2", 48, 5120, 40, 8, 13824, 152064, False)),
+    ("Qwen2.5 32B", r"qwen2\.5-([a-z]+-)?32b\b", _arch("qwen2", 64, 5120, 40, 8, 27648, 152064, False)),
+    ("Qwen2.5 72B", r"qwen2\.5-([a-z]+-)?72b\b", _arch("qwen2", 80, 8192, 64, 8, 29568, 152064, False)),
+    ("Mistral 7B", r"mistral-7b\b", _arch("mistral", 32, 4096, 32, 8, 14336, 32768, False)),
+    ("Gemma 2 2B", r"gemma-2-2b\b", _arch("gemma2", 26, 2304, 8, 4, 9216, 256000, True, 256)),
+    ("Gemma 2 9B", r"gemma-2-9b\b", _arch("gemma2", 42, 3584, 16, 8, 14336, 256000, True, 256)),
+    ("Gemma 2 27B", r"gemma-2-27b\b", _arch("gemma2", 46, 4608, 32, 16, 36864, 256000, True, 128)),
+)
+
+
+def known_architecture(model_name: str) -> Architecture | None:
+    """The built-in shape for a hub id (case-insensitive; -Instruct/-it/-chat variants included)."""
+    lowered = model_name.casefold()
+    for label, pattern, arch in KNOWN_ARCHITECTURES:
+        if re.search(pattern, lowered):
+            return arch.model_copy(update={"name": label})
+    return None
+
+
+def llama_shaped(parameters: int) -> Architecture:
+    """A Llama-3-style shape with about ``parameters`` weights (for sizing when nothing else is known).
+
+    Width follows the Llama 3 ladder (2048 wide at 1B ... 8192 at 70B), MLP 3.5x wide, head 128,
+    8 KV heads, the 128k vocabulary (conservative for the logits buffer); depth makes up the count.
+    """
+    if parameters < 1:
+        raise ValueError("spec.model.parameters must be a positive count of weights")
+    ladder = ((2e9, 2048), (5e9, 3072), (11e9, 4096), (20e9, 5120), (45e9, 6656))
+    hidden = next((h for limit, h in ladder if parameters < limit), 8192)
+    heads = hidden // 128
+    kv = min(8, heads)
+    inter = 256 * math.ceil(3.5 * hidden / 256)
+    vocab = 128256
+    probe = Architecture(
+        layers=1, hidden_size=hidden, heads=heads, kv_heads=kv, intermediate_size=inter, vocab_size=vocab
+    )
+    per_layer = probe.layer_parameters
+    layers = max(1, round((parameters - 2 * vocab * hidden) / per_layer))
+    billions = parameters / 1e9
+    return probe.model_copy(
+        update={"layers": layers, "name": f"Llama-shaped guess for {billions:.1f}B parameters"}
+    )
+
+
+def resolve_architecture(
+    model_name: str | None, architecture: Architecture | None = None, parameters: int | None = None
+) -> Architecture:
+    """The shape to plan with: the explicit block, else the built-in table, else a guess from size."""
+    if architecture is not None:
+        return (
+            architecture
+            if architecture.name
+            else architecture.model_copy(update={"name": "spec.model.architecture"})
+        )
+    if model_name:
+        known = known_architecture(model_name)
+        if known is not None:
+            return known
+    if parameters is not None:
+        return llama_shaped(parameters)
+    what = f"model {model_name!r} is not in the built-in table" if model_name else "no model name is given"
+    raise ValueError(
+        f"cannot size the model: {what}; set spec.model.parameters (e.g. 7000000000) or"
+        " spec.model.architecture (layers, hiddenSize, heads, kvHeads, intermediateSize, vocabSize)"
+    )
+
+
+# Families whose config.json omits tie_word_embeddings because their class default ties them.
+_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text"})
+
+
+def architecture_from_hf_config(config: dict[str, Any]) -> Architecture:
+    """The shape from a HF ``config.json`` dict (multimodal configs: their ``text_config``). No I/O."""
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings")}
+    missing = [
+        k
+        for k in (
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        if not isinstance(config.get(k), int)
+    ]
+    if missing:
+        raise ValueError(f"config.json lacks integer field(s) {', '.join(missing)}")
+    family = config.get("model_type")
+    tied = config.get("tie_word_embeddings")
+    if tied is None:
+        tied = family in _TIED_BY_DEFAULT
+    heads = config["num_attention_heads"]
+    return Architecture(
+        layers=config["num_hidden_layers"],
+        hidden_size=config["hidden_size"],
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        tied_embeddings=bool(tied),
+        head_dim=config.get("head_dim"),
+        attention_bias=bool(config.get("attention_bias", family == "qwen2")),
+        family=family if isinstance(family, str) else None,
+        name="config.json",
+    )

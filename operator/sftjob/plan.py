@@ -58,6 +58,7 @@ class Plan(BaseModel):
     reasons: list[str] = Field(default_factory=list)  # why each choice was made, one line each
     suggestions: list[str] = Field(default_factory=list)  # when it does not fit: what would
     ladder: list[str] = Field(default_factory=list)  # OOM re-plan steps applied so far, oldest first
+    verdict: str = ""  # one sentence: why it does not fit, or how it fits (and what was traded)
 
     def summary(self) -> str:
         """One line for ``status.plan.summary`` and ``kubectl describe``."""

@@ -1,0 +1,215 @@
+"""The planner's search space: the request, the choices fixed before the search, and the candidates.
+
+:func:`fixed_choices` applies the user's overrides and the always-on settings (and finds overrides that
+cannot work); :func:`evaluate` prices one candidate in memory and speed; :func:`search` returns the
+fastest candidate that fits, trying gradient checkpointing only when nothing fits without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sftjob.architectures import Architecture
+from sftjob.config import LoraSettings, Method, Precision, Sharding, TrainingOverrides
+from sftjob.gpus import GpuProfile
+from sftjob.memory import MemoryInputs, estimate_memory
+from sftjob.plan import MemoryEstimate
+from sftjob.throughput import Prediction, ThroughputInputs, predict
+
+DEFAULT_TOKENS_PER_STEP = 131_072  # default global batch: about 128k tokens per optimizer step
+DEFAULT_GLOBAL_BATCH_BOUNDS = (8, 256)  # in rows (packed sequences)
+MIN_PACKING_LENGTH = 512  # the OOM ladder does not shorten packed rows below this
+MAX_GPUS_PER_NODE = 8
+
+
+class PlanRequest(BaseModel):
+    """What the planner needs from an SFTJob, already resolved (architecture) and validated."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: Architecture
+    method: Method = "lora"
+    lora: LoraSettings = LoraSettings()
+    max_seq_length: int = Field(default=2048, ge=16)
+    gpus_per_node: int = Field(default=1, ge=1, le=MAX_GPUS_PER_NODE)
+    nodes: int = Field(default=1, ge=1)
+    overrides: TrainingOverrides = TrainingOverrides()
+    allow_fp8: bool = False
+    safety_fraction: float = Field(default=0.9, gt=0, le=1)
+    # Packed-row length the user fixed; None: max_seq_length, and the OOM ladder may shorten it.
+    packing_length: int | None = Field(default=None, ge=16)
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration under consideration, with its memory estimate and predicted speed."""
+
+    micro: int
+    accumulation: int
+    checkpointing: bool
+    sharding: Sharding
+    sequence: int
+    memory: MemoryEstimate
+    speed: Prediction
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """Choices made before the search: the user's overrides and the always-on settings."""
+
+    precision: Precision
+    packing: bool
+    sequence: int  # tokens per row
+    liger: bool
+    global_batch: int
+    problem: str | None  # why no configuration can be valid (reported, never silently fixed)
+
+
+def _default_global_batch(sequence: int, world: int) -> int:
+    low, high = DEFAULT_GLOBAL_BATCH_BOUNDS
+    rows = min(high, max(low, round(DEFAULT_TOKENS_PER_STEP / sequence)))
+    return world * math.ceil(rows / world)
+
+
+def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[str]]:
+    o, reasons, problem = request.overrides, [], None
+    if o.precision is not None:
+        precision: Precision = o.precision
+        reasons.append(f"precision {precision}: set by spec.training.precision")
+        if precision == "fp8" and not gpu.has_fp8:
+            problem = f"spec.training.precision fp8 needs FP8 tensor cores (sm_89+); {gpu.key} has none"
+    elif request.allow_fp8 and gpu.has_fp8 and request.method == "full":
+        precision = "fp8"
+        reasons.append(f"precision fp8: allowed by the job and {gpu.key} has FP8 tensor cores")
+    else:
+        precision = "bf16"
+        why = (
+            ""
+            if not request.allow_fp8
+            else (
+                f" (fp8 allowed, but {gpu.key} has no FP8 tensor cores)"
+                if not gpu.has_fp8
+                else " (fp8 allowed, but it only pays for full fine-tuning)"
+            )
+        )
+        reasons.append(f"precision bf16: full tensor-core rate, no loss scaling{why}")
+    packing = o.packing if o.packing is not None else True
+    sequence = min(request.packing_length or request.max_seq_length, request.max_seq_length)
+    if packing:
+        reasons.append(
+            f"packing on: rows of {sequence} tokens, no padding"
+            + (" (packing length set by the spec)" if request.packing_length else "")
+        )
+    else:
+        reasons.append("packing off (spec.training.packing): batches are padded, ~48% of tokens wasted")
+    liger = request.architecture.liger_supported
+    reasons.append(
+        "Liger kernels on: fused RMSNorm/RoPE/SwiGLU and linear cross-entropy (no logits buffer)"
+        if liger
+        else "Liger kernels off: the model family is unknown or not supported by Liger"
+    )
+    world = request.world_size
+    if o.global_batch_size is not None:
+        global_batch = o.global_batch_size
+        if global_batch % world:
+            problem = (
+                f"spec.training.globalBatchSize {global_batch} is not divisible by the {world} GPUs;"
+                f" use a multiple of {world}"
+            )
+    else:
+        global_batch = _default_global_batch(sequence, world)
+        reasons.append(f"global batch {global_batch} rows (~{global_batch * sequence:,} tokens per step)")
+    if o.micro_batch_size is not None and not problem and (global_batch // world) % o.micro_batch_size:
+        problem = (
+            f"spec.training.microBatchSize {o.micro_batch_size} does not divide the per-GPU batch"
+            f" {global_batch // world} (global {global_batch} / {world} GPUs)"
+        )
+    return Fixed(precision, packing, sequence, liger, global_batch, problem), reasons
+
+
+def evaluate(
+    request: PlanRequest,
+    gpu: GpuProfile,
+    fixed: Fixed,
+    micro: int,
+    checkpointing: bool,
+    sharding: Sharding,
+    sequence: int,
+) -> Candidate:
+    accumulation = max(1, fixed.global_batch // (request.world_size * micro))
+    memory = estimate_memory(
+        MemoryInputs(
+            request.architecture,
+            request.method,
+            request.lora,
+            micro,
+            sequence,
+            accumulation,
+            checkpointing,
+            fixed.liger,
+            fixed.precision,
+            "adamw_torch_fused",
+            sharding,
+            request.world_size,
+        ),
+        gpu.memory_gib,
+        request.safety_fraction,
+    )
+    speed = predict(
+        ThroughputInputs(
+            request.architecture,
+            request.method,
+            gpu,
+            micro,
+            sequence,
+            accumulation,
+            checkpointing,
+            fixed.liger,
+            fixed.precision,
+            fixed.packing,
+            sharding,
+            request.gpus_per_node,
+            request.nodes,
+            None if request.method == "full" else request.lora,
+        )
+    )
+    return Candidate(micro, accumulation, checkpointing, sharding, sequence, memory, speed)
+
+
+def shardings(request: PlanRequest) -> list[Sharding]:
+    if request.world_size == 1:
+        return ["none"]
+    return ["ddp", "fsdp"] if request.method == "full" else ["ddp"]
+
+
+def search(request: PlanRequest, gpu: GpuProfile, fixed: Fixed) -> tuple[Candidate, bool]:
+    """The fastest fitting candidate, or (the smallest candidate, False) when none fits."""
+    local = max(1, fixed.global_batch // request.world_size)
+    o = request.overrides
+    micros = (
+        [o.micro_batch_size] if o.micro_batch_size else [m for m in range(1, local + 1) if local % m == 0]
+    )
+    ckpt_options = [o.gradient_checkpointing] if o.gradient_checkpointing is not None else [False, True]
+    smallest: Candidate | None = None
+    for checkpointing in ckpt_options:  # checkpointing only when nothing fits without it
+        candidates = [
+            evaluate(request, gpu, fixed, m, checkpointing, s, fixed.sequence)
+            for s in shardings(request)
+            for m in micros
+        ]
+        fitting = [c for c in candidates if c.memory.fits]
+        if fitting and not fixed.problem:
+            return max(fitting, key=lambda c: c.speed.tokens_per_second), True
+        # Report the most frugal setting a user would try: the smallest micro-batch, then least memory.
+        least = min(candidates, key=lambda c: (c.micro, c.memory.total_gib))
+        if smallest is None or least.memory.total_gib < smallest.memory.total_gib:
+            smallest = least
+    assert smallest is not None
+    return smallest, False

@@ -1,0 +1,271 @@
+"""The planner: the fastest training configuration that fits one GPU type, and the OOM re-plan ladder.
+
+``plan(request, gpu)`` is a pure function. It fixes what the user set (``spec.training``) and what is
+always right on these cards (bf16, packing, Liger kernels where the model family is supported, fused
+AdamW, SDPA), then searches micro-batch size (keeping the global batch exact), sharding and, only when
+nothing else fits, gradient checkpointing (:mod:`sftjob.candidates`); it keeps the candidates whose
+estimated peak memory (:mod:`sftjob.memory`) is within the safety fraction of the card and returns the
+one with the highest predicted throughput (:mod:`sftjob.throughput`). When nothing fits it says so
+with the numbers and suggests what would, found by planning the alternatives. ``replan_after_oom``
+walks one rung down the ladder after a CUDA OOM. docs/planner.md explains the rules for users.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sftjob.candidates import (
+    MIN_PACKING_LENGTH,
+    Candidate,
+    Fixed,
+    PlanRequest,
+    evaluate,
+    fixed_choices,
+    search,
+)
+from sftjob.config import DistributedSettings, Method, TrainingSettings
+from sftjob.gpus import GPU_TYPES, GpuProfile, profile_for_type
+from sftjob.plan import Plan
+from sftjob.resources import pod_environment, pod_resources, workers_per_process
+
+__all__ = ["PlanRequest", "plan", "plan_all", "replan_after_oom"]
+
+LEARNING_RATE: dict[Method, float] = {"full": 2e-5, "lora": 2e-4, "qlora": 2e-4}
+CHEAPER_METHODS: dict[Method, tuple[Method, ...]] = {
+    "full": ("lora", "qlora"),
+    "lora": ("qlora",),
+    "qlora": (),
+}
+
+
+def _training(request: PlanRequest, fixed: Fixed, c: Candidate, cpus_per_gpu: int) -> TrainingSettings:
+    o = request.overrides
+    return TrainingSettings(
+        epochs=o.epochs or 1.0,
+        max_steps=o.max_steps,
+        learning_rate=o.learning_rate or LEARNING_RATE[request.method],
+        warmup_ratio=0.03 if o.warmup_ratio is None else o.warmup_ratio,
+        weight_decay=o.weight_decay or 0.0,
+        seed=42 if o.seed is None else o.seed,
+        global_batch_size=fixed.global_batch,
+        micro_batch_size=c.micro,
+        gradient_accumulation_steps=c.accumulation,
+        gradient_checkpointing=c.checkpointing,
+        precision=fixed.precision,
+        packing=fixed.packing,
+        packing_length=c.sequence if fixed.packing else None,
+        liger_kernels=fixed.liger,
+        attention="sdpa",
+        optimizer="adamw_torch_fused",
+        dataloader_workers=workers_per_process(cpus_per_gpu),
+    )
+
+
+def _assemble(
+    request: PlanRequest,
+    gpu: GpuProfile,
+    fixed: Fixed,
+    c: Candidate,
+    fits: bool,
+    reasons: list[str],
+    verdict: str,
+    suggestions: list[str],
+    ladder: list[str],
+) -> Plan:
+    resources, cpus_per_gpu = pod_resources(request.architecture, request.method, request.gpus_per_node)
+    return Plan(
+        gpu=gpu.key,
+        fits=fits,
+        training=_training(request, fixed, c, cpus_per_gpu),
+        distributed=DistributedSettings(
+            nnodes=request.nodes, nproc_per_node=request.gpus_per_node, sharding=c.sharding
+        ),
+        env=pod_environment(gpu, request.gpus_per_node, request.nodes, cpus_per_gpu),
+        resources=resources,
+        memory=c.memory,
+        predicted_tokens_per_second=round(c.speed.tokens_per_second, 1),
+        predicted_mfu=round(c.speed.mfu, 4),
+        reasons=reasons,
+        suggestions=suggestions,
+        ladder=ladder,
+        verdict=verdict,
+    )
+
+
+def _describe(request: PlanRequest, gpu: GpuProfile, c: Candidate) -> list[str]:
+    lines = [
+        f"micro-batch {c.micro} x accumulation {c.accumulation} x {request.world_size} GPU(s);"
+        f" ~{c.speed.tokens_per_second:,.0f} tokens/s, MFU ~{c.speed.mfu:.0%} of {gpu.peak_tflops:g}"
+        " dense TFLOPS per GPU"
+    ]
+    if c.sharding == "fsdp":
+        lines.append(f"sharding fsdp: model states split over {request.world_size} GPUs ({gpu.interconnect})")
+    elif c.sharding == "ddp":
+        lines.append(f"sharding ddp: every GPU holds the model; gradients all-reduced ({gpu.interconnect})")
+    if request.overrides.gradient_checkpointing is not None:
+        lines.append(
+            f"gradient checkpointing {'on' if c.checkpointing else 'off'}:"
+            " set by spec.training.gradientCheckpointing"
+        )
+    elif c.checkpointing:
+        lines.append("gradient checkpointing on: nothing fits without it (~25% slower)")
+    top = sorted(c.memory.terms, key=lambda t: -t.gib)[:3]
+    lines.append(
+        f"memory ~{c.memory.total_gib:.1f} of {c.memory.budget_gib:.1f} GiB usable per GPU"
+        f" (largest: {', '.join(f'{t.name} {t.gib:.1f}' for t in top)})"
+    )
+    return lines
+
+
+def _no_fit_verdict(request: PlanRequest, gpu: GpuProfile, c: Candidate, fixed: Fixed) -> str:
+    if fixed.problem:
+        return fixed.problem
+    setup = f"micro-batch {c.micro}{' with gradient checkpointing' if c.checkpointing else ''}"
+    return (
+        f"{request.method} of {request.architecture.parameters / 1e9:.1f}B on {request.world_size} x"
+        f" {gpu.key} needs ~{c.memory.total_gib:.1f} GiB per GPU even at {setup}; the card allows"
+        f" {c.memory.budget_gib:.1f} GiB ({gpu.memory_gib:g} x {request.safety_fraction:g})"
+    )
+
+
+def _suggest(request: PlanRequest, gpu: GpuProfile) -> list[str]:
+    """What would fit instead, each found by planning it (without suggestions of its own)."""
+    out: list[str] = []
+
+    def fits(r: PlanRequest, g: GpuProfile) -> Plan | None:
+        p = _plan(r, g, suggest=False)
+        return p if p.fits else None
+
+    def show(p: Plan) -> str:
+        speed = f"~{p.predicted_tokens_per_second:,.0f} tokens/s"
+        return f"~{p.memory.total_gib:.1f}/{p.memory.budget_gib:.1f} GiB, {speed}"
+
+    o = request.overrides
+    if o.micro_batch_size is not None or o.gradient_checkpointing is not None:
+        freed = request.model_copy(
+            update={
+                "overrides": o.model_copy(update={"micro_batch_size": None, "gradient_checkpointing": None})
+            }
+        )
+        if p := fits(freed, gpu):
+            out.append(f"leave microBatchSize/gradientCheckpointing to the planner: {p.summary()}")
+    bigger = [b for b in map(profile_for_type, GPU_TYPES) if b.memory_gib > gpu.memory_gib]
+    for method in CHEAPER_METHODS[request.method]:
+        cheaper = request.model_copy(update={"method": method})
+        for card in (gpu, *bigger):
+            if p := fits(cheaper, card):
+                out.append(f"method {method} fits on {request.world_size} x {card.key} ({show(p)})")
+                break
+    if request.method == "full":
+        for gpus, nodes in ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8)):
+            if gpus * nodes <= request.world_size:
+                continue
+            more = request.model_copy(update={"gpus_per_node": gpus, "nodes": nodes})
+            if p := fits(more, gpu):
+                out.append(
+                    f"full fine-tuning fits on {nodes} node(s) x {gpus} {gpu.key} with"
+                    f" {p.distributed.sharding} ({show(p)})"
+                )
+                break
+    for card in bigger:
+        if p := fits(request, card):
+            out.append(f"fits on {request.world_size} x {card.key} ({show(p)})")
+    length = request.max_seq_length // 2
+    while length >= MIN_PACKING_LENGTH:
+        shorter = request.model_copy(update={"max_seq_length": length, "packing_length": None})
+        if p := fits(shorter, gpu):
+            out.append(f"maxSeqLength {length} fits ({show(p)})")
+            break
+        length //= 2
+    return out
+
+
+def _plan(request: PlanRequest, gpu: GpuProfile, suggest: bool) -> Plan:
+    fixed, reasons = fixed_choices(request, gpu)
+    reasons.insert(
+        0,
+        f"model: {request.architecture.name or 'custom'}"
+        f" ({request.architecture.parameters / 1e9:.2f}B parameters), {request.method}",
+    )
+    best, fits = search(request, gpu, fixed)
+    reasons += _describe(request, gpu, best)
+    if fits:
+        traded = " with gradient checkpointing" if best.checkpointing else ""
+        verdict = f"fits{traded}: ~{best.memory.total_gib:.1f} of {best.memory.budget_gib:.1f} GiB per GPU"
+        return _assemble(request, gpu, fixed, best, True, reasons, verdict, [], [])
+    verdict = _no_fit_verdict(request, gpu, best, fixed)
+    reasons.append(f"does not fit: {verdict}")
+    return _assemble(
+        request,
+        gpu,
+        fixed,
+        best,
+        False,
+        reasons,
+        verdict,
+        _suggest(request, gpu) if suggest and not fixed.problem else [],
+        [],
+    )
+
+
+def plan(request: PlanRequest, gpu: GpuProfile) -> Plan:
+    """The fastest configuration of ``request`` that fits ``gpu`` (or why none does). Pure."""
+    return _plan(request, gpu, suggest=True)
+
+
+def plan_all(request: PlanRequest, gpu_types: tuple[str, ...] | list[str] = GPU_TYPES) -> list[Plan]:
+    """One plan per GPU type, for side-by-side comparison."""
+    return [plan(request, profile_for_type(t)) for t in gpu_types]
+
+
+def replan_after_oom(request: PlanRequest, gpu: GpuProfile, previous: Plan) -> Plan:
+    """The next rung of the OOM ladder, keeping the global batch exact. Pure.
+
+    Rungs, each skipped when the user fixed that setting: halve the micro-batch (doubling
+    accumulation); turn on gradient checkpointing; halve the packed-row length (not below 512).
+    When no rung is left the plan comes back with ``fits=False`` and suggestions.
+    """
+    fixed, reasons = fixed_choices(request, gpu)
+    t, o = previous.training, request.overrides
+    local = t.global_batch_size // request.world_size
+    micro, checkpointing = t.micro_batch_size, t.gradient_checkpointing
+    sequence = t.packing_length or request.max_seq_length
+    was = (
+        f"micro-batch {micro} x accumulation {t.gradient_accumulation_steps}"
+        f"{', checkpointing' if checkpointing else ''}, rows of {sequence}"
+    )
+    if micro > 1 and o.micro_batch_size is None:
+        micro = max(d for d in range(1, micro // 2 + 1) if local % d == 0)
+        step = f"micro-batch {t.micro_batch_size} -> {micro} (accumulation x{t.micro_batch_size // micro})"
+    elif not checkpointing and o.gradient_checkpointing is None:
+        checkpointing = True
+        step = "gradient checkpointing on"
+    elif t.packing and request.packing_length is None and sequence // 2 >= MIN_PACKING_LENGTH:
+        sequence //= 2
+        step = f"packed rows {sequence * 2} -> {sequence} tokens (longer samples are split)"
+    else:
+        step = ""
+    fixed = replace(fixed, sequence=sequence)
+    c = evaluate(request, gpu, fixed, micro, checkpointing, previous.distributed.sharding, sequence)
+    if not step:
+        verdict = (
+            f"CUDA OOM at {was}: nothing left to trade on {gpu.key}"
+            " (micro-batch, checkpointing and row length are at their limits or fixed by the spec)"
+        )
+        return _assemble(
+            request,
+            gpu,
+            fixed,
+            c,
+            False,
+            [*reasons, verdict],
+            verdict,
+            _suggest(request, gpu),
+            [*previous.ladder, f"exhausted after OOM at {was}"],
+        )
+    estimate = f"~{c.memory.total_gib:.1f} GiB estimated"
+    line = f"OOM at {was}: {step}; global batch {t.global_batch_size} kept; {estimate}"
+    reasons += _describe(request, gpu, c)
+    return _assemble(
+        request, gpu, fixed, c, True, reasons, f"re-planned after OOM: {step}", [], [*previous.ladder, line]
+    )

@@ -1,0 +1,72 @@
+"""Host-side needs of a trainer pod: CPU, memory, /dev/shm, and the environment the plan sets.
+
+The GPU plan decides the training configuration; this module sizes what surrounds it on the node:
+CPUs for the dataloader workers and the process, host memory to load the checkpoint shards, a
+memory-backed /dev/shm for the workers and NCCL's shared-memory transport (Docker's 64 MB default
+breaks both: NVIDIA/nccl #290, #342, #525), and environment variables by interconnect.
+"""
+
+from __future__ import annotations
+
+import math
+
+from sftjob.architectures import Architecture
+from sftjob.config import Method
+from sftjob.gpus import GpuProfile
+from sftjob.plan import PodResources
+
+CPUS_PER_GPU = 8
+MAX_CPUS_PER_POD = 64
+MAX_WORKERS = 4
+HOST_MEMORY_FLOOR_GIB = 32
+LOAD_HEADROOM = 1.5  # host memory while loading the shards, as a multiple of the loaded model
+HOST_GIB_PER_PROCESS = 3  # Python, CUDA host allocations, pinned buffers, dataloader workers
+SHM_GIB_PER_GPU = 4
+SHM_FLOOR_GIB = 8
+
+
+def workers_per_process(cpus_per_gpu: int) -> int:
+    """Dataloader workers per training process: half its CPUs, at most 4 (data is pre-tokenised)."""
+    return max(1, min(MAX_WORKERS, cpus_per_gpu // 2))
+
+
+def _round_up(gib: float, step: int = 8) -> int:
+    return step * math.ceil(gib / step)
+
+
+def pod_resources(architecture: Architecture, method: Method, gpus_per_node: int) -> tuple[PodResources, int]:
+    """Requests for one node's pod, and the CPUs each GPU's process gets."""
+    cpus = min(CPUS_PER_GPU * gpus_per_node, MAX_CPUS_PER_POD)
+    loaded = architecture.parameters * (4 if method == "full" else 2) / 1024**3
+    # Processes on a node share the page cache of the mmapped safetensors shards: one copy plus headroom.
+    shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
+    host = max(HOST_MEMORY_FLOOR_GIB, LOAD_HEADROOM * loaded) + HOST_GIB_PER_PROCESS * gpus_per_node + shm
+    return PodResources(
+        cpu=str(cpus), memory=f"{_round_up(host)}Gi", shm_size=f"{shm}Gi"
+    ), cpus // gpus_per_node
+
+
+def pod_environment(gpu: GpuProfile, gpus_per_node: int, nodes: int, cpus_per_gpu: int) -> dict[str, str]:
+    """Environment for the trainer container.
+
+    - ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the fix for the seed guide's "memory free
+      but allocation fails" fragmentation problem.
+    - NVLink cards (A800 SXM4): P2P only over NVLink (``NCCL_P2P_LEVEL=NVL``). PCIe-only cards (A40,
+      L40S): NCCL's own topology detection decides P2P; a host whose ACS/IOMMU setup breaks P2P needs
+      ``NCCL_P2P_DISABLE=1``, an operator-level knob, not a default (research §3.1).
+    - Single node: no network transport (``NCCL_IB_DISABLE=1``). Multi-GPU: NCCL logs its init and
+      the transport per channel ("via P2P/IPC", "via SHM") once, so a slow PCIe path is visible.
+    """
+    workers = workers_per_process(cpus_per_gpu)
+    env = {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "OMP_NUM_THREADS": str(max(1, cpus_per_gpu - workers - 1)),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if gpus_per_node * nodes > 1:
+        env |= {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV"}
+        if gpu.nvlink_gbs:
+            env["NCCL_P2P_LEVEL"] = "NVL"
+        if nodes == 1:
+            env["NCCL_IB_DISABLE"] = "1"
+    return env

@@ -1,0 +1,106 @@
+"""Resolving a model's shape: explicit block, built-in table, config.json, or a guess from its size."""
+
+import pytest
+from sftjob.architectures import Architecture, architecture_from_hf_config, resolve_architecture
+
+
+@pytest.mark.parametrize(
+    ("model", "billions"),
+    [
+        ("meta-llama/Llama-3.2-1B", 1.24),
+        ("meta-llama/Llama-3.2-3B-Instruct", 3.21),
+        ("meta-llama/Llama-3.1-8B-Instruct", 8.03),
+        ("meta-llama/Meta-Llama-3-8B", 8.03),
+        ("meta-llama/Llama-3.3-70B-Instruct", 70.55),
+        ("Qwen/Qwen2.5-0.5B-Instruct", 0.49),
+        ("Qwen/Qwen2.5-7B", 7.62),
+        ("Qwen/Qwen2.5-72B-Instruct", 72.71),
+        ("mistralai/Mistral-7B-Instruct-v0.3", 7.25),
+        ("google/gemma-2-2b-it", 2.61),
+        ("google/gemma-2-9b", 9.24),
+        ("google/gemma-2-27b-it", 27.23),
+        ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", 1.10),
+    ],
+)
+def test_built_in_families_match_their_published_parameter_counts(model, billions):
+    assert resolve_architecture(model).parameters / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_names_match_case_insensitively_and_do_not_confuse_sizes():
+    assert resolve_architecture("QWEN/QWEN2.5-7B-INSTRUCT").hidden_size == 3584
+    assert resolve_architecture("Qwen/Qwen2.5-72B").hidden_size == 8192
+
+
+def test_explicit_architecture_wins_over_the_table():
+    mine = Architecture(layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128, vocab_size=300)
+    assert resolve_architecture("meta-llama/Llama-3.1-8B", mine, 8_000_000_000).layers == 2
+
+
+def test_unknown_model_with_a_size_gets_a_llama_shaped_guess_close_to_that_size():
+    arch = resolve_architecture("acme/secret-model", None, 7_000_000_000)
+    assert arch.parameters == pytest.approx(7e9, rel=0.05)
+    assert "guess" in (arch.name or "")
+    assert not arch.liger_supported
+
+
+def test_unknown_model_without_hints_names_the_fields_to_set():
+    with pytest.raises(ValueError, match=r"spec\.model\.parameters.*spec\.model\.architecture"):
+        resolve_architecture("acme/secret-model")
+
+
+def test_non_embedding_parameters_exclude_the_input_embedding_table():
+    arch = resolve_architecture("meta-llama/Llama-3.1-8B")
+    assert arch.parameters - arch.non_embedding_parameters == 128256 * 4096
+
+
+def test_hf_config_gives_the_same_shape_as_the_table():
+    config = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 28,
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    }
+    from_config = architecture_from_hf_config(config)
+    assert from_config.parameters == resolve_architecture("Qwen/Qwen2.5-7B").parameters
+    assert from_config.liger_supported
+
+
+def test_hf_config_of_gemma2_ties_embeddings_by_default_and_keeps_head_dim():
+    config = {
+        "model_type": "gemma2",
+        "num_hidden_layers": 26,
+        "hidden_size": 2304,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "intermediate_size": 9216,
+        "vocab_size": 256000,
+    }
+    arch = architecture_from_hf_config(config)
+    assert arch.tied_embeddings
+    assert arch.parameters == resolve_architecture("google/gemma-2-2b").parameters
+
+
+def test_hf_config_missing_fields_are_named():
+    with pytest.raises(ValueError, match="hidden_size"):
+        architecture_from_hf_config({"num_hidden_layers": 2})
+
+
+def test_lora_parameters_count_every_targeted_projection():
+    arch = resolve_architecture("meta-llama/Llama-2-7b-hf")
+    # r x (in + out) per projection: 4 attention (4096 -> 4096) + gate/up (4096 -> 11008) + down
+    per_layer = 16 * (4 * 8192 + 3 * (4096 + 11008))
+    assert arch.lora_parameters(16) == 32 * per_layer
+    assert arch.lora_parameters(16, ["all-linear"]) == arch.lora_parameters(16)
+    assert arch.lora_parameters(16, ["q_proj", "v_proj"]) == 32 * 16 * 2 * 8192
+
+
+def test_architecture_block_reads_camel_case_like_the_spec():
+    arch = Architecture.model_validate(
+        {"layers": 2, "hiddenSize": 64, "heads": 4, "kvHeads": 2, "intermediateSize": 128, "vocabSize": 300}
+    )
+    assert arch.kv_dim == 32

@@ -1,0 +1,293 @@
+"""The planner: fit verdicts per GPU, method and size, overrides, batch exactness, fp8, the OOM ladder."""
+
+import pytest
+from sftjob.architectures import resolve_architecture
+from sftjob.config import LoraSettings, TrainingOverrides
+from sftjob.gpus import GPU_TYPES, profile_for_type
+from sftjob.planner import PlanRequest, plan, plan_all, replan_after_oom
+from sftjob.throughput import ThroughputInputs, predict
+
+A800, A40, L40S = (profile_for_type(t) for t in GPU_TYPES)
+MODELS = {"1B": "meta-llama/Llama-3.2-1B", "8B": "meta-llama/Llama-3.1-8B", "70B": "meta-llama/Llama-3.1-70B"}
+
+# Expected verdict on one GPU at the default 2048-token sequence, per (size, method): GPU types that fit.
+EXPECTED_FITS = {
+    ("1B", "full"): {"A800", "A40", "L40S"},
+    ("1B", "lora"): {"A800", "A40", "L40S"},
+    ("1B", "qlora"): {"A800", "A40", "L40S"},
+    ("8B", "full"): set(),
+    ("8B", "lora"): {"A800", "A40", "L40S"},
+    ("8B", "qlora"): {"A800", "A40", "L40S"},
+    ("70B", "full"): set(),
+    ("70B", "lora"): set(),
+    ("70B", "qlora"): {"A800"},
+}
+
+
+def request(size="8B", method="lora", **kwargs):
+    return PlanRequest(architecture=resolve_architecture(MODELS.get(size, size)), method=method, **kwargs)
+
+
+@pytest.mark.parametrize("gpu_type", GPU_TYPES)
+@pytest.mark.parametrize(("size", "method"), list(EXPECTED_FITS))
+def test_each_gpu_method_and_size_band_gets_a_consistent_verdict(gpu_type, size, method):
+    p = plan(request(size, method), profile_for_type(gpu_type))
+    t = p.training
+    assert p.fits == (gpu_type in EXPECTED_FITS[(size, method)])
+    assert (
+        t.micro_batch_size * t.gradient_accumulation_steps * p.distributed.world_size == t.global_batch_size
+    )
+    assert p.memory.fits == p.fits
+    assert p.verdict
+    if not p.fits:
+        assert "GiB" in p.verdict
+        assert p.suggestions
+
+
+def test_full_70b_on_one_a40_explains_the_numbers_and_suggests_what_fits():
+    p = plan(request("70B", "full"), A40)
+    assert not p.fits
+    assert "A40" in p.verdict
+    assert f"{p.memory.total_gib:.1f} GiB" in p.verdict
+    assert "39.9 GiB" in p.verdict  # 44.35 x 0.9
+    assert any("fsdp" in s and "A40" in s for s in p.suggestions)
+
+
+def test_full_8b_on_one_card_suggests_lora_qlora_and_more_gpus():
+    suggestions = " | ".join(plan(request("8B", "full"), A800).suggestions)
+    assert "method lora fits" in suggestions
+    assert "method qlora fits" in suggestions
+    assert "2 A800-SXM4-80GB with fsdp" in suggestions
+
+
+def test_qlora_70b_on_l40s_suggests_the_bigger_card():
+    assert any("A800-SXM4-80GB" in s for s in plan(request("70B", "qlora"), L40S).suggestions)
+
+
+def test_suggestions_are_real_plans_that_fit():
+    more = plan(request("8B", "full", gpus_per_node=2), A800)
+    assert more.fits
+    assert more.distributed.sharding == "fsdp"
+
+
+def test_gradient_checkpointing_is_used_only_when_nothing_fits_without_it():
+    assert not plan(request("1B", "full"), A800).training.gradient_checkpointing
+    big = plan(request("70B", "qlora"), A800)
+    assert big.fits and big.training.gradient_checkpointing
+    assert any("nothing fits without it" in r for r in big.reasons)
+
+
+def test_plan_prefers_the_largest_micro_batch_that_fits():
+    p = plan(request("1B", "full"), A800)
+    assert p.training.micro_batch_size > 1
+    assert p.fits
+
+
+@pytest.mark.parametrize(("world", "global_batch"), [(1, 30), (2, 30), (4, 64), (8, 8), (3, 33)])
+def test_micro_batch_times_accumulation_times_gpus_is_exactly_the_global_batch(world, global_batch):
+    r = request(
+        "1B", "lora", gpus_per_node=world, overrides=TrainingOverrides(global_batch_size=global_batch)
+    )
+    t = (p := plan(r, A800)).training
+    assert t.global_batch_size == global_batch
+    assert t.micro_batch_size * t.gradient_accumulation_steps * p.distributed.world_size == global_batch
+
+
+def test_default_global_batch_is_about_128k_tokens_and_divisible_by_the_gpus():
+    p = plan(request("1B", "lora", max_seq_length=4096, gpus_per_node=3), A800)
+    assert p.training.global_batch_size % 3 == 0
+    assert 30 <= p.training.global_batch_size <= 36
+
+
+def test_global_batch_not_divisible_by_the_gpus_is_reported_not_changed():
+    p = plan(request("1B", "lora", gpus_per_node=4, overrides=TrainingOverrides(global_batch_size=30)), A800)
+    assert not p.fits
+    assert "globalBatchSize 30" in p.verdict
+    assert p.training.global_batch_size == 30
+
+
+def test_user_overrides_are_kept():
+    overrides = TrainingOverrides(
+        micro_batch_size=2, learning_rate=1e-5, epochs=3, gradient_checkpointing=True
+    )
+    p = plan(request("1B", "lora", overrides=overrides), A40)
+    assert p.fits
+    t = p.training
+    assert (t.micro_batch_size, t.learning_rate, t.epochs, t.gradient_checkpointing) == (2, 1e-5, 3, True)
+    assert any("set by spec.training.gradientCheckpointing" in r for r in p.reasons)
+
+
+def test_overrides_that_cannot_fit_are_reported_and_never_silently_changed():
+    p = plan(
+        request("8B", "lora", overrides=TrainingOverrides(micro_batch_size=8, gradient_checkpointing=False)),
+        A40,
+    )
+    assert not p.fits
+    assert p.training.micro_batch_size == 8
+    assert not p.training.gradient_checkpointing
+    assert any("leave microBatchSize/gradientCheckpointing to the planner" in s for s in p.suggestions)
+
+
+def test_micro_batch_override_that_does_not_divide_the_batch_is_reported():
+    overrides = TrainingOverrides(global_batch_size=32, micro_batch_size=3)
+    p = plan(request("1B", "lora", overrides=overrides), A800)
+    assert not p.fits
+    assert "microBatchSize 3" in p.verdict
+
+
+def test_learning_rate_default_depends_on_the_method():
+    assert plan(request("1B", "full"), A800).training.learning_rate == 2e-5
+    assert plan(request("1B", "lora"), A800).training.learning_rate == 2e-4
+
+
+def test_packing_liger_fused_adamw_and_sdpa_are_on_by_default():
+    t = plan(request("8B", "lora", max_seq_length=4096), A800).training
+    assert t.packing and t.packing_length == 4096
+    assert t.liger_kernels
+    assert t.optimizer == "adamw_torch_fused"
+    assert t.attention == "sdpa"
+    assert t.precision == "bf16"
+
+
+def test_liger_is_off_for_a_guessed_architecture():
+    guessed = resolve_architecture("acme/unknown", None, 1_000_000_000)
+    p = plan(PlanRequest(architecture=guessed), A800)
+    assert not p.training.liger_kernels
+    assert any("logits" in t.name and t.gib > 0.5 for t in p.memory.terms)
+
+
+def test_fp8_only_where_the_chip_has_it_and_the_job_allows_it():
+    assert plan(request("1B", "full", allow_fp8=True), L40S).training.precision == "fp8"
+    assert plan(request("1B", "full", allow_fp8=True), A800).training.precision == "bf16"
+    assert plan(request("1B", "full", allow_fp8=True), A40).training.precision == "bf16"
+    assert plan(request("1B", "full"), L40S).training.precision == "bf16"
+    assert plan(request("1B", "lora", allow_fp8=True), L40S).training.precision == "bf16"
+
+
+def test_fp8_override_on_an_ampere_card_does_not_fit():
+    p = plan(request("1B", "full", overrides=TrainingOverrides(precision="fp8")), A40)
+    assert not p.fits
+    assert "FP8" in p.verdict
+
+
+def test_env_has_the_fragmentation_fix_and_nccl_settings_by_interconnect():
+    single = plan(request("1B", "lora"), A40).env
+    assert single["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "NCCL_DEBUG" not in single
+    nvlink = plan(request("1B", "lora", gpus_per_node=8), A800).env
+    assert nvlink["NCCL_P2P_LEVEL"] == "NVL"
+    assert nvlink["NCCL_IB_DISABLE"] == "1"
+    pcie = plan(request("1B", "lora", gpus_per_node=4), L40S).env
+    assert "NCCL_P2P_LEVEL" not in pcie
+    assert pcie["NCCL_DEBUG"] == "INFO"
+    multi_node = plan(request("1B", "lora", gpus_per_node=8, nodes=2), A800).env
+    assert "NCCL_IB_DISABLE" not in multi_node
+
+
+def test_pod_resources_scale_with_gpus_and_model_size():
+    small = plan(request("1B", "lora"), A800)
+    assert small.resources.cpu == "8"
+    assert small.resources.shm_size == "8Gi"
+    big = plan(request("70B", "qlora"), A800)
+    assert int(big.resources.memory.removesuffix("Gi")) >= 1.5 * big.memory.terms[0].gib
+    eight = plan(request("1B", "lora", gpus_per_node=8), A800)
+    assert eight.resources.cpu == "64"
+    assert eight.resources.shm_size == "32Gi"
+    assert eight.training.dataloader_workers == 4
+
+
+def test_plan_all_gives_one_plan_per_gpu_type_in_order():
+    assert [p.gpu for p in plan_all(request("1B", "lora"))] == ["A800-SXM4-80GB", "A40", "L40S"]
+
+
+def test_full_fine_tuning_on_several_pcie_gpus_shards_when_states_do_not_fit_one_card():
+    p = plan(request("8B", "full", gpus_per_node=4), L40S)
+    assert p.fits
+    assert p.distributed.sharding == "fsdp"
+
+
+# --- the OOM ladder ---------------------------------------------------------------------------------
+
+
+def test_oom_ladder_halves_micro_batch_then_checkpoints_then_shortens_rows_then_gives_up():
+    r = request("1B", "full", max_seq_length=2048)
+    p = plan(r, A800)
+    micros, steps = [p.training.micro_batch_size], []
+    while p.fits:
+        p = replan_after_oom(r, A800, p)
+        t = p.training
+        assert t.global_batch_size == 64
+        assert t.micro_batch_size * t.gradient_accumulation_steps == t.global_batch_size
+        micros.append(t.micro_batch_size)
+        steps.append((t.micro_batch_size, t.gradient_checkpointing, t.packing_length))
+    assert micros[:4] == [8, 4, 2, 1]
+    assert steps[3] == (1, True, 2048)
+    assert steps[4] == (1, True, 1024)
+    assert steps[5] == (1, True, 512)
+    assert "nothing left to trade" in p.verdict
+    assert len(p.ladder) == 7
+    assert p.ladder[0].startswith("OOM at micro-batch 8")
+    assert p.ladder[-1].startswith("exhausted")
+    assert p.suggestions
+
+
+def test_oom_ladder_skips_what_the_user_fixed():
+    overrides = TrainingOverrides(micro_batch_size=4, gradient_checkpointing=False)
+    r = request("1B", "lora", overrides=overrides, packing_length=2048)
+    p = plan(r, A800)
+    after = replan_after_oom(r, A800, p)
+    assert not after.fits
+    assert after.training.micro_batch_size == 4
+    assert not after.training.gradient_checkpointing
+
+
+def test_oom_ladder_goes_to_checkpointing_when_micro_batch_is_fixed():
+    r = request("1B", "lora", overrides=TrainingOverrides(micro_batch_size=4))
+    after = replan_after_oom(r, A800, plan(r, A800))
+    assert after.fits
+    assert after.training.micro_batch_size == 4
+    assert after.training.gradient_checkpointing
+    assert "gradient checkpointing on" in after.ladder[0]
+
+
+def test_oom_ladder_halving_an_odd_micro_batch_keeps_the_batch_exact():
+    r = request("1B", "lora", overrides=TrainingOverrides(global_batch_size=24))
+    p = plan(r, A800).model_copy(
+        update={
+            "training": plan(r, A800).training.model_copy(
+                update={"micro_batch_size": 3, "gradient_accumulation_steps": 8}
+            )
+        }
+    )
+    after = replan_after_oom(r, A800, p)
+    assert after.training.micro_batch_size == 1
+    assert after.training.gradient_accumulation_steps == 24
+
+
+# --- throughput model -------------------------------------------------------------------------------
+
+
+def test_throughput_model_lands_within_10_percent_of_the_h200_anchors():
+    h200 = profile_for_type("H200")
+    tiny = resolve_architecture("TinyLlama/TinyLlama-1.1B")
+    l7 = resolve_architecture("meta-llama/Llama-2-7b-hf")
+    lora = LoraSettings(r=16, dropout=0.0)
+    anchors = [
+        (43549, ThroughputInputs(tiny, "full", h200, 4, 4096)),
+        (34768, ThroughputInputs(tiny, "full", h200, 4, 4096, gradient_checkpointing=True)),
+        (57126, ThroughputInputs(tiny, "full", h200, 4, 4096, liger_kernels=True)),
+        (60207, ThroughputInputs(tiny, "full", h200, 8, 4096, liger_kernels=True)),
+        (53304, ThroughputInputs(tiny, "full", h200, 2, 4096, 2, liger_kernels=True)),
+        (11090, ThroughputInputs(l7, "lora", h200, 4, 4096, lora=lora)),
+        (7849, ThroughputInputs(l7, "lora", h200, 4, 4096, gradient_checkpointing=True, lora=lora)),
+        (10364, ThroughputInputs(l7, "lora", h200, 1, 4096, 4, lora=lora)),
+        (12900, ThroughputInputs(l7, "lora", h200, 1, 4096, 4, liger_kernels=True, lora=lora)),
+    ]
+    for measured, inputs in anchors:
+        assert predict(inputs).tokens_per_second == pytest.approx(measured, rel=0.10)
+
+
+def test_a800_is_predicted_faster_than_a40_for_the_same_job():
+    a800, a40 = plan(request("1B", "lora"), A800), plan(request("1B", "lora"), A40)
+    assert a800.predicted_tokens_per_second > 1.5 * a40.predicted_tokens_per_second
+    assert 0 < a40.predicted_mfu < 1
