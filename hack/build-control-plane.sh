@@ -12,11 +12,19 @@ HELM=${SFTJOB_HELM_VERSION:-3.21.4}
 BIN="${SFTJOB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sftjob}/bin/k8s-v$K8S-etcd-v$ETCD-kwok-v$KWOK-helm-v$HELM"
 TOOLS=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
 
+have() { [ -x "$BIN/$1" ]; }
+all_built() { for t in "${TOOLS[@]}"; do have "$t" || return 1; done; }
+
+case "${1:-}" in
+  "") ;;
+  --print-dir) echo "$BIN"; exit 0 ;;
+  *) echo "usage: $0 [--print-dir]" >&2; exit 2 ;;
+esac
+if all_built; then echo "$BIN"; exit 0; fi
+
 command -v go >/dev/null || { echo "error: the Go toolchain (go) is not on PATH; install Go >= 1.26 to build the control plane" >&2; exit 3; }
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-trimpath -buildvcs=false"
 mkdir -p "$BIN"
-
-have() { [ -x "$BIN/$1" ]; }
 step() { echo "==> [$(date +%H:%M:%S)] $*" >&2; }
 
 if ! have etcd; then
@@ -65,4 +73,5 @@ if ! have helm; then
 fi
 
 for t in "${TOOLS[@]}"; do have "$t" || { echo "error: $t was not built into $BIN" >&2; exit 1; }; done
+step "all binaries are in $BIN"
 echo "$BIN"

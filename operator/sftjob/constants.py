@@ -23,6 +23,15 @@ GFD_MEMORY = "nvidia.com/gpu.memory"
 GFD_COUNT = "nvidia.com/gpu.count"
 GFD_COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
 GFD_COMPUTE_MINOR = "nvidia.com/gpu.compute.minor"
+GFD_FAMILY = "nvidia.com/gpu.family"
+# The taint GPU node pools usually carry; GPU pods tolerate it.
+GPU_TAINT_KEY = "nvidia.com/gpu"
+
+# Steering annotations for pods on the local fake cluster's KWOK nodes (tests, demo; never production).
+SIM_OUTCOME = "sim.sftjob.dev/outcome"  # succeed | fail | oomkill
+SIM_EXIT_CODE = "sim.sftjob.dev/exit-code"
+SIM_MESSAGE = "sim.sftjob.dev/message"
+SIM_RUN_FOR = "sim.sftjob.dev/run-for"  # Go duration, e.g. "2s"
 
 # Where the trainer finds things inside its pod.
 CONFIG_ENV = "SFTJOB_CONFIG"
