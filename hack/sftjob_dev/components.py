@@ -87,6 +87,11 @@ def apiserver(lay: Layout) -> list[str]:
         # cluster to dial it, and the host's own address (or its lack of a default route) never matters.
         f"--advertise-address={HOST}",
         "--endpoint-reconciler-type=none",
+        # Service accounts' requests (the operator's, the trainers') are audited, so tests can prove that
+        # every permission the chart grants is used.
+        f"--audit-policy-file={resources.files('sftjob_dev') / 'audit-policy.yaml'}",
+        f"--audit-log-path={lay.workdir / 'logs' / 'audit.log'}",
+        "--audit-log-format=json",
         "--v=1",
     ]
 

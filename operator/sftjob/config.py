@@ -121,6 +121,8 @@ class TrainingOverrides(_Strict):
     gradient_checkpointing: bool | None = None
     precision: Precision | None = None
     packing: bool | None = None
+    # Fixes the packed row length; the OOM ladder then never shortens it.
+    packing_length: int | None = Field(default=None, ge=16)
     seed: int | None = None
 
 

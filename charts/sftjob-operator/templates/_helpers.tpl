@@ -1,0 +1,70 @@
+{{/* Names and labels shared by every template of the chart. */}}
+
+{{- define "sftjob.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's full name: the release name alone when it already contains the chart's name. */}}
+{{- define "sftjob.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "sftjob.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "sftjob.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sftjob.name" . | quote }}
+app.kubernetes.io/instance: {{ .Release.Name | quote }}
+{{- end }}
+
+{{- define "sftjob.labels" -}}
+helm.sh/chart: {{ include "sftjob.chart" . | quote }}
+{{ include "sftjob.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sftjob
+{{- end }}
+
+{{- define "sftjob.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "sftjob.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "sftjob.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The namespaces a namespaced install serves; fails early when the list is empty. */}}
+{{- define "sftjob.watchNamespaces" -}}
+{{- if eq .Values.operator.scope "namespaced" }}
+{{- if not .Values.operator.watchNamespaces }}
+{{- fail "operator.watchNamespaces must list at least one namespace when operator.scope is namespaced" }}
+{{- end }}
+{{- toJson .Values.operator.watchNamespaces }}
+{{- else }}
+{{- toJson list }}
+{{- end }}
+{{- end }}
+
+{{/* The peering object's name: one per release, so two releases never pause each other. */}}
+{{- define "sftjob.peeringName" -}}
+{{- .Release.Name }}
+{{- end }}
+
+{{- define "sftjob.runbookUrl" -}}
+{{- printf "%s#%s" .root.Values.alerts.runbookBaseUrl .anchor }}
+{{- end }}
+

@@ -1,0 +1,70 @@
+{{/*
+The operator's permissions, in one place. Every verb here is one the operator (or kopf under it) calls,
+or one it must hold to grant it: Kubernetes only lets the operator create the per-job trainer Role
+(pods get, patch on the job's own pods) if the operator holds those verbs itself.
+tests/e2e/test_chart_install.py checks each rule against what the operator does when it runs as this
+ServiceAccount. docs/install.md lists why each rule exists.
+*/}}
+
+{{/* Rules on namespaced objects: a ClusterRole in cluster scope, a Role per namespace otherwise. */}}
+{{- define "sftjob.namespacedRules" -}}
+# The SFTJobs: watched; annotated by kopf (finalizer, handler progress); deleted after
+# spec.ttlSecondsAfterFinished; their status written through the status subresource.
+- apiGroups: ["sftjob.io"]
+  resources: ["sftjobs"]
+  verbs: ["list", "watch", "patch", "delete"]
+- apiGroups: ["sftjob.io"]
+  resources: ["sftjobs/status"]
+  verbs: ["patch"]
+# Trainer pods: created per attempt, watched (exit codes, progress annotations), deleted on suspend and
+# restart. get and patch are what each job's trainer Role grants on its own pods: Kubernetes lets the
+# operator create that Role only if it holds those verbs itself.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["create", "delete", "list", "watch", "get", "patch"]
+# The trainer config (re-rendered for each attempt) and the per-job trainer Role (its pod names).
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles"]
+  verbs: ["create", "patch"]
+# Created once per job and owned by it: the checkpoint volume, the rendezvous Service of multi-node
+# jobs, the trainer's ServiceAccount and its RoleBinding.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims", "services", "serviceaccounts"]
+  verbs: ["create"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["create"]
+# Job transitions (Created, Running, Failed...) as Kubernetes events.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}
+
+{{/* kopf's namespaced peering, used by a namespaced install. */}}
+{{- define "sftjob.namespacedPeeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["list", "watch", "patch"]
+{{- end }}
+
+{{/* Cluster-scoped reads, needed in both scopes. */}}
+{{- define "sftjob.clusterReadRules" -}}
+# GPU nodes, indexed in memory: which GPU types exist and where attempts land (nvidia.com/gpu.product).
+- apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list", "watch"]
+# kopf notices the SFTJob CRD being installed, upgraded or removed while it runs.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/* kopf's cluster-wide peering, used by a cluster-scoped install. */}}
+{{- define "sftjob.clusterPeeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["list", "watch", "patch"]
+{{- end }}

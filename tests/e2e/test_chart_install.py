@@ -1,0 +1,416 @@
+"""`helm install` into the real local cluster, and the operator running with the chart's permissions only.
+
+The chart is installed with the real helm binary; every rendered object of three value sets passes a
+server-side dry run; the operator then runs (as a local process, with the chart's own arguments) under
+a token of the chart's ServiceAccount and takes a job from creation to its deletion after success.
+The API server's audit log of that run proves the reverse too: every permission the chart grants was
+used, either by a request of the operator or because the operator grants it onward to a trainer Role.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helmchart import CHART, RELEASE, VALUE_SETS, Manifest, helm, one, template_args
+
+from sftjob import constants as c
+from sftjob.failures import ExitCode
+from sftjob_dev.cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+
+ROOT = CHART.parents[1]
+CRD = f"{c.PLURAL}.{c.API_GROUP}"
+TRAINER_IMAGE = "registry.example.com/ml/sftjob-trainer:e2e"
+CHECKPOINT_SIZE = "7Gi"
+# Kinds whose CRDs (the Prometheus Operator's) this cluster does not have; promtool and the unit tests
+# check them instead.
+NOT_INSTALLABLE = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+AUDIT_LOG = "audit.log"
+DEADLINE = 180.0
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = DEADLINE) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if check():
+            return
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Release:
+    namespace: str
+    service_account: str
+    kubeconfig: Path
+
+    @property
+    def user(self) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.service_account}"
+
+
+def helm_in(cluster: Cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return helm(*args, f"--kubeconfig={cluster.kubeconfig}", check=check)
+
+
+def adopt_existing_crd(cluster: Cluster, namespace: str) -> None:
+    """Other tests `kubectl apply` the CRD; Helm takes over an object labelled and annotated as its own
+    (the same step lets users move from `kubectl apply -f crds/` to the chart)."""
+    if cluster.kubectl("get", "crd", CRD, check=False).returncode != 0:
+        return
+    cluster.kubectl("label", "--overwrite", "crd", CRD, "app.kubernetes.io/managed-by=Helm")
+    cluster.kubectl(
+        "annotate",
+        "--overwrite",
+        "crd",
+        CRD,
+        f"meta.helm.sh/release-name={RELEASE}",
+        f"meta.helm.sh/release-namespace={namespace}",
+    )
+
+
+def service_account_kubeconfig(cluster: Cluster, release: str, namespace: str, path: Path) -> Path:
+    """A kubeconfig that authenticates with a token of the chart's ServiceAccount, nothing else."""
+    token = cluster.kubectl("-n", namespace, "create", "token", release, "--duration=2h").stdout.strip()
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    (entry,) = admin["clusters"]
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": entry["cluster"]}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
+        "current-context": "operator",
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def release(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Release]:
+    namespace = f"sftjob-system-{uuid.uuid4().hex[:6]}"
+    adopt_existing_crd(cluster, namespace)
+    helm_in(
+        cluster,
+        "install",
+        RELEASE,
+        str(CHART),
+        f"--namespace={namespace}",
+        "--create-namespace",
+        f"--set=defaults.trainerImage={TRAINER_IMAGE}",
+        f"--set=defaults.checkpoints.size={CHECKPOINT_SIZE}",
+        "--set=defaults.restartPolicy.backoffSeconds=0",
+    )
+    account = f"{RELEASE}-sftjob-operator"
+    folder = tmp_path_factory.mktemp("operator")
+    yield Release(
+        namespace, account, service_account_kubeconfig(cluster, account, namespace, folder / "kubeconfig")
+    )
+    helm_in(cluster, "uninstall", RELEASE, f"--namespace={namespace}", "--wait", check=False)
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def installed_objects(cluster: Cluster, release: Release) -> list[Manifest]:
+    manifest = helm_in(cluster, "get", "manifest", RELEASE, f"--namespace={release.namespace}").stdout
+    return [d for d in yaml.safe_load_all(manifest) if d]
+
+
+def test_the_release_installs_its_objects_and_keeps_the_crd_for_users_jobs(
+    cluster: Cluster, release: Release
+) -> None:
+    status = json.loads(
+        helm_in(cluster, "status", RELEASE, f"--namespace={release.namespace}", "-o", "json").stdout
+    )
+    assert status["info"]["status"] == "deployed"
+    crd = cluster.kubectl_json("get", "crd", CRD)
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert cluster.kubectl_json("get", "clusterkopfpeering", RELEASE)["metadata"]["name"] == RELEASE
+    role = cluster.kubectl_json("get", "clusterrole", release.service_account)
+    assert (
+        role["rules"]
+        == one(installed_objects(cluster, release), "ClusterRole", release.service_account)["rules"]
+    )
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_rendered_object_passes_a_server_side_dry_run(
+    cluster: Cluster, value_set: str, tmp_path: Path
+) -> None:
+    # The namespaces the ci/ values name: watched ones, and where Grafana runs.
+    for namespace in ("team-a", "team-b", "monitoring"):
+        cluster.kubectl("create", "namespace", namespace, check=False)
+    cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))  # kopf's peering CRDs
+    out = helm(*template_args(VALUE_SETS[value_set], namespace="default")).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] not in NOT_INSTALLABLE]
+    manifest = tmp_path / "rendered.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    result = cluster.kubectl(
+        "apply", "--dry-run=server", "--server-side", "--force-conflicts", "-f", str(manifest), check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("(server dry run)") == len(docs)
+
+
+def can_i(cluster: Cluster, user: str, verb: str, resource: str, namespace: str) -> bool:
+    """`kubectl auth can-i`; `resource/status` asks for the subresource, `resource/NAME` for one object."""
+    args = ["auth", "can-i", verb, resource, f"--as={user}", "-n", namespace]
+    if resource.endswith("/status"):
+        args[3] = resource.removesuffix("/status")
+        args.append("--subresource=status")
+    return cluster.kubectl(*args, check=False).stdout.strip() == "yes"
+
+
+def test_the_operator_account_may_do_its_job_and_nothing_else(cluster: Cluster, release: Release) -> None:
+    ns = "default"
+    for verb, resource in [
+        ("create", "pods"),
+        ("delete", "pods"),
+        ("patch", "sftjobs.sftjob.io/status"),
+        ("create", "roles.rbac.authorization.k8s.io"),
+        ("create", "events"),
+        ("watch", "nodes"),
+        ("patch", f"clusterkopfpeerings.kopf.dev/{RELEASE}"),
+    ]:
+        assert can_i(cluster, release.user, verb, resource, ns), (verb, resource)
+    for verb, resource in [
+        ("get", "secrets"),
+        ("list", "secrets"),
+        ("create", "deployments.apps"),
+        ("update", "sftjobs.sftjob.io"),
+        ("get", "sftjobs.sftjob.io/status"),
+        ("patch", "nodes"),
+        ("create", "clusterroles.rbac.authorization.k8s.io"),
+        ("escalate", "roles.rbac.authorization.k8s.io"),
+        ("bind", "roles.rbac.authorization.k8s.io"),
+        ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
+    ]:
+        assert not can_i(cluster, release.user, verb, resource, ns), (verb, resource)
+
+
+def test_namespace_editors_and_viewers_get_sftjob_rights_through_aggregation(
+    cluster: Cluster, release: Release, namespace: str
+) -> None:
+    cluster.kubectl(
+        "-n", namespace, "create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice"
+    )
+    cluster.kubectl("-n", namespace, "create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob")
+
+    def aggregated() -> bool:
+        return can_i(cluster, "alice", "create", "sftjobs.sftjob.io", namespace)
+
+    wait_for("the clusterrole aggregation controller", aggregated, timeout=30)
+    assert can_i(cluster, "alice", "delete", "sftjobs.sftjob.io", namespace)
+    assert can_i(cluster, "bob", "list", "sftjobs.sftjob.io", namespace)
+    assert not can_i(cluster, "bob", "create", "sftjobs.sftjob.io", namespace)
+    assert not can_i(cluster, "alice", "patch", "sftjobs.sftjob.io/status", namespace)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The operator under the chart's ServiceAccount
+
+
+def operator_command(
+    cluster: Cluster, release: Release, metrics_port: int, liveness_port: int
+) -> tuple[list[str], dict[str, str]]:
+    """The installed Deployment's command, arguments and environment, with loopback ports."""
+    (container,) = one(installed_objects(cluster, release), "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    args = []
+    for arg in container["args"]:
+        if arg.startswith("--metrics-port="):
+            arg = f"--metrics-port={metrics_port}"
+        elif arg.startswith("--liveness="):
+            arg = f"--liveness=http://127.0.0.1:{liveness_port}/healthz"
+        args.append(arg)
+    assert container["command"][:2] == ["python", "-m"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env |= {"POD_NAME": "operator-e2e", "POD_NAMESPACE": release.namespace}
+    return [sys.executable, *container["command"][1:], *args], env
+
+
+def sftjob(namespace: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{c.API_GROUP}/{c.API_VERSION}",
+        "kind": c.KIND,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+            "dataset": {"name": "tatsu-lab/alpaca"},
+            # Two nodes: the rendezvous Service, and a surviving pod to delete when one fails.
+            "gpu": {"type": "A800", "count": 8, "nodes": 2},
+            "ttlSecondsAfterFinished": 5,
+        },
+    }
+
+
+def pods(cluster: Cluster, namespace: str, job: str, attempt: int) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.kubectl_json(
+        "-n", namespace, "get", "pods", "-l", f"{c.LABEL_JOB}={job},{c.LABEL_ATTEMPT}={attempt}", "-o", "json"
+    )["items"]
+    return items
+
+
+def all_running(cluster: Cluster, namespace: str, job: str, attempt: int, count: int) -> bool:
+    found = pods(cluster, namespace, job, attempt)
+    return len(found) == count and all(p["status"].get("phase") == "Running" for p in found)
+
+
+def steer(cluster: Cluster, namespace: str, pod: str, *annotations: str) -> None:
+    cluster.kubectl("-n", namespace, "annotate", "--overwrite", "pod", pod, *annotations)
+
+
+@dataclass
+class OperatorRun:
+    namespace: str
+    job: str
+    log: str
+    roles: list[Manifest]
+
+
+@pytest.fixture(scope="module")
+def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.TempPathFactory) -> OperatorRun:
+    """The operator, as the chart's ServiceAccount, takes one job through a preemption, a second
+    attempt, success and deletion after its TTL."""
+    namespace = f"chart-job-{uuid.uuid4().hex[:6]}"
+    job = "rbac-sft"
+    cluster.kubectl("create", "namespace", namespace)
+    argv, env = operator_command(cluster, release, free_port(), free_port())
+    log_path = tmp_path_factory.mktemp("operator-run") / "operator.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv,
+            env=os.environ | env | {"KUBECONFIG": str(release.kubeconfig)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    roles: list[Manifest] = []
+    try:
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(sftjob(namespace, job)))
+        wait_for("both pods of attempt 1 to run", lambda: all_running(cluster, namespace, job, 1, 2))
+        rank0 = next(
+            p for p in pods(cluster, namespace, job, 1) if p["metadata"]["labels"][c.LABEL_RANK] == "0"
+        )
+        steer(
+            cluster,
+            namespace,
+            rank0["metadata"]["name"],
+            "sim.sftjob.dev/outcome=fail",
+            f"sim.sftjob.dev/exit-code={int(ExitCode.PREEMPTED)}",
+            "sim.sftjob.dev/message=preempted (SIGTERM): checkpoint saved at step 0",
+        )
+        wait_for("both pods of attempt 2 to run", lambda: all_running(cluster, namespace, job, 2, 2))
+        roles = cluster.kubectl_json("-n", namespace, "get", "roles", "-o", "json")["items"]
+        for pod in pods(cluster, namespace, job, 2):
+            steer(cluster, namespace, pod["metadata"]["name"], "sim.sftjob.dev/outcome=succeed")
+        wait_for(
+            "the job to succeed and be deleted after its TTL",
+            lambda: cluster.kubectl("-n", namespace, "get", c.PLURAL, job, check=False).returncode != 0,
+        )
+    except BaseException:
+        sys.stderr.write(
+            cluster.kubectl("-n", namespace, "get", "sftjobs,pods", "-o", "yaml", check=False).stdout[-6000:]
+        )
+        sys.stderr.write(f"----- operator log -----\n{log_path.read_text(errors='replace')[-6000:]}\n")
+        raise
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    return OperatorRun(namespace, job, log_path.read_text(errors="replace"), roles)
+
+
+def test_the_operator_runs_jobs_with_only_the_charts_permissions(
+    release: Release, operator_run: OperatorRun
+) -> None:
+    # The API server's words for an RBAC denial (other 403s, such as a terminating namespace, differ).
+    assert f'User "{release.user}" cannot' not in operator_run.log
+    assert operator_run.roles, "the operator created the trainer's Role"
+
+
+def test_the_charts_defaults_reach_the_jobs(cluster: Cluster, release: Release, namespace: str) -> None:
+    argv, env = operator_command(cluster, release, free_port(), free_port())
+    process = subprocess.Popen(
+        argv,
+        env=os.environ | env | {"KUBECONFIG": str(release.kubeconfig)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        job = sftjob(namespace, "defaults")
+        job["spec"]["gpu"] = {"type": "L40S", "count": 1}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
+        wait_for("the trainer pod", lambda: bool(pods(cluster, namespace, "defaults", 1)))
+        (pod,) = pods(cluster, namespace, "defaults", 1)
+        assert pod["spec"]["containers"][0]["image"] == TRAINER_IMAGE
+        claims = cluster.kubectl_json("-n", namespace, "get", "pvc", "-o", "json")["items"]
+        assert [pvc["spec"]["resources"]["requests"]["storage"] for pvc in claims] == [CHECKPOINT_SIZE]
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+# ---------------------------------------------------------------------------------------------------
+# No unused permissions
+
+
+def audit_requests(cluster: Cluster, user: str) -> list[dict[str, Any]]:
+    log = cluster.logs_dir / AUDIT_LOG
+    if not log.exists():
+        pytest.skip(
+            f"the local cluster keeps no API audit log at {log}: start kube-apiserver with --audit-log-path"
+        )
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return [e for e in events if e.get("user", {}).get("username") == user and "objectRef" in e]
+
+
+def rule_grants(rules: list[Manifest]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in rules
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_every_permission_the_chart_grants_the_operator_is_used(
+    cluster: Cluster, release: Release, operator_run: OperatorRun
+) -> None:
+    requests = audit_requests(cluster, release.user)
+    forbidden = [
+        e for e in requests if e.get("annotations", {}).get("authorization.k8s.io/decision") == "forbid"
+    ]
+    assert forbidden == []
+    used = set()
+    for event in requests:
+        ref = event["objectRef"]
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        used.add((ref.get("apiGroup", ""), resource, event["verb"]))
+    # Kubernetes lets the operator create a Role only with permissions it holds itself.
+    granted_onward = rule_grants([rule for role in operator_run.roles for rule in role["rules"]])
+    cluster_role = cluster.kubectl_json("get", "clusterrole", release.service_account)
+    unused = sorted(rule_grants(cluster_role["rules"]) - used - granted_onward)
+    assert unused == [], f"permissions the operator never used: {unused}"
