@@ -1,0 +1,91 @@
+"""The attempt history (``status.attempts``) and the restart policy (``spec.restartPolicy``).
+
+Every pod generation of a job is one attempt. The operator appends a record when it starts an
+attempt and fills in how it ended; restart decisions are derived from this history alone, which
+lives in the API server, so an operator restarted mid-backoff or mid-re-plan decides exactly as
+before. Both models read and write camelCase, like the rest of the SFTJob.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from sftjob.failures import FREE_RESTART, FailureClass
+
+OnOOM = Literal["Replan", "Retry", "Fail"]
+
+
+class RestartPolicy(BaseModel):
+    """``spec.restartPolicy``: how many failed attempts a job gets and how long it waits between them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    max_restarts: int = Field(
+        default=3, ge=0, le=100, description="Restarts after failures that are the job's own."
+    )
+    backoff_seconds: int = Field(
+        default=10, ge=0, le=3600, description="Wait before the first retry; doubles each retry."
+    )
+    max_backoff_seconds: int = Field(default=600, ge=1, le=86400, description="Upper bound on the wait.")
+    on_oom: OnOOM = Field(
+        default="Replan",
+        description="After CUDA OOM: Replan down the memory ladder, Retry the same plan, or Fail the job.",
+    )
+    max_interruptions: int = Field(
+        default=20,
+        ge=0,
+        le=1000,
+        description="Restarts after preemption or node loss; they do not count against maxRestarts.",
+    )
+    stall_timeout_seconds: int | None = Field(
+        default=1800,
+        ge=60,
+        le=86400,
+        description="End an attempt that reports no progress for this long while Running; null disables.",
+    )
+
+    @model_validator(mode="after")
+    def _backoff_within_cap(self) -> RestartPolicy:
+        if self.backoff_seconds > self.max_backoff_seconds:
+            raise ValueError(
+                f"restartPolicy.backoffSeconds {self.backoff_seconds} exceeds"
+                f" restartPolicy.maxBackoffSeconds {self.max_backoff_seconds}"
+            )
+        return self
+
+
+class AttemptRecord(BaseModel):
+    """One entry of ``status.attempts``: one pod generation, from creation to its classified end."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    attempt: int = Field(ge=1)  # 1 for the first pods
+    node: str | None = None  # the node whose pod ended the attempt (rank 0 while it runs)
+    gpu: str | None = None  # GPU profile key the attempt was planned for (the OOM ladder is per GPU)
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    succeeded: bool = False
+    reason: FailureClass | None = None  # set when the attempt failed
+    exit_code: int | None = None
+    message: str = ""
+    resumed_from_step: int | None = None  # checkpoint step the attempt started from
+    lost_steps: int | None = None  # steps done since the last complete checkpoint when it ended
+    plan: str = ""  # Plan.summary() of what the attempt ran with
+    ladder_step: str | None = None  # the OOM re-plan step this attempt ran with, if any
+
+    @property
+    def ended(self) -> bool:
+        return self.end_time is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.ended and self.reason is not None
+
+    @property
+    def interrupted(self) -> bool:
+        """Ended by preemption or node loss: not the job's fault, counted apart from maxRestarts."""
+        return self.reason in FREE_RESTART

@@ -1,0 +1,393 @@
+"""The SFTJob API as typed models: ``spec`` (what the user asks for), ``status`` (what the operator saw).
+
+The CRD schema (``crds/sftjob.io_sftjobs.yaml``) rejects bad input at admission; these models are the
+second line of defence the operator parses every spec with, and the vocabulary the reconcile speaks.
+Blocks the trainer contract already defines are reused as they are: ``spec.training`` is
+:class:`~sftjob.config.TrainingOverrides`, ``spec.lora`` is :class:`~sftjob.config.LoraSettings`,
+``spec.model.architecture`` is :class:`~sftjob.architectures.Architecture`, ``spec.restartPolicy`` is
+:class:`~sftjob.attempts.RestartPolicy` and ``status.attempts`` holds :class:`~sftjob.attempts.AttemptRecord`.
+A unit test keeps the CRD and these models on the same field names.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from sftjob.architectures import Architecture
+from sftjob.attempts import AttemptRecord, OnOOM, RestartPolicy
+from sftjob.config import DatasetFormat, LoraSettings, Method, TrainingOverrides
+
+if TYPE_CHECKING:
+    from sftjob.planner import PlanRequest
+
+GpuType = Literal["A800", "A40", "L40S"]
+GpuChoice = Literal["A800", "A40", "L40S", "Any"]
+# The order `Any` prefers: the biggest card first, so a job that fits anywhere gets the most headroom.
+ANY_ORDER: tuple[GpuType, ...] = ("A800", "L40S", "A40")
+Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
+TERMINAL_PHASES: frozenset[str] = frozenset({"Succeeded", "Failed"})
+
+# Job names end up in pod names (`<job>-<attempt>-<rank>`, a 63-character DNS label) and a Service name.
+MAX_JOB_NAME = 40
+JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+RESERVED_ENV_PREFIX = "SFTJOB_"
+DEFAULT_CHECKPOINT_MINUTES = 30
+
+ObjectName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+Quantity = Annotated[str, StringConstraints(max_length=32, pattern=QUANTITY)]
+RelativePath = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+class _Spec(BaseModel):
+    """camelCase on the wire, snake_case in Python, unknown keys are errors, values never change."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+def _relative(path: str | None, field: str) -> str | None:
+    if path is not None and (path.startswith("/") or ".." in path):
+        raise ValueError(f"{field} must be a relative path inside the volume without '..', got {path!r}")
+    return path
+
+
+class PersistentVolumeClaimSource(_Spec):
+    claim_name: ObjectName
+    read_only: bool = False
+
+
+class NfsSource(_Spec):
+    server: Annotated[str, StringConstraints(min_length=1, max_length=253)]
+    path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")]
+    read_only: bool = False
+
+
+class HostPathSource(_Spec):
+    path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")]
+
+
+class VolumeSource(_Spec):
+    """Where data lives: exactly one of a PersistentVolumeClaim, an NFS export or a host path."""
+
+    persistent_volume_claim: PersistentVolumeClaimSource | None = None
+    nfs: NfsSource | None = None
+    host_path: HostPathSource | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> VolumeSource:
+        given = [s for s in (self.persistent_volume_claim, self.nfs, self.host_path) if s is not None]
+        if len(given) != 1:
+            raise ValueError("volume needs exactly one of persistentVolumeClaim, nfs or hostPath")
+        return self
+
+    def to_kubernetes(self) -> dict[str, object]:
+        """The Pod ``volumes[]`` source block (without the name)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class SecretKeyRef(_Spec):
+    name: ObjectName
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")] = (
+        "token"
+    )
+
+
+class ModelSpec(_Spec):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    path: RelativePath | None = None
+    volume: VolumeSource | None = None
+    revision: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    token_secret_ref: SecretKeyRef | None = None
+    trust_remote_code: bool = False
+    parameters: int | None = Field(default=None, ge=1_000_000, le=10_000_000_000_000)
+    architecture: Architecture | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_relative(cls, path: str | None) -> str | None:
+        return _relative(path, "spec.model.path")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.name is None) == (self.path is None):
+            raise ValueError("spec.model needs exactly one of name (a hub id) or path (inside volume)")
+        if (self.path is None) != (self.volume is None):
+            raise ValueError("spec.model.path and spec.model.volume go together")
+        return self
+
+
+class DatasetSpec(_Spec):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    path: RelativePath | None = None
+    volume: VolumeSource | None = None
+    format: DatasetFormat = "auto"
+    split: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "train"
+    max_seq_length: int = Field(default=2048, ge=16, le=131072)
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_relative(cls, path: str | None) -> str | None:
+        return _relative(path, "spec.dataset.path")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if (self.name is None) == (self.path is None):
+            raise ValueError("spec.dataset needs exactly one of name (a hub id) or path (inside volume)")
+        if (self.path is None) != (self.volume is None):
+            raise ValueError("spec.dataset.path and spec.dataset.volume go together")
+        return self
+
+
+class GpuSpec(_Spec):
+    """``type`` names one GPU type (or Any); ``types`` is an ordered preference list that replaces it.
+    (A structural CRD schema cannot hold "a string or a list" in one field.)"""
+
+    type: GpuChoice = "Any"
+    types: Annotated[list[GpuType], Field(min_length=1, max_length=3)] | None = None
+    count: int = Field(default=1, ge=1, le=8)
+    nodes: int = Field(default=1, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _type_or_types(self) -> GpuSpec:
+        if self.types is not None:
+            if self.type != "Any":
+                raise ValueError(
+                    "spec.gpu.types (an ordered preference list) replaces spec.gpu.type; leave type unset"
+                )
+            if len(set(self.types)) != len(self.types):
+                raise ValueError("spec.gpu.types lists a GPU type twice")
+        return self
+
+    def candidates(self) -> list[GpuType]:
+        """The concrete GPU types the job may run on, most preferred first."""
+        if self.types is not None:
+            return list(self.types)
+        return list(ANY_ORDER) if self.type == "Any" else [self.type]
+
+    def describe(self) -> str:
+        """``8xA800``, ``2x8xA800`` or ``1xL40S|A40`` for the printer column before the job lands."""
+        kinds = "|".join(self.types) if self.types else self.type
+        per_node = f"{self.count}x{kinds}"
+        return per_node if self.nodes == 1 else f"{self.nodes}x{per_node}"
+
+
+class CheckpointSpec(_Spec):
+    volume: VolumeSource | None = None
+    storage_class_name: ObjectName | None = None
+    size: Quantity = "100Gi"
+    every_steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    every_minutes: int | None = Field(default=None, ge=1, le=1440)
+    keep: int = Field(default=3, ge=1, le=100)
+    keep_on_delete: bool = False
+
+    @model_validator(mode="after")
+    def _one_schedule(self) -> CheckpointSpec:
+        if self.every_steps is not None and self.every_minutes is not None:
+            raise ValueError("spec.checkpoints takes everySteps or everyMinutes, not both")
+        return self
+
+
+class OutputSpec(_Spec):
+    volume: VolumeSource | None = None
+    path: RelativePath = "final"
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_relative(cls, path: str) -> str:
+        return _relative(path, "spec.output.path") or path
+
+
+class ResourceSpec(_Spec):
+    cpu: Quantity | None = None
+    memory: Quantity | None = None
+
+
+class EnvVar(_Spec):
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ENV_NAME)]
+    value: Annotated[str, StringConstraints(max_length=4096)] = ""
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name.startswith(RESERVED_ENV_PREFIX):
+            raise ValueError(f"spec.env: names starting with {RESERVED_ENV_PREFIX} are set by the operator")
+        return name
+
+
+class Toleration(_Spec):
+    key: Annotated[str, StringConstraints(max_length=317)] | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: Annotated[str, StringConstraints(max_length=63)] | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(default=None, ge=0, le=31_536_000)
+
+
+class RestartPolicySpec(RestartPolicy):
+    """``spec.restartPolicy``: :class:`~sftjob.attempts.RestartPolicy` with the acronym spelled ``onOOM``
+    on the wire, as Kubernetes spells acronyms (``podIP``, ``OOMKilled``)."""
+
+    on_oom: OnOOM = Field(default="Replan", alias="onOOM")
+
+
+class SFTJobSpec(_Spec):
+    model: ModelSpec
+    dataset: DatasetSpec
+    method: Method = "lora"
+    lora: LoraSettings = LoraSettings()
+    gpu: GpuSpec = GpuSpec()
+    training: TrainingOverrides = TrainingOverrides()
+    checkpoints: CheckpointSpec = CheckpointSpec()
+    output: OutputSpec = OutputSpec()
+    restart_policy: RestartPolicySpec = RestartPolicySpec()
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
+    resources: ResourceSpec = ResourceSpec()
+    env: Annotated[list[EnvVar], Field(max_length=64)] = []
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] = []
+    node_selector: Annotated[
+        dict[str, Annotated[str, StringConstraints(max_length=63)]], Field(max_length=32)
+    ] = {}
+    priority_class_name: ObjectName | None = None
+    suspend: bool = False
+    active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
+
+    @model_validator(mode="after")
+    def _qlora_is_single_gpu(self) -> SFTJobSpec:
+        if self.method == "qlora" and (self.gpu.count != 1 or self.gpu.nodes != 1):
+            raise ValueError(
+                "spec.method qlora runs on exactly one GPU: set spec.gpu.count 1 and spec.gpu.nodes 1"
+            )
+        return self
+
+    @property
+    def target_modules(self) -> list[str] | Literal["all-linear"]:
+        """``spec.lora.targetModules``; a list holding only ``all-linear`` means the peft shorthand."""
+        modules = self.lora.target_modules
+        return "all-linear" if modules == ["all-linear"] else modules
+
+    @property
+    def checkpoint_every_minutes(self) -> int | None:
+        """Time-based checkpoints every 30 minutes unless the spec chose steps or minutes."""
+        if self.checkpoints.every_steps is not None:
+            return None
+        return self.checkpoints.every_minutes or DEFAULT_CHECKPOINT_MINUTES
+
+
+def valid_job_name(name: str) -> bool:
+    """Whether a job name leaves room for the children's names (the CRD enforces the same rule)."""
+    return len(name) <= MAX_JOB_NAME and re.match(JOB_NAME_PATTERN, name) is not None
+
+
+def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanRequest:
+    """The planner's question for this job on ``nodes`` x ``gpus_per_node`` GPUs of one type.
+
+    Raises ValueError when the model's size is unknown (no built-in family matches and the spec gives
+    neither ``parameters`` nor ``architecture``).
+    """
+    from sftjob.architectures import resolve_architecture
+    from sftjob.planner import PlanRequest
+
+    architecture = resolve_architecture(
+        spec.model.name or spec.model.path or "",
+        spec.model.architecture,
+        spec.model.parameters,
+    )
+    return PlanRequest(
+        architecture=architecture,
+        method=spec.method,
+        lora=spec.lora,
+        max_seq_length=spec.dataset.max_seq_length,
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        overrides=spec.training,
+        allow_fp8=spec.training.precision == "fp8",
+        packing_length=spec.training.packing_length,
+    )
+
+
+# --- status ---------------------------------------------------------------------------------------
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+class Condition(_Status):
+    """One entry of ``status.conditions`` in Kubernetes API conventions form."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: datetime
+    observed_generation: int = 0
+
+
+class GpuStatus(_Status):
+    summary: str = ""  # printer column: "8xA800" once landed, the request before
+    type: str | None = None  # A800 | A40 | L40S, once the pods are bound
+    product: str | None = None  # the node's nvidia.com/gpu.product label
+    profile: str | None = None  # the GPU profile key the plan in use was made for
+    count: int = 0  # GPUs per node
+    nodes: list[str] = []  # nodes the current attempt's pods are bound to, by rank
+
+
+class PlanStatus(_Status):
+    gpu: str = ""
+    summary: str = ""
+    micro_batch_size: int = 0
+    gradient_accumulation_steps: int = 0
+    global_batch_size: int = 0
+    gradient_checkpointing: bool = False
+    precision: str = ""
+    estimated_peak_gib: float = Field(default=0.0, alias="estimatedPeakGiB")
+    capacity_gib: float = Field(default=0.0, alias="capacityGiB")
+    fits: bool = False
+
+
+class ProgressStatus(_Status):
+    step: int = 0
+    total_steps: int = 0
+    epoch: float = 0.0
+    loss: float | None = None
+    learning_rate: float | None = None
+    tokens_per_second: float | None = None
+    eta_seconds: int | None = None
+    updated: datetime | None = None
+    summary: str = ""  # printer column: "120/1000"
+
+
+class CheckpointStatus(_Status):
+    step: int
+    path: str
+    time: datetime | None = None
+
+
+class SFTJobStatus(_Status):
+    phase: Phase = "Pending"
+    conditions: list[Condition] = []
+    observed_generation: int = 0
+    attempt: int = 0  # the current attempt (pod generation); 0 before the first pods
+    restarts: int = 0
+    gpu: GpuStatus = GpuStatus()
+    plan: PlanStatus | None = None
+    progress: ProgressStatus | None = None
+    last_checkpoint: CheckpointStatus | None = None
+    attempts: list[AttemptRecord] = []
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+    def to_patch(self) -> dict[str, object]:
+        """The JSON the operator writes to the status subresource."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)

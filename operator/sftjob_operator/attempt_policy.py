@@ -1,0 +1,77 @@
+"""The seam between the reconcile and the restart policy: what the attempt after a history looks like.
+
+The reconcile asks one question, in two places: "given the attempts so far, what is the next attempt
+(its number, its plans, the nodes it avoids, when it may start), or why is there none?"
+
+1. to render the current attempt's children (asked with the history *before* that attempt), so a
+   ConfigMap or pod re-created after an operator crash carries the same plan as the original;
+2. after the current attempt ended in failure (asked with the whole history), to restart or give up.
+
+:func:`no_restarts` is the answer before fault tolerance: a failed attempt fails the job with the
+attempt's own reason and message. The restart policy (``restarts.py``) plugs in as another
+:data:`AttemptPolicy`; the reconcile does not change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+from sftjob.attempts import AttemptRecord
+from sftjob.spec import SFTJobSpec
+from sftjob_operator.planning import CandidatePlans
+
+NodeObj = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class NextAttempt:
+    """Start attempt ``attempt`` with ``plans`` once ``now >= not_before`` (None: at once)."""
+
+    attempt: int
+    plans: CandidatePlans
+    avoid_nodes: tuple[str, ...] = ()
+    not_before: datetime | None = None
+    ladder_step: str | None = None
+    message: str = ""  # what changed from the previous attempt, for the event
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """No further attempt: the job fails with this ``Failed`` condition reason and message."""
+
+    reason: str
+    message: str
+
+
+class AttemptPolicy(Protocol):
+    def __call__(
+        self,
+        spec: SFTJobSpec,
+        history: Sequence[AttemptRecord],
+        plans: CandidatePlans,
+        *,
+        nodes: Mapping[str, NodeObj],
+        now: datetime,
+    ) -> NextAttempt | GiveUp: ...
+
+
+def no_restarts(
+    spec: SFTJobSpec,
+    history: Sequence[AttemptRecord],
+    plans: CandidatePlans,
+    *,
+    nodes: Mapping[str, NodeObj],
+    now: datetime,
+) -> NextAttempt | GiveUp:
+    """A failed attempt ends the job; otherwise (first start, resume after suspend) start the next one."""
+    last = history[-1] if history else None
+    if last is not None and last.failed:
+        reason = str(last.reason) if last.reason is not None else "Failed"
+        what = f"attempt {last.attempt} failed with {reason}"
+        if last.exit_code is not None:
+            what += f" (exit code {last.exit_code})"
+        return GiveUp(reason, f"{what}: {last.message}" if last.message else what)
+    return NextAttempt(attempt=(last.attempt if last else 0) + 1, plans=plans)

@@ -1,0 +1,314 @@
+"""Sort each attempt's trainer pods into running, succeeded, or failed with a FailureClass.
+
+Pure functions over the objects as the API server returns them (camelCase dicts): the pod (or None
+once it has vanished), its node (or None once deleted), and the caller's ``now`` and last progress
+time. No clocks, no I/O: the reconcile loop gathers the inputs and records the result in
+``status.attempts``. ``docs/failures.md`` explains every class to users.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sftjob.attempts import AttemptRecord
+from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
+
+Obj = Mapping[str, Any]
+
+# A node whose Ready condition has been False/Unknown this long takes its pods with it. Kubernetes
+# itself waits 300 s (the default unreachable toleration) before evicting them.
+NODE_LOST_GRACE_SECONDS = 120.0
+MESSAGE_MAX_CHARS = 300
+
+IMAGE_PULL_WAITING = frozenset({"ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
+CONFIG_WAITING = frozenset({"CreateContainerConfigError"})
+# Kubelet admission failures that mean the node advertised GPUs it could not hand out.
+GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/gpu"})
+# DisruptionTarget reasons that mean the node went away rather than someone asking the pod to leave.
+NODE_GONE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
+
+# When the exit code says nothing (1: torchrun, an uncaught exception; or an unknown code), the
+# termination message often still does. First match wins.
+MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), cls)
+    for pattern, cls in (
+        (r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED", FailureClass.CUDA_OOM),
+        (r"DataLoader worker .* killed by signal: Killed|Cannot allocate memory", FailureClass.HOST_OOM),
+        (r"driver version is insufficient|CUDA driver .* too old", FailureClass.DRIVER_MISMATCH),
+        (
+            r"no CUDA-capable device|busy or unavailable|uncorrectable ECC|\bXid\b",
+            FailureClass.GPU_UNAVAILABLE,
+        ),
+        (r"NCCL|ProcessGroupGloo|DistNetworkError|rendezvous", FailureClass.COMMUNICATION_ERROR),
+        (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
+    )
+)
+
+
+class Outcome(StrEnum):
+    RUNNING = "Running"  # still going (or still Pending): nothing to decide yet
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """How one pod (or a whole attempt) stands: a failure carries its class, code, message and node."""
+
+    outcome: Outcome
+    failure_class: FailureClass | None = None
+    exit_code: int | None = None
+    message: str = ""
+    node: str | None = None
+
+    @property
+    def over(self) -> bool:
+        """The attempt is over: record it and decide what comes next (delete any pods still running)."""
+        return self.outcome is not Outcome.RUNNING
+
+
+RUNNING = Classification(Outcome.RUNNING)
+
+
+def classify_pod(
+    pod: Obj | None,
+    node: Obj | None,
+    *,
+    now: datetime,
+    node_name: str | None = None,
+    last_progress: datetime | None = None,
+    stall_timeout_seconds: float | None = None,
+    node_lost_grace_seconds: float = NODE_LOST_GRACE_SECONDS,
+) -> Classification:
+    """Classify one trainer pod.
+
+    ``pod`` is None when the pod the attempt created no longer exists; ``node_name`` then names the
+    node it was on (from ``status.attempts``). ``node`` is the Node the pod is bound to, or None when
+    that node does not exist. ``last_progress`` is the ``updated`` time of the pod's progress report.
+    """
+    if pod is None:
+        if node_name is not None and (node is None or _not_ready_for(node, now) is not None):
+            return _failed(FailureClass.NODE_LOST, None, f"pod vanished with node {node_name}", node_name)
+        return _failed(FailureClass.PREEMPTED, None, "pod was deleted outside the operator", node_name)
+
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    node_name = spec.get("nodeName") or node_name
+    node_gone = node_name is not None and (
+        node is None or (_not_ready_for(node, now) or 0.0) > node_lost_grace_seconds
+    )
+    terminated = _terminated_state(status)
+    phase = status.get("phase")
+
+    if phase == "Succeeded" or (
+        terminated is not None and terminated.get("exitCode") == 0 and phase != "Failed"
+    ):
+        return Classification(Outcome.SUCCEEDED, exit_code=0, node=node_name)
+    if phase == "Failed" or terminated is not None:
+        return _classify_ended(status, terminated, node_name, node_gone)
+
+    waiting = _waiting_failure(status, node_name)
+    if waiting is not None:
+        return waiting
+    if node_gone:
+        return _failed(FailureClass.NODE_LOST, None, f"node {node_name} is gone or NotReady", node_name)
+    terminating = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
+    if phase == "Running" and stall_timeout_seconds is not None and not terminating:
+        since = max((t for t in (last_progress, _running_since(status)) if t is not None), default=None)
+        if since is not None and (now - since).total_seconds() > stall_timeout_seconds:
+            return _failed(
+                FailureClass.STALLED,
+                None,
+                f"no progress reported for {int((now - since).total_seconds())} s"
+                f" (stall timeout {int(stall_timeout_seconds)} s)",
+                node_name,
+            )
+    return RUNNING
+
+
+# Root causes first: when one pod of a multi-node attempt dies, its peers see NCCL errors or are
+# killed by torchrun, so the least specific classes come last.
+ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
+    FailureClass.NODE_LOST,
+    FailureClass.GPU_UNAVAILABLE,
+    FailureClass.DRIVER_MISMATCH,
+    FailureClass.IMAGE_PULL_ERROR,
+    FailureClass.CONFIG_ERROR,
+    FailureClass.MODEL_LOAD_ERROR,
+    FailureClass.DATA_ERROR,
+    FailureClass.DEADLINE_EXCEEDED,
+    FailureClass.HOST_OOM,
+    FailureClass.CUDA_OOM,
+    FailureClass.STORAGE_ERROR,
+    FailureClass.PREEMPTED,
+    FailureClass.STALLED,
+    FailureClass.COMMUNICATION_ERROR,
+    FailureClass.UNKNOWN,
+)
+
+
+def classify_attempt(pods: Sequence[Classification]) -> Classification:
+    """One attempt's outcome from its pods': any failure ends it (all pods restart together) and the
+    most specific failure is its cause; it succeeded only when every pod did."""
+    failures = [p for p in pods if p.outcome is Outcome.FAILED]
+    if failures:
+        return min(failures, key=lambda p: ROOT_CAUSE_ORDER.index(p.failure_class or FailureClass.UNKNOWN))
+    if pods and all(p.outcome is Outcome.SUCCEEDED for p in pods):
+        return pods[0]
+    return RUNNING
+
+
+def end_record(
+    record: AttemptRecord,
+    outcome: Classification,
+    *,
+    end_time: datetime,
+    progress_step: int | None,
+    checkpoint_step: int | None,
+) -> AttemptRecord:
+    """The ``status.attempts`` entry for an attempt that has just ended.
+
+    ``progress_step`` and ``checkpoint_step`` come from the trainer's last progress and checkpoint
+    annotations; the steps between them are the work this attempt loses.
+    """
+    saved = checkpoint_step if checkpoint_step is not None else (record.resumed_from_step or 0)
+    lost = None if progress_step is None else max(0, progress_step - saved)
+    return record.model_copy(
+        update={
+            "end_time": end_time,
+            "succeeded": outcome.outcome is Outcome.SUCCEEDED,
+            "reason": outcome.failure_class,
+            "exit_code": outcome.exit_code,
+            "message": outcome.message,
+            "node": outcome.node or record.node,
+            "lost_steps": lost,
+        }
+    )
+
+
+def describe_failure(record: AttemptRecord) -> str:
+    """The one-line event message for a failed attempt: number, node, class, exit code, message."""
+    where = f" on {record.node}" if record.node else ""
+    code = f" (exit code {record.exit_code})" if record.exit_code is not None else ""
+    lost = f"; {record.lost_steps} step(s) since the last checkpoint" if record.lost_steps else ""
+    text = f": {record.message}" if record.message else ""
+    cls = record.reason or FailureClass.UNKNOWN
+    return f"attempt {record.attempt}{where} failed with {cls}{code}{text}{lost}"
+
+
+def _classify_ended(
+    status: Obj, terminated: Obj | None, node_name: str | None, node_gone: bool
+) -> Classification:
+    pod_reason = status.get("reason") or ""
+    pod_message = status.get("message") or ""
+    disruption = _condition(status, "DisruptionTarget")
+    disruption_reason = (
+        disruption.get("reason", "") if disruption and disruption.get("status") == "True" else ""
+    )
+    code: int | None = terminated.get("exitCode") if terminated else None
+    text = _one_line((terminated or {}).get("message") or "")
+
+    def fail(cls: FailureClass, message: str) -> Classification:
+        return _failed(cls, code, message, node_name)
+
+    if pod_reason == "DeadlineExceeded":
+        return fail(FailureClass.DEADLINE_EXCEEDED, pod_message or "pod activeDeadlineSeconds exceeded")
+    if pod_reason in GPU_ADMISSION_REASONS:
+        return fail(FailureClass.GPU_UNAVAILABLE, f"{pod_reason}: {pod_message}")
+    if terminated is not None and terminated.get("reason") == "OOMKilled":
+        return fail(
+            FailureClass.HOST_OOM, text or "container killed by the kernel OOM killer at its memory limit"
+        )
+    if code is not None and code in EXIT_CODE_CLASS and code != ExitCode.UNKNOWN:
+        return fail(EXIT_CODE_CLASS[code], text or f"trainer exited with code {code} ({ExitCode(code).name})")
+    signalled = code is not None and code > 128
+    if pod_reason == "Evicted":
+        memory = "memory" in pod_message and "ephemeral" not in pod_message
+        return fail(FailureClass.HOST_OOM if memory else FailureClass.PREEMPTED, f"evicted: {pod_message}")
+    if disruption_reason in NODE_GONE_DISRUPTIONS and node_gone:
+        return fail(FailureClass.NODE_LOST, f"node {node_name} lost ({disruption_reason})")
+    if disruption_reason or pod_reason in {"Terminated", "Shutdown", "NodeAffinity", "Preempting"}:
+        return fail(FailureClass.PREEMPTED, _disruption_message(disruption_reason or pod_reason, code, text))
+    if node_gone and (code is None or signalled):
+        return fail(FailureClass.NODE_LOST, f"node {node_name} is gone or NotReady")
+    for pattern, cls in MESSAGE_SIGNATURES:
+        if pattern.search(text):
+            return fail(cls, text)
+    if code is not None and code > 128:
+        return fail(FailureClass.UNKNOWN, text or f"trainer killed by {_signal_name(code)}")
+    detail = text or pod_message or (f"exited with code {code}" if code is not None else "pod failed")
+    return fail(FailureClass.UNKNOWN, detail)
+
+
+def _failed(cls: FailureClass, code: int | None, message: str, node: str | None) -> Classification:
+    return Classification(Outcome.FAILED, cls, code, _one_line(message), node)
+
+
+def _waiting_failure(status: Obj, node_name: str | None) -> Classification | None:
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason, message = waiting.get("reason", ""), waiting.get("message", "")
+        if reason in IMAGE_PULL_WAITING:
+            return _failed(
+                FailureClass.IMAGE_PULL_ERROR, None, f"{reason}: {message or cs.get('image')}", node_name
+            )
+        if reason in CONFIG_WAITING:
+            return _failed(FailureClass.CONFIG_ERROR, None, f"{reason}: {message}", node_name)
+    return None
+
+
+def _terminated_state(status: Obj) -> Obj | None:
+    """The trainer container's terminated state; a failed container wins over a finished sidecar."""
+    states = [(cs.get("state") or {}).get("terminated") for cs in status.get("containerStatuses") or []]
+    ended = [s for s in states if s]
+    return next((s for s in ended if s.get("exitCode") != 0), ended[0] if ended else None)
+
+
+def _running_since(status: Obj) -> datetime | None:
+    for cs in status.get("containerStatuses") or []:
+        started = ((cs.get("state") or {}).get("running") or {}).get("startedAt")
+        if started:
+            return parse_time(started)
+    return None
+
+
+def _condition(obj_status: Obj, type_: str) -> Obj | None:
+    return next((c for c in obj_status.get("conditions") or [] if c.get("type") == type_), None)
+
+
+def _not_ready_for(node: Obj, now: datetime) -> float | None:
+    """Seconds the node has been NotReady (Ready False or Unknown), or None when it is Ready."""
+    ready = _condition(node.get("status") or {}, "Ready")
+    if ready is not None and ready.get("status") == "True":
+        return None
+    since = parse_time(ready.get("lastTransitionTime")) if ready else None
+    return float("inf") if since is None else max(0.0, (now - since).total_seconds())
+
+
+def _disruption_message(reason: str, code: int | None, text: str) -> str:
+    how = f", trainer {'killed by ' + _signal_name(code) if code > 128 else f'exited {code}'}" if code else ""
+    return f"{reason}{how}" + (f": {text}" if text else "")
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return f"{signal.Signals(code - 128).name} (exit code {code})"
+    except ValueError:
+        return f"exit code {code}"
+
+
+def _one_line(text: str) -> str:
+    """The last non-empty line (where a traceback puts the error), trimmed for status and events."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= MESSAGE_MAX_CHARS else line[: MESSAGE_MAX_CHARS - 1] + "…"
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """An RFC 3339 timestamp as the API server writes it, or None."""
+    return datetime.fromisoformat(value) if value else None

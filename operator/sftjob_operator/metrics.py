@@ -1,0 +1,106 @@
+"""The operator's Prometheus metrics (names fixed in the cross-team contract) and how a pass feeds them.
+
+Served by prometheus_client on their own port (default 8080), apart from kopf's liveness endpoint.
+Everything job-level is derived by comparing a job's status before and after a pass, so the numbers
+come from the same state the API server holds, not from a separate event stream.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from datetime import datetime
+from importlib.metadata import version
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from sftjob.spec import SFTJobStatus
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STARTUP_BUCKETS = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+STEP_BUCKETS = (0, 1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+RECONCILES = Counter("sftjob_operator_reconcile_total", "Reconcile passes by result.", ["result"])
+RECONCILE_SECONDS = Histogram(
+    "sftjob_operator_reconcile_duration_seconds",
+    "Time of one reconcile pass, API calls included.",
+    buckets=LATENCY_BUCKETS,
+)
+JOBS = Gauge("sftjob_jobs", "SFTJobs by phase and the GPU type they run on.", ["phase", "gpu_type"])
+PODS_CREATED = Counter("sftjob_operator_pods_created_total", "Trainer pods the operator created.")
+RESTARTS = Counter(
+    "sftjob_restarts_total", "Attempts started after a failure, by its class.", ["failure_class"]
+)
+OOM_REPLANS = Counter("sftjob_oom_replans_total", "Attempts started with a re-planned config after CUDA OOM.")
+TIME_TO_SCHEDULED = Histogram(
+    "sftjob_job_time_to_scheduled_seconds",
+    "Job creation to all first-attempt pods bound.",
+    buckets=STARTUP_BUCKETS,
+)
+TIME_TO_TRAINING = Histogram(
+    "sftjob_job_time_to_training_started_seconds",
+    "Job creation to first-attempt pods Running.",
+    buckets=STARTUP_BUCKETS,
+)
+RECOVERY_SECONDS = Histogram(
+    "sftjob_recovery_duration_seconds",
+    "A failed attempt's end to the next attempt Running.",
+    buckets=STARTUP_BUCKETS,
+)
+LOST_STEPS = Histogram(
+    "sftjob_restart_lost_steps",
+    "Steps since the last checkpoint when an attempt failed.",
+    buckets=STEP_BUCKETS,
+)
+WATCH_EVENTS = Counter(
+    "sftjob_operator_watch_events_total", "Watch events the operator handled, by kind.", ["kind"]
+)
+BUILD_INFO = Gauge("sftjob_operator_build_info", "The operator's version.", ["version"])
+
+_job_states: dict[tuple[str, str], tuple[str, str]] = {}
+
+
+def serve(port: int) -> None:
+    BUILD_INFO.labels(version=version("sftjob")).set(1)
+    start_http_server(port)
+
+
+def observe_pass(*, old: SFTJobStatus, new: SFTJobStatus, created: datetime, now: datetime) -> None:
+    """Count what changed between a job's status before and after a pass."""
+    if _flipped_true(old, new, "Scheduled") and new.attempt == 1:
+        TIME_TO_SCHEDULED.observe((now - created).total_seconds())
+    if new.phase == "Running" and old.phase != "Running":
+        if new.attempt == 1:
+            TIME_TO_TRAINING.observe((now - created).total_seconds())
+        previous = next((r for r in new.attempts if r.attempt == new.attempt - 1), None)
+        if previous is not None and previous.failed and previous.end_time is not None:
+            RECOVERY_SECONDS.observe((now - previous.end_time).total_seconds())
+    ended_before = {r.attempt for r in old.attempts if r.failed}
+    for record in new.attempts:
+        if record.failed and record.attempt not in ended_before and record.lost_steps is not None:
+            LOST_STEPS.observe(record.lost_steps)
+    if new.restarts > old.restarts:
+        failed = [r for r in new.attempts if r.failed and r.attempt < new.attempt]
+        cause = failed[-1].reason if failed else None
+        RESTARTS.labels(failure_class=str(cause or "Unknown")).inc(new.restarts - old.restarts)
+        started = next((r for r in new.attempts if r.attempt == new.attempt), None)
+        if started is not None and started.ladder_step and str(cause) == "CudaOOM":
+            OOM_REPLANS.inc()
+
+
+def track_job(namespace: str, name: str, status: SFTJobStatus | None) -> None:
+    """Keep ``sftjob_jobs`` equal to the jobs the operator currently knows (None: the job is gone)."""
+    key = (namespace, name)
+    if status is None:
+        _job_states.pop(key, None)
+    else:
+        _job_states[key] = (status.phase, status.gpu.type or "Unknown")
+    JOBS.clear()
+    for (phase, gpu_type), count in Tally(_job_states.values()).items():
+        JOBS.labels(phase=phase, gpu_type=gpu_type).set(count)
+
+
+def _flipped_true(old: SFTJobStatus, new: SFTJobStatus, type: str) -> bool:
+    def true(s: SFTJobStatus) -> bool:
+        return any(c.type == type and c.status == "True" for c in s.conditions)
+
+    return true(new) and not true(old)

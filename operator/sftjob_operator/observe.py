@@ -1,0 +1,166 @@
+"""What the operator reads off the objects it watches, as plain data: trimmed pods and nodes for the
+in-memory indexes, and the trainer's progress and checkpoint reports from pod annotations.
+
+Pure functions over API dicts; the indexes in ``handlers.py`` store what :func:`trim_pod` and
+:func:`trim_node` return so a job's reconcile never lists anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from sftjob import constants as c
+from sftjob.spec import CheckpointStatus, ProgressStatus
+
+Obj = Mapping[str, Any]
+ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def trim_pod(body: Obj) -> dict[str, Any]:
+    """The parts of a trainer pod the reconcile and the failure classifier read."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    return {
+        "metadata": {
+            "name": meta.get("name"),
+            "labels": dict(meta.get("labels") or {}),
+            "annotations": {
+                k: v
+                for k, v in (meta.get("annotations") or {}).items()
+                if k in (c.ANNOTATION_PROGRESS, c.ANNOTATION_CHECKPOINT)
+            },
+            "creationTimestamp": meta.get("creationTimestamp"),
+            "deletionTimestamp": meta.get("deletionTimestamp"),
+        },
+        "spec": {"nodeName": spec.get("nodeName")},
+        "status": json.loads(json.dumps(body.get("status") or {})),
+    }
+
+
+def trim_node(body: Obj) -> dict[str, Any]:
+    """The parts of a node that matter: its GPU product, allocatable memory and readiness."""
+    meta, status = body.get("metadata") or {}, body.get("status") or {}
+    return {
+        "metadata": {
+            "name": meta.get("name"),
+            "labels": {c.GFD_PRODUCT: (meta.get("labels") or {}).get(c.GFD_PRODUCT)},
+        },
+        "status": {
+            "allocatable": dict(status.get("allocatable") or {}),
+            "conditions": [dict(x) for x in status.get("conditions") or [] if x.get("type") == "Ready"],
+        },
+    }
+
+
+def name(pod: Obj) -> str:
+    return str(pod["metadata"]["name"])
+
+
+def label_int(pod: Obj, key: str) -> int | None:
+    value = (pod["metadata"].get("labels") or {}).get(key)
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def attempt_of(pod: Obj) -> int:
+    return label_int(pod, c.LABEL_ATTEMPT) or 0
+
+
+def rank_of(pod: Obj) -> int:
+    return label_int(pod, c.LABEL_RANK) or 0
+
+
+def node_of(pod: Obj) -> str | None:
+    return (pod.get("spec") or {}).get("nodeName")
+
+
+def phase_of(pod: Obj) -> str:
+    return str((pod.get("status") or {}).get("phase") or "Pending")
+
+
+def is_active(pod: Obj) -> bool:
+    """Still holds (or may soon hold) GPUs: not finished and not already being deleted."""
+    return phase_of(pod) in ACTIVE_PHASES and not pod["metadata"].get("deletionTimestamp")
+
+
+def product_of(node: Obj | None) -> str | None:
+    if node is None:
+        return None
+    return (node["metadata"].get("labels") or {}).get(c.GFD_PRODUCT)
+
+
+def unschedulable_message(pods: Sequence[Obj]) -> str | None:
+    """The scheduler's explanation when a pod cannot be placed (PodScheduled=False, Unschedulable)."""
+    for pod in pods:
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                return str(cond.get("message") or cond.get("reason") or "unschedulable")
+    return None
+
+
+def progress_of(pods: Sequence[Obj]) -> ProgressStatus | None:
+    """The freshest progress report on any of the pods (rank 0 writes it)."""
+    reports = [r for r in (_progress(p) for p in pods) if r is not None]
+    return max(reports, key=lambda r: (r.step, r.updated or EPOCH), default=None)
+
+
+def checkpoint_of(pods: Sequence[Obj]) -> CheckpointStatus | None:
+    found = [cp for cp in (_checkpoint(p) for p in pods) if cp is not None]
+    return max(found, key=lambda cp: cp.step, default=None)
+
+
+def _annotation(pod: Obj, key: str) -> dict[str, Any] | None:
+    raw = (pod["metadata"].get("annotations") or {}).get(key)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _progress(pod: Obj) -> ProgressStatus | None:
+    report = _annotation(pod, c.ANNOTATION_PROGRESS)
+    if report is None:
+        return None
+    try:
+        step, total = int(report.get("step") or 0), int(report.get("totalSteps") or 0)
+        eta = _finite(report.get("etaSeconds"))
+        return ProgressStatus(
+            step=step,
+            total_steps=total,
+            epoch=round(_finite(report.get("epoch")) or 0.0, 4),
+            loss=_rounded(report.get("loss"), 4),
+            learning_rate=_finite(report.get("learningRate")),
+            tokens_per_second=_rounded(report.get("tokensPerSecond"), 1),
+            eta_seconds=None if eta is None else int(eta),
+            updated=report.get("updated"),
+            summary=f"{step}/{total}",
+        )
+    except (ValueError, TypeError, ValidationError):
+        return None
+
+
+def _rounded(value: Any, digits: int) -> float | None:
+    number = _finite(value)
+    return None if number is None else round(number, digits)
+
+
+def _checkpoint(pod: Obj) -> CheckpointStatus | None:
+    report = _annotation(pod, c.ANNOTATION_CHECKPOINT)
+    if report is None:
+        return None
+    try:
+        return CheckpointStatus.model_validate(report)
+    except ValidationError:
+        return None

@@ -1,0 +1,134 @@
+"""One plan per GPU profile the job may land on, made at admission and re-derived on every pass.
+
+A job for one GPU type is planned for that type's cards; ``Any`` or an ordered list is planned for
+every candidate card. The ConfigMap carries all of them (the trainer picks its row from the device it
+finds), the affinity keeps the pods off cards whose plan does not fit, and ``status.plan`` shows the
+plan of the card the pods landed on. Planning is pure and memoised on the spec, so re-deriving it on
+every reconcile pass costs nothing after the first.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sftjob.gpus import GpuProfile
+from sftjob.plan import Plan, PodResources
+from sftjob.spec import PlanStatus, SFTJobSpec, to_plan_request
+from sftjob_operator.conditions import Reason
+from sftjob_operator.scheduling import ProductMap, profile_of
+
+PlanFn = Callable[[SFTJobSpec, GpuProfile], Plan]
+
+
+class PlanningError(Exception):
+    """No plan can be made: ``reason`` is the condition reason, the message says what to change."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class CandidatePlans:
+    """Plans by GPU profile key, in preference order, and which product labels each serves."""
+
+    plans: dict[str, Plan]
+    profile_by_product: dict[str, str]
+
+    @property
+    def fitting(self) -> dict[str, Plan]:
+        return {key: p for key, p in self.plans.items() if p.fits}
+
+    @property
+    def first(self) -> Plan:
+        """The plan for the most preferred card that fits."""
+        return next(iter(self.fitting.values()))
+
+    def allowed_products(self) -> list[str]:
+        return [product for product, key in self.profile_by_product.items() if self.plans[key].fits]
+
+    def for_product(self, product: str) -> Plan | None:
+        key = self.profile_by_product.get(product)
+        return None if key is None else self.plans[key]
+
+
+def planner_plan(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
+    """The planner's plan for the job on ``profile`` (the production :data:`PlanFn`)."""
+    from sftjob import planner
+
+    return planner.plan(to_plan_request(spec, spec.gpu.count, spec.gpu.nodes), profile)
+
+
+def plan_candidates(spec: SFTJobSpec, products: ProductMap, plan_fn: PlanFn = planner_plan) -> CandidatePlans:
+    """Plans for every card the job's GPU types cover; raises PlanningError when none can run it."""
+    profiles: dict[str, GpuProfile] = {}
+    by_product: dict[str, str] = {}
+    for gpu_type in spec.gpu.candidates():
+        for product in products[gpu_type]:
+            profile = profile_of(product, gpu_type)
+            if profile is None:
+                continue
+            profiles.setdefault(profile.key, profile)
+            by_product[product] = profile.key
+    plans = {
+        key: _with_user_resources(spec, _cached_plan(plan_fn, spec, profile))
+        for key, profile in profiles.items()
+    }
+    found = CandidatePlans(plans, by_product)
+    if not found.fitting:
+        raise PlanningError(Reason.DOES_NOT_FIT, _no_fit_message(spec, plans))
+    return found
+
+
+def plan_status(plan: Plan) -> PlanStatus:
+    return PlanStatus(
+        gpu=plan.gpu,
+        summary=plan.summary(),
+        micro_batch_size=plan.training.micro_batch_size,
+        gradient_accumulation_steps=plan.training.gradient_accumulation_steps,
+        global_batch_size=plan.training.global_batch_size,
+        gradient_checkpointing=plan.training.gradient_checkpointing,
+        precision=plan.training.precision,
+        estimated_peak_gib=round(plan.memory.total_gib, 2),
+        capacity_gib=round(plan.memory.budget_gib, 2),
+        fits=plan.fits,
+    )
+
+
+def _cached_plan(plan_fn: PlanFn, spec: SFTJobSpec, profile: GpuProfile) -> Plan:
+    try:
+        return _memo(plan_fn, spec.model_dump_json(by_alias=True, exclude_none=True), profile)
+    except ValueError as err:  # the model cannot be sized, or the planner rejects the request
+        raise PlanningError(Reason.UNKNOWN_MODEL_SIZE, str(err)) from err
+
+
+@functools.lru_cache(maxsize=512)
+def _memo(plan_fn: PlanFn, spec_json: str, profile: GpuProfile) -> Plan:
+    return plan_fn(SFTJobSpec.model_validate_json(spec_json), profile)
+
+
+def _with_user_resources(spec: SFTJobSpec, plan: Plan) -> Plan:
+    wanted = spec.resources
+    if wanted.cpu is None and wanted.memory is None:
+        return plan
+    resources = PodResources(
+        cpu=wanted.cpu or plan.resources.cpu,
+        memory=wanted.memory or plan.resources.memory,
+        shm_size=plan.resources.shm_size,
+    )
+    return plan.model_copy(update={"resources": resources})
+
+
+def _no_fit_message(spec: SFTJobSpec, plans: dict[str, Plan]) -> str:
+    if not plans:
+        return "no GPU profile is known for the products of spec.gpu.type"
+    verdicts = [
+        f"{key}: {(p.reasons or ['does not fit'])[-1].removeprefix('does not fit: ')}"
+        for key, p in plans.items()
+    ]
+    suggestions = next((p.suggestions for p in plans.values() if p.suggestions), [])
+    advice = f"; try: {'; '.join(suggestions[:3])}" if suggestions else ""
+    return f"{spec.method} does not fit on {spec.gpu.describe()}: {' | '.join(verdicts)}{advice}"

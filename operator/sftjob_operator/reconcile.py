@@ -1,0 +1,431 @@
+"""The one level-based reconcile: an SFTJob and the pods and nodes it can see in, what to do out.
+
+``reconcile`` is pure. It reads the desired state (the spec), the observed state (the job's status,
+its pods and their nodes from the operator's indexes) and the time, and returns the new status plus
+the children to create and the pods to delete. It never looks at events or remembers anything, so a
+pass after an operator crash decides what the lost pass would have. The steps, in order:
+
+1. parse the spec (invalid: Failed/InvalidSpec) and plan it for every candidate GPU (nothing fits:
+   Failed/DoesNotFit); finished jobs only wait for their TTL;
+2. ``spec.suspend``: delete the pods, keep everything else; ``activeDeadlineSeconds`` exceeded: Failed;
+3. no attempt under way: ask the attempt policy for the next one and start it (status first, so the
+   attempt number is recorded before its pods exist), or wait for its backoff, or fail;
+4. an attempt under way: classify its pods; when it is over, record how it ended and go to 3;
+   otherwise create whatever pod is missing and report scheduling, GPU, plan and progress.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
+
+from sftjob.attempts import AttemptRecord
+from sftjob.config import JobRef
+from sftjob.failures import FailureClass
+from sftjob.spec import SFTJobSpec, SFTJobStatus, valid_job_name
+from sftjob_operator import builders, observe
+from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt, no_restarts
+from sftjob_operator.classify import Classification, Outcome, classify_attempt, classify_pod, end_record
+from sftjob_operator.conditions import ConditionType as T
+from sftjob_operator.conditions import Reason, set_condition
+from sftjob_operator.planning import (
+    CandidatePlans,
+    PlanFn,
+    PlanningError,
+    plan_candidates,
+    plan_status,
+    planner_plan,
+)
+from sftjob_operator.scheduling import ProductMap, node_affinity
+from sftjob_operator.status import gpu_status, parse_status, validation_message
+
+Obj = Mapping[str, Any]
+Manifest = dict[str, Any]
+# A pod of the current attempt that the index has not shown within this long after the attempt
+# started was deleted behind the operator's back; sooner, it is simply not created (or not seen) yet.
+POD_APPEARANCE_GRACE = timedelta(seconds=60)
+# Pods created by the pass that started the attempt take a moment to reach the index; only after this
+# long is a missing pod re-created (after an operator crash between the status write and the pods).
+POD_INDEX_SETTLE = timedelta(seconds=3)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything a pass reads: the job (as the API returned it), its pods, the nodes, the time."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: Obj
+    status: Obj
+    pods: Sequence[Obj]
+    nodes: Mapping[str, Obj]
+    now: datetime
+
+
+@dataclass(frozen=True)
+class Context:
+    """Operator configuration the decision depends on."""
+
+    products: ProductMap
+    image: str
+    plan_fn: PlanFn = planner_plan
+    attempt_policy: AttemptPolicy = no_restarts
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Actions:
+    """The pass's verdict, applied in this order: status, children, pod deletions, job deletion."""
+
+    status: SFTJobStatus
+    status_changed: bool
+    children: list[Manifest] = field(default_factory=list)  # created if missing (ConfigMap/Role: replaced)
+    delete_pods: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+
+
+def reconcile(obs: Observed, ctx: Context) -> Actions:
+    run = _Pass(obs, ctx)
+    run.run()
+    return run.actions()
+
+
+class _Pass:
+    """One reconcile pass: accumulates the new status and actions; no I/O."""
+
+    def __init__(self, obs: Observed, ctx: Context) -> None:
+        self.obs, self.ctx, self.now = obs, ctx, obs.now
+        self.old = parse_status(obs.status)
+        self.status = self.old.model_copy(update={"observed_generation": obs.generation})
+        self.children: list[Manifest] = []
+        self.deletes: list[str] = []
+        self.events: list[Event] = []
+        self.delete_job = False
+        self.requeue: list[float] = []
+        self.attempt = max([self.old.attempt, *(observe.attempt_of(p) for p in obs.pods)])
+        self.current = sorted(
+            (p for p in obs.pods if observe.attempt_of(p) == self.attempt), key=observe.rank_of
+        )
+
+    # --- the steps ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            spec = SFTJobSpec.model_validate(self.obs.spec)
+        except ValidationError as err:
+            return self.fail(Reason.INVALID_SPEC, validation_message(err), admitted=False)
+        if not valid_job_name(self.obs.name):
+            return self.fail(
+                Reason.INVALID_SPEC, "metadata.name must be a DNS label of at most 40 characters"
+            )
+        self.cond(T.ADMITTED, True, Reason.VALID_SPEC, "the spec is valid")
+        if self.status.finished:
+            return self.finished(spec)
+        try:
+            plans = plan_candidates(spec, self.ctx.products, self.ctx.plan_fn)
+        except PlanningError as err:
+            self.cond(T.PLANNED, False, err.reason, err.message)
+            return self.fail(err.reason, err.message)
+        self.cond(T.PLANNED, True, Reason.PLAN_FITS, f"fits on {', '.join(plans.fitting)}")
+        if self.status.plan is None:
+            self.status = self.status.model_copy(update={"plan": plan_status(plans.first)})
+        self.deletes += [observe.name(p) for p in self.obs.pods if observe.attempt_of(p) < self.attempt]
+
+        if spec.suspend:
+            return self.suspend(spec)
+        self.cond(T.SUSPENDED, False, Reason.NOT_SUSPENDED, "")
+        if self.deadline_passed(spec):
+            return self.fail(
+                Reason.DEADLINE_EXCEEDED,
+                f"the job ran longer than activeDeadlineSeconds {spec.active_deadline_seconds}",
+                ended_as=FailureClass.DEADLINE_EXCEEDED,
+            )
+        record = self.record()
+        if record is None or record.ended:
+            return self.next_attempt(spec, plans)
+        return self.under_way(spec, plans, record)
+
+    def next_attempt(self, spec: SFTJobSpec, plans: CandidatePlans) -> None:
+        decision = self.ctx.attempt_policy(
+            spec, self.status.attempts, plans, nodes=self.obs.nodes, now=self.now
+        )
+        if isinstance(decision, GiveUp):
+            return self.fail(decision.reason, decision.message)
+        if decision.not_before is not None and decision.not_before > self.now:
+            wait = (decision.not_before - self.now).total_seconds()
+            self.requeue.append(wait)
+            self.set_phase(
+                "Restarting",
+                Reason.RESTARTING,
+                f"attempt {decision.attempt} starts in {wait:.0f} s. {decision.message}".strip(),
+            )
+            return None
+        self.start(spec, decision)
+
+    def start(self, spec: SFTJobSpec, decision: NextAttempt) -> None:
+        """Record attempt N, then create its children; older attempts' pods go."""
+        self.attempt = decision.attempt
+        last_cp = self.status.last_checkpoint
+        record = AttemptRecord(
+            attempt=decision.attempt,
+            gpu=decision.plans.first.gpu,
+            start_time=self.now,
+            resumed_from_step=last_cp.step if last_cp else None,
+            plan=decision.plans.first.summary(),
+            ladder_step=decision.ladder_step,
+        )
+        restarted = bool(self.status.attempts) and self.status.attempts[-1].failed
+        self.status = self.status.model_copy(
+            update={
+                "attempt": decision.attempt,
+                "attempts": [*self.status.attempts, record],
+                "restarts": self.status.restarts + (1 if restarted else 0),
+                "start_time": self.status.start_time or self.now,
+                "plan": plan_status(decision.plans.first),
+            }
+        )
+        self.deletes += [observe.name(p) for p in self.obs.pods if observe.attempt_of(p) < decision.attempt]
+        self.children = self.render(spec, decision, ranks=list(range(spec.gpu.nodes)))
+        what = f"attempt {decision.attempt}: creating {spec.gpu.nodes} pod(s) for {spec.gpu.describe()}"
+        self.events.append(Event("Normal", Reason.PODS_CREATED, f"{what}. {decision.message}".strip()))
+        self.cond(T.SCHEDULED, False, Reason.WAITING_FOR_PODS, "the pods are being created")
+        self.cond(T.RUNNING, False, Reason.WAITING_FOR_PODS, "the pods are being created")
+        self.set_phase("Pending", Reason.PODS_CREATED, what)
+
+    def under_way(self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord) -> None:
+        history = [r for r in self.status.attempts if r.attempt < record.attempt]
+        rendering = self.ctx.attempt_policy(spec, history, plans, nodes=self.obs.nodes, now=self.now)
+        if isinstance(rendering, GiveUp):  # the policy changed its mind about a running attempt
+            return self.fail(rendering.reason, rendering.message)
+        by_rank = {observe.rank_of(p): p for p in self.current}
+        missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
+        grace_over = record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE
+        verdicts = [
+            self.classify(spec, by_rank.get(r), record)
+            for r in range(spec.gpu.nodes)
+            if r in by_rank or grace_over
+        ]
+        self.observe_progress()
+        outcome = classify_attempt(verdicts)
+        if outcome.over and (outcome.outcome is Outcome.FAILED or not missing):
+            return self.attempt_over(spec, plans, record, outcome)
+        age = self.now - record.start_time if record.start_time else POD_INDEX_SETTLE
+        if missing and age >= POD_INDEX_SETTLE:
+            self.children = self.render(spec, rendering, ranks=missing)
+        elif missing:
+            self.requeue.append((POD_INDEX_SETTLE - age).total_seconds())
+        self.observe_running(spec, rendering.plans, record)
+
+    def classify(self, spec: SFTJobSpec, pod: Obj | None, record: AttemptRecord) -> Classification:
+        """One pod's verdict; a pod that is gone is judged by the node it was last seen on."""
+        node_name = observe.node_of(pod) if pod is not None else record.node
+        return classify_pod(
+            pod,
+            self.obs.nodes.get(node_name) if node_name else None,
+            now=self.now,
+            node_name=None if pod is not None else record.node,
+            last_progress=self.status.progress.updated if self.status.progress else None,
+            stall_timeout_seconds=spec.restart_policy.stall_timeout_seconds,
+        )
+
+    def attempt_over(
+        self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord, outcome: Classification
+    ) -> None:
+        ended = end_record(
+            record,
+            outcome,
+            end_time=self.now,
+            progress_step=self.status.progress.step if self.status.progress else None,
+            checkpoint_step=self.status.last_checkpoint.step if self.status.last_checkpoint else None,
+        )
+        self.replace_record(ended)
+        self.deletes += [observe.name(p) for p in self.current if observe.is_active(p)]
+        if outcome.outcome is Outcome.SUCCEEDED:
+            return self.succeed()
+        self.next_attempt(spec, plans)
+
+    def observe_running(self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord) -> None:
+        pods = self.current
+        gpu, plan = gpu_status(spec, pods, self.obs.nodes, self.ctx.products, plans)
+        nodes = gpu.nodes
+        update: dict[str, Any] = {"gpu": gpu}
+        if plan is not None:
+            update["plan"] = plan_status(plan)
+        self.status = self.status.model_copy(update=update)
+        self.replace_record(
+            record.model_copy(
+                update={
+                    "node": nodes[0] if nodes else None,
+                    "gpu": plan.gpu if plan else record.gpu,
+                    "plan": plan.summary() if plan else record.plan,
+                }
+            )
+        )
+        everyone = len(pods) == spec.gpu.nodes
+        unschedulable = observe.unschedulable_message(pods)
+        if everyone and len(nodes) == len(pods):
+            self.cond(T.SCHEDULED, True, Reason.BOUND, f"on {', '.join(nodes)}")
+        elif unschedulable is not None:
+            self.cond(T.SCHEDULED, False, Reason.UNSCHEDULABLE, unschedulable)
+        else:
+            self.cond(T.SCHEDULED, False, Reason.WAITING_FOR_PODS, "waiting for the scheduler")
+        if everyone and all(observe.phase_of(p) == "Running" for p in pods):
+            self.cond(T.RUNNING, True, Reason.TRAINING, f"attempt {record.attempt} on {', '.join(nodes)}")
+            self.set_phase(
+                "Running", Reason.TRAINING, f"training on {self.status.gpu.summary} ({', '.join(nodes)})"
+            )
+        else:
+            reason = Reason.UNSCHEDULABLE if unschedulable else Reason.STARTING
+            self.cond(T.RUNNING, False, reason, unschedulable or "waiting for the trainer containers")
+            self.set_phase("Pending", reason, unschedulable or "waiting for the pods to start")
+        self.cond(T.SUCCEEDED, False, Reason.NOT_FINISHED, "")
+        self.cond(T.FAILED, False, Reason.NOT_FINISHED, "")
+        if record.start_time is not None and len(pods) < spec.gpu.nodes:
+            self.requeue.append(POD_APPEARANCE_GRACE.total_seconds())
+
+    def observe_progress(self) -> None:
+        progress = observe.progress_of(self.current)
+        if progress is not None:
+            self.status = self.status.model_copy(update={"progress": progress})
+        checkpoint = observe.checkpoint_of(self.current)
+        old = self.status.last_checkpoint
+        if checkpoint is not None and (old is None or checkpoint.step >= old.step):
+            self.status = self.status.model_copy(update={"last_checkpoint": checkpoint})
+
+    def suspend(self, spec: SFTJobSpec) -> None:
+        self.deletes += [observe.name(p) for p in self.current]
+        record = self.record()
+        if record is not None and not record.ended:
+            self.observe_progress()
+            self.replace_record(record.model_copy(update={"end_time": self.now, "message": "suspended"}))
+        self.cond(T.SUSPENDED, True, Reason.SUSPENDED, "spec.suspend is true: pods deleted, checkpoints kept")
+        self.cond(T.RUNNING, False, Reason.SUSPENDED, "suspended")
+        # Like a Job, a resumed SFTJob's activeDeadlineSeconds counts from the resume.
+        self.status = self.status.model_copy(update={"start_time": None})
+        self.set_phase("Suspended", Reason.SUSPENDED, "spec.suspend is true")
+
+    def finished(self, spec: SFTJobSpec) -> None:
+        self.deletes += [observe.name(p) for p in self.obs.pods if observe.is_active(p)]
+        ttl, done = spec.ttl_seconds_after_finished, self.status.completion_time
+        if ttl is None or done is None:
+            return
+        left = (done + timedelta(seconds=ttl) - self.now).total_seconds()
+        if left <= 0:
+            self.delete_job = True
+            self.events.append(
+                Event("Normal", Reason.FINISHED, f"deleting the job {ttl} s after it finished")
+            )
+        else:
+            self.requeue.append(left)
+
+    def deadline_passed(self, spec: SFTJobSpec) -> bool:
+        limit, since = spec.active_deadline_seconds, self.status.start_time
+        if limit is None or since is None:
+            return False
+        left = (since + timedelta(seconds=limit) - self.now).total_seconds()
+        if left > 0:
+            self.requeue.append(left)
+        return left <= 0
+
+    def succeed(self) -> None:
+        self.cond(T.SUCCEEDED, True, Reason.COMPLETED, f"attempt {self.attempt} completed training")
+        self.cond(T.FAILED, False, Reason.COMPLETED, "")
+        self.cond(T.RUNNING, False, Reason.COMPLETED, "finished")
+        self.status = self.status.model_copy(update={"completion_time": self.now})
+        self.set_phase("Succeeded", Reason.COMPLETED, f"training completed in attempt {self.attempt}")
+
+    def fail(
+        self, reason: str, message: str, *, admitted: bool = True, ended_as: FailureClass | None = None
+    ) -> None:
+        if not admitted:
+            self.cond(T.ADMITTED, False, reason, message)
+        record = self.record()
+        if record is not None and not record.ended:
+            self.replace_record(
+                record.model_copy(update={"end_time": self.now, "reason": ended_as, "message": message})
+            )
+        self.deletes += [observe.name(p) for p in self.obs.pods if observe.is_active(p)]
+        self.cond(T.FAILED, True, reason, message)
+        self.cond(T.SUCCEEDED, False, reason, "")
+        self.cond(T.RUNNING, False, reason, "failed")
+        self.status = self.status.model_copy(
+            update={"completion_time": self.status.completion_time or self.now}
+        )
+        self.set_phase("Failed", reason, message)
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def render(self, spec: SFTJobSpec, attempt: NextAttempt, *, ranks: Sequence[int]) -> list[Manifest]:
+        """The children of ``attempt`` (only the pods of ``ranks``), in creation order."""
+        job = JobRef(
+            namespace=self.obs.namespace, name=self.obs.name, uid=self.obs.uid, attempt=attempt.attempt
+        )
+        affinity = node_affinity(
+            spec.gpu.candidates(),
+            self.ctx.products,
+            allowed_products=attempt.plans.allowed_products(),
+            avoid_nodes=attempt.avoid_nodes,
+        )
+        image = spec.image or self.ctx.image
+        return builders.attempt_children(
+            job, spec, attempt.plans, affinity=affinity, image=image, ranks=ranks
+        )
+
+    def record(self) -> AttemptRecord | None:
+        return next((r for r in reversed(self.status.attempts) if r.attempt == self.attempt), None)
+
+    def replace_record(self, new: AttemptRecord) -> None:
+        attempts = [new if r.attempt == new.attempt else r for r in self.status.attempts]
+        self.status = self.status.model_copy(update={"attempts": attempts})
+
+    def cond(self, type: T, status: bool | None, reason: str, message: str) -> None:
+        conditions = set_condition(
+            self.status.conditions,
+            type=type,
+            status=status,
+            reason=reason,
+            message=message[:4096],
+            generation=self.obs.generation,
+            now=self.now,
+        )
+        self.status = self.status.model_copy(update={"conditions": conditions})
+
+    def set_phase(self, phase: str, reason: str, message: str) -> None:
+        if phase != self.old.phase and phase != "Pending":  # a new attempt announces itself (PodsCreated)
+            kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
+            self.events.append(Event(kind, reason if phase in ("Failed", "Restarting") else phase, message))
+        self.status = self.status.model_copy(update={"phase": phase})
+
+    def actions(self) -> Actions:
+        unschedulable_now = _reason(self.status, T.SCHEDULED) == Reason.UNSCHEDULABLE
+        if unschedulable_now and _reason(self.old, T.SCHEDULED) != Reason.UNSCHEDULABLE:
+            message = next(c.message for c in self.status.conditions if c.type == T.SCHEDULED)
+            self.events.append(Event("Warning", Reason.UNSCHEDULABLE, message))
+        deleting = {observe.name(p) for p in self.obs.pods if p["metadata"].get("deletionTimestamp")}
+        return Actions(
+            status=self.status,
+            status_changed=self.status != self.old,
+            children=self.children,
+            delete_pods=sorted(set(self.deletes) - deleting),
+            delete_job=self.delete_job,
+            events=self.events,
+            requeue_after=min(self.requeue) if self.requeue else None,
+        )
+
+
+def _reason(status: SFTJobStatus, type: str) -> str | None:
+    return next((c.reason for c in status.conditions if c.type == type and c.status == "False"), None)

@@ -1,0 +1,278 @@
+"""The restart policy: after each attempt, the next one (when, with which plans, avoiding which
+nodes) or the reason the job fails.
+
+:func:`next_attempt` is the reconcile's :data:`~sftjob_operator.attempt_policy.AttemptPolicy`. It is a
+pure function of ``spec.restartPolicy``, the attempt history in ``status.attempts``, the planner's
+plans and the nodes: everything lives in the API server, and the next attempt's settings (the
+OOM-laddered plans, the raised memory, the nodes to avoid, safer NCCL settings) are re-derived from
+the whole history on every pass. An operator killed mid-backoff or mid-re-plan therefore decides
+the same thing after it starts again. ``docs/failures.md`` describes the rules for users.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from sftjob.attempts import AttemptRecord, RestartPolicy
+from sftjob.failures import NODE_FAULT, PERMANENT, FailureClass
+from sftjob.gpus import profile_for_key
+from sftjob.plan import Plan
+from sftjob.planner import replan_after_oom
+from sftjob.spec import SFTJobSpec, to_plan_request
+from sftjob_operator.attempt_policy import GiveUp, NextAttempt
+from sftjob_operator.planning import CandidatePlans
+
+NodeObj = Mapping[str, Any]
+# Takes the plan that ran out of GPU memory, returns the next rung of the ladder (same global batch;
+# ``fits=False`` once no rung is left).
+Replanner = Callable[[Plan], Plan]
+
+# Each host OOM raises the pod's memory request (and limit) by this factor, up to node allocatable.
+HOST_OOM_MEMORY_FACTOR = 1.5
+# A node that produced this many communication errors is avoided by later attempts.
+COMMUNICATION_ERRORS_TO_AVOID_NODE = 2
+# NCCL's slow-but-safe setting for PCIe-only GPUs whose P2P path hangs (ACS/IOMMU): research §3.1.
+SAFE_PCIE_NCCL_ENV = {"NCCL_P2P_DISABLE": "1"}
+
+ADVICE: dict[FailureClass, str] = {
+    FailureClass.CONFIG_ERROR: "fix the SFTJob spec (or the Secret/ConfigMap it names) and apply it again",
+    FailureClass.DATA_ERROR: "fix the dataset (format, columns, bad rows) and apply the job again",
+    FailureClass.MODEL_LOAD_ERROR: "check the model name, revision, token Secret and volume; apply again",
+    FailureClass.IMAGE_PULL_ERROR: "check spec.image and the registry credentials, then apply again",
+    FailureClass.DEADLINE_EXCEEDED: "raise spec.activeDeadlineSeconds or shorten the training",
+    FailureClass.CUDA_OOM: "lower training.microBatchSize or dataset.maxSeqLength, or use a larger GPU",
+    FailureClass.HOST_OOM: "lower dataloader memory (workers, in-memory data) or use bigger nodes",
+}
+
+
+class GiveUpReason(StrEnum):
+    """``Failed`` condition reasons besides the failure classes themselves."""
+
+    RESTART_LIMIT_EXCEEDED = "RestartLimitExceeded"
+    INTERRUPTION_LIMIT_EXCEEDED = "InterruptionLimitExceeded"
+    OOM_LADDER_EXHAUSTED = "OOMLadderExhausted"
+    HOST_MEMORY_EXHAUSTED = "HostMemoryExhausted"
+
+
+def next_attempt(
+    spec: SFTJobSpec,
+    history: Sequence[AttemptRecord],
+    plans: CandidatePlans,
+    *,
+    nodes: Mapping[str, NodeObj],
+    now: datetime,
+) -> NextAttempt | GiveUp:
+    """The attempt after ``history`` (the first one, a resume, or a restart), or why there is none."""
+    return decide(spec.restart_policy, history, plans, replan=planner_replanner(spec), nodes=nodes)
+
+
+def planner_replanner(spec: SFTJobSpec) -> Replanner:
+    """The planner's OOM ladder for this job; the plan's GPU profile is the card that ran out."""
+
+    def replan(plan: Plan) -> Plan:
+        request = to_plan_request(spec, spec.gpu.count, spec.gpu.nodes)
+        return replan_after_oom(request, profile_for_key(plan.gpu), plan)
+
+    return replan
+
+
+def decide(
+    policy: RestartPolicy,
+    history: Sequence[AttemptRecord],
+    plans: CandidatePlans,
+    *,
+    replan: Replanner,
+    nodes: Mapping[str, NodeObj],
+) -> NextAttempt | GiveUp:
+    """The decision, with the re-planner passed in. ``plans`` are the planner's plans for the job
+    (the user's resources applied); the nodes map names to Node objects (for allocatable memory)."""
+    last = history[-1] if history else None
+    counted = False
+    if last is not None and last.failed:
+        stop = _stop(policy, history)
+        if stop is not None:
+            return stop
+        counted = counts_against_budget(policy, last)
+    settings = attempt_settings(policy, history, plans, replan=replan, nodes=nodes)
+    if isinstance(settings, GiveUp):
+        return settings
+    not_before = None
+    if counted and last is not None and last.end_time is not None:
+        used = sum(1 for r in history if counts_against_budget(policy, r))
+        not_before = last.end_time + timedelta(seconds=backoff_seconds(policy, used))
+    return settings if not_before is None else replace(settings, not_before=not_before)
+
+
+def backoff_seconds(policy: RestartPolicy, failures: int) -> float:
+    """Wait before the restart after the ``failures``-th counted failure: backoff·2^(n-1), capped."""
+    if failures < 1:
+        return 0.0
+    return float(min(policy.backoff_seconds * 2 ** min(failures - 1, 32), policy.max_backoff_seconds))
+
+
+def counts_against_budget(policy: RestartPolicy, record: AttemptRecord) -> bool:
+    """Failures the job caused itself count against maxRestarts; interruptions and OOM re-plans do not."""
+    if not record.failed or record.interrupted:
+        return False
+    return not (record.reason is FailureClass.CUDA_OOM and policy.on_oom == "Replan")
+
+
+def attempt_settings(
+    policy: RestartPolicy,
+    history: Sequence[AttemptRecord],
+    plans: CandidatePlans,
+    *,
+    replan: Replanner,
+    nodes: Mapping[str, NodeObj],
+) -> NextAttempt | GiveUp:
+    """The attempt that follows ``history``, starting at once: the planner's plans with every
+    adjustment the failures so far call for, or why no plan is left."""
+    ended = [r for r in history if r.failed]
+    adjusted, changes = _gpu_adjusted(policy, plans, ended, replan)
+    if not any(p.fits for p in adjusted.values()):
+        ladders = " | ".join(f"{k}: {'; '.join(p.ladder)}" for k, p in adjusted.items() if p.ladder)
+        return GiveUp(
+            GiveUpReason.OOM_LADDER_EXHAUSTED,
+            f"out of GPU memory with every re-plan applied ({ladders}); {ADVICE[FailureClass.CUDA_OOM]}",
+        )
+
+    host_ooms = [r for r in ended if r.reason is FailureClass.HOST_OOM]
+    if host_ooms:
+        allocatable = _allocatable_memory(nodes.get(host_ooms[-1].node or ""))
+        for key, plan in adjusted.items():
+            memory = raised_memory(plan.resources.memory, len(host_ooms), allocatable)
+            if memory is None:
+                return GiveUp(
+                    GiveUpReason.HOST_MEMORY_EXHAUSTED,
+                    f"the trainer ran out of host memory {len(host_ooms)} time(s) and its memory request"
+                    f" already equals the node's allocatable {allocatable}; {ADVICE[FailureClass.HOST_OOM]}",
+                )
+            resources = plan.resources.model_copy(update={"memory": memory})
+            adjusted[key] = plan.model_copy(update={"resources": resources})
+        first = plans.first.resources.memory
+        changes.append(f"memory {first} -> {adjusted[plans.first.gpu].resources.memory} after host OOM")
+
+    avoid = avoided_nodes(ended)
+    if avoid:
+        changes.append(f"avoiding node(s) {', '.join(avoid)}")
+    result = CandidatePlans(adjusted, plans.profile_by_product)
+    return NextAttempt(
+        attempt=max((r.attempt for r in history), default=0) + 1,
+        plans=result,
+        avoid_nodes=avoid,
+        ladder_step=result.first.ladder[-1] if result.first.ladder else None,
+        message="; ".join(changes),
+    )
+
+
+def _gpu_adjusted(
+    policy: RestartPolicy, plans: CandidatePlans, ended: Sequence[AttemptRecord], replan: Replanner
+) -> tuple[dict[str, Plan], list[str]]:
+    """Each card's plan after the OOM ladder and NCCL fallbacks its own failures call for. A card whose
+    ladder ran out also rules out every candidate card with no more memory."""
+    changes: list[str] = []
+    adjusted = {key: _laddered(policy, plan, ended, replan) for key, plan in plans.plans.items()}
+    exhausted = [k for k, p in adjusted.items() if plans.plans[k].fits and not p.fits]
+    ceiling = max((profile_for_key(k).memory_gib for k in exhausted), default=0.0)
+    for key, plan in adjusted.items():
+        if plan.ladder:
+            changes.append(f"{key}: {plan.ladder[-1]}")
+        if plan.fits and profile_for_key(key).memory_gib <= ceiling:
+            adjusted[key] = plan.model_copy(update={"fits": False})
+            changes.append(f"{key}: skipped, no more GPU memory than {', '.join(exhausted)}")
+        safer = _safer_nccl(adjusted[key], ended)
+        if safer.env != adjusted[key].env:
+            changes.append(f"{key}: NCCL P2P disabled (PCIe only) after a communication error")
+        adjusted[key] = safer
+    return adjusted, changes
+
+
+def avoided_nodes(ended: Sequence[AttemptRecord]) -> tuple[str, ...]:
+    """Nodes that lost a job, failed its GPUs, or broke its communication more than once."""
+    comm = Counter(r.node for r in ended if r.reason is FailureClass.COMMUNICATION_ERROR and r.node)
+    bad = {r.node for r in ended if r.reason in NODE_FAULT and r.node}
+    bad |= {node for node, n in comm.items() if n >= COMMUNICATION_ERRORS_TO_AVOID_NODE}
+    return tuple(sorted(bad))
+
+
+def raised_memory(base: str, host_ooms: int, allocatable: str | None) -> str | None:
+    """``base`` raised once per host OOM, capped at ``allocatable``; None when the failed attempt
+    already ran at the cap."""
+    mib = 2**20
+    base_bytes = int(parse_quantity(base))
+    cap = int(parse_quantity(allocatable)) // mib * mib if allocatable else None
+    if cap is not None and base_bytes * HOST_OOM_MEMORY_FACTOR ** (host_ooms - 1) >= cap:
+        return None
+    wanted = math.ceil(base_bytes * HOST_OOM_MEMORY_FACTOR**host_ooms / mib) * mib
+    return f"{(wanted if cap is None else min(wanted, cap)) // mib}Mi"
+
+
+def _stop(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> GiveUp | None:
+    """Why the failure that ended ``history`` ends the job too, if it does."""
+    last = history[-1]
+    cls = last.reason or FailureClass.UNKNOWN
+    code = f" (exit code {last.exit_code})" if last.exit_code is not None else ""
+    what = f"attempt {last.attempt} failed with {cls}{code}" + (f": {last.message}" if last.message else "")
+    if cls in PERMANENT:
+        return GiveUp(cls.value, f"{what}; {ADVICE[cls]}")
+    if cls is FailureClass.CUDA_OOM and policy.on_oom == "Fail":
+        return GiveUp(cls.value, f"{what}; restartPolicy.onOOM is Fail: {ADVICE[cls]}")
+    if last.interrupted:
+        used = sum(1 for r in history if r.interrupted)
+        if used > policy.max_interruptions:
+            return GiveUp(
+                GiveUpReason.INTERRUPTION_LIMIT_EXCEEDED,
+                f"{what}; {used} preemptions or node losses exceed restartPolicy.maxInterruptions"
+                f" {policy.max_interruptions}",
+            )
+    elif counts_against_budget(policy, last):
+        used = sum(1 for r in history if counts_against_budget(policy, r))
+        if used > policy.max_restarts:
+            advice = f"; {ADVICE[cls]}" if cls in ADVICE else ""
+            return GiveUp(
+                GiveUpReason.RESTART_LIMIT_EXCEEDED,
+                f"{what}; {used} failures exceed restartPolicy.maxRestarts {policy.max_restarts}{advice}",
+            )
+    return None
+
+
+def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord], replan: Replanner) -> Plan:
+    """``plan`` one rung down the OOM ladder per CUDA OOM on its GPU; ``fits=False`` once exhausted.
+
+    The re-planner rebuilds the plan from the request, so the resources (which may carry the user's
+    ``spec.resources``) are kept from the plan it was given.
+    """
+    if policy.on_oom != "Replan" or not plan.fits:
+        return plan
+    for record in ended:
+        if record.reason is FailureClass.CUDA_OOM and record.gpu == plan.gpu:
+            rung = replan(plan)
+            if len(rung.ladder) <= len(plan.ladder):  # the re-planner added no step: nothing left
+                rung = rung.model_copy(update={"fits": False})
+            plan = rung.model_copy(update={"resources": plan.resources})
+            if not plan.fits:
+                break
+    return plan
+
+
+def _safer_nccl(plan: Plan, ended: Sequence[AttemptRecord]) -> Plan:
+    """PCIe-only cards fall back to NCCL without P2P after a communication error on that card."""
+    pcie_only = profile_for_key(plan.gpu).nvlink_gbs is None
+    if pcie_only and any(r.reason is FailureClass.COMMUNICATION_ERROR and r.gpu == plan.gpu for r in ended):
+        return plan.model_copy(update={"env": {**plan.env, **SAFE_PCIE_NCCL_ENV}})
+    return plan
+
+
+def _allocatable_memory(node: NodeObj | None) -> str | None:
+    if node is None:
+        return None
+    memory = ((node.get("status") or {}).get("allocatable") or {}).get("memory")
+    return str(memory) if memory else None

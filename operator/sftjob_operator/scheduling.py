@@ -1,0 +1,98 @@
+"""Where trainer pods may run: the GPU-type-to-product mapping and the node affinity built from it.
+
+Nodes are matched on the ``nvidia.com/gpu.product`` label GPU Feature Discovery sets. A single GPU type
+becomes a required affinity on that type's products; ``Any`` or an ordered list becomes a required
+affinity on every candidate's products plus preferred terms weighted in the user's order, so the
+scheduler picks the first preference with free GPUs and still lands the job elsewhere when it has none.
+The mapping is operator configuration (``--gpu-products``); the default comes from ``sftjob.gpus``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sftjob import constants as c
+from sftjob.gpus import GPU_TYPES, GpuProfile, products_for_type, profile_for_product, profile_for_type
+
+ProductMap = Mapping[str, Sequence[str]]  # GPU type ("A800") -> GFD product labels
+HOSTNAME_FIELD = "metadata.name"
+
+
+def default_products() -> dict[str, list[str]]:
+    return {gpu_type: products_for_type(gpu_type) for gpu_type in GPU_TYPES}
+
+
+def parse_products(text: str) -> dict[str, list[str]]:
+    """``{"A800": ["NVIDIA-A800-SXM4-80GB", ...], ...}`` from operator configuration, checked."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError("the GPU product mapping must be a JSON object of GPU type -> product labels")
+    mapping = default_products()
+    for gpu_type, products in raw.items():
+        if gpu_type not in GPU_TYPES:
+            raise ValueError(
+                f"unknown GPU type {gpu_type!r} in the product mapping; known: {', '.join(GPU_TYPES)}"
+            )
+        if (
+            not isinstance(products, list)
+            or not products
+            or not all(isinstance(p, str) and p for p in products)
+        ):
+            raise ValueError(f"products for {gpu_type} must be a non-empty list of labels")
+        mapping[gpu_type] = list(products)
+    return mapping
+
+
+def profile_of(product: str, gpu_type: str | None = None) -> GpuProfile | None:
+    """The profile for a node's product label; a configured product the table lacks plans as its type."""
+    found = profile_for_product(product)
+    if found is None and gpu_type is not None:
+        return profile_for_type(gpu_type)
+    return found
+
+
+def type_of(product: str, products: ProductMap) -> str | None:
+    """The GPU type a product label belongs to under the mapping."""
+    return next((t for t, labels in products.items() if product in labels), None)
+
+
+def node_affinity(
+    preferences: Sequence[str],
+    products: ProductMap,
+    *,
+    allowed_products: Sequence[str] | None = None,
+    avoid_nodes: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The pod's ``affinity.nodeAffinity`` for GPU types in preference order.
+
+    ``allowed_products`` narrows the candidates (products whose plan does not fit are left out);
+    ``avoid_nodes`` keeps the pods off nodes that failed the job before.
+    """
+    by_type = [
+        [p for p in products[t] if allowed_products is None or p in allowed_products] for t in preferences
+    ]
+    every = [p for labels in by_type for p in labels]
+    term: dict[str, Any] = {"matchExpressions": [{"key": c.GFD_PRODUCT, "operator": "In", "values": every}]}
+    if avoid_nodes:
+        term["matchFields"] = [{"key": HOSTNAME_FIELD, "operator": "NotIn", "values": list(avoid_nodes)}]
+    affinity: dict[str, Any] = {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+    }
+    preferred = [
+        {
+            "weight": max(1, 100 // (2**rank)),
+            "preference": {"matchExpressions": [{"key": c.GFD_PRODUCT, "operator": "In", "values": labels}]},
+        }
+        for rank, labels in enumerate(by_type)
+        if labels
+    ]
+    if len(preferred) > 1:
+        affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
+    return affinity
+
+
+def gpu_tolerations() -> list[dict[str, Any]]:
+    """GPU node pools carry a ``nvidia.com/gpu`` taint; trainer pods always tolerate it."""
+    return [{"key": c.GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]

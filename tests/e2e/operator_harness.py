@@ -1,0 +1,174 @@
+"""Helpers for the operator e2e tests: the operator as a subprocess, SFTJobs through kubectl, polling.
+
+The fixtures in ``conftest.py`` hand these to the tests; test modules import the helpers directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sftjob_dev.cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
+START_TIMEOUT = 60.0
+Completed = subprocess.CompletedProcess[str]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0, every: float = 0.25) -> Any:
+    """Poll until ``check()`` returns something truthy and return it; fail with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}", pytrace=False)
+        time.sleep(every)
+
+
+class Operator:
+    """The operator as a subprocess of the test session."""
+
+    def __init__(self, cluster: Cluster, log: Path) -> None:
+        self.cluster, self.log = cluster, log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.metrics_port = 0
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    def start(self) -> None:
+        live, self.metrics_port = free_port(), free_port()
+        argv = [
+            sys.executable, "-m", "sftjob_operator", "--standalone",
+            "--metrics-port", str(self.metrics_port),
+            "--liveness", f"http://127.0.0.1:{live}/healthz",
+            "--log-format", "plain",
+            "--resync-seconds", "5",
+        ]  # fmt: skip
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                argv, env={**os.environ, **self.cluster.env()}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+            )
+        wait_for("the operator's liveness endpoint", lambda: self._alive(live), timeout=START_TIMEOUT)
+
+    def _alive(self, port: int) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            pytest.fail(f"the operator exited with {self.proc.returncode}:\n{self.tail()}", pytrace=False)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, no goodbye; whatever the operator was doing stops mid-way."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def tail(self, lines: int = 60) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class Jobs:
+    """SFTJobs and their pods in one test namespace, through kubectl as the cluster admin."""
+
+    cluster: Cluster
+    namespace: str
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl("-n", self.namespace, *args, input=input, check=check)
+
+    def apply(self, *manifests: dict[str, Any] | str) -> None:
+        docs = [m if isinstance(m, str) else yaml.safe_dump(m) for m in manifests]
+        self.kubectl("apply", "-f", "-", input="\n---\n".join(docs))
+
+    def get(self, name: str) -> dict[str, Any]:
+        return dict(json.loads(self.kubectl("get", "sftjob", name, "-o", "json").stdout))
+
+    def status(self, name: str) -> dict[str, Any]:
+        return dict(self.get(name).get("status") or {})
+
+    def condition(self, name: str, type: str) -> dict[str, Any]:
+        return next((c for c in self.status(name).get("conditions", []) if c["type"] == type), {})
+
+    def wait_phase(self, name: str, phase: str, timeout: float = 30.0) -> dict[str, Any]:
+        return dict(
+            wait_for(
+                f"{name} to be {phase}", lambda: (s := self.status(name)).get("phase") == phase and s, timeout
+            )
+        )
+
+    def pods(self, job: str | None = None) -> list[dict[str, Any]]:
+        selector = f"sftjob.io/job={job}" if job else "sftjob.io/job"
+        items = json.loads(self.kubectl("get", "pods", "-l", selector, "-o", "json").stdout)["items"]
+        return list(items)
+
+    def node_product(self, node: str) -> str:
+        labels = json.loads(self.cluster.kubectl("get", "node", node, "-o", "json").stdout)["metadata"][
+            "labels"
+        ]
+        return str(labels["nvidia.com/gpu.product"])
+
+    def steer(self, pod: str, **annotations: str) -> None:
+        pairs = [f"sim.sftjob.dev/{k.replace('_', '-')}={v}" for k, v in annotations.items()]
+        self.kubectl("annotate", "--overwrite", "pod", pod, *pairs)
+
+    def running_pods(self, job: str, count: int = 1, timeout: float = 30.0) -> list[dict[str, Any]]:
+        def ready() -> list[dict[str, Any]] | None:
+            pods = [p for p in self.pods(job) if p["status"].get("phase") == "Running"]
+            return pods if len(pods) == count else None
+
+        return list(wait_for(f"{count} running pod(s) of {job}", ready, timeout))
+
+    def delete_all(self) -> None:
+        self.kubectl("delete", "sftjobs", "--all", "--wait=true", "--timeout=60s", check=False)
+        wait_for("the namespace's trainer pods to go", lambda: not self.pods(), timeout=60)
+
+
+def sftjob(name: str, **spec: Any) -> dict[str, Any]:
+    """An SFTJob manifest with a small default model and dataset; ``spec`` entries override."""
+    body: dict[str, Any] = {
+        "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct"},
+        "dataset": {"name": "HuggingFaceH4/ultrachat_200k"},
+        "gpu": {"type": "L40S", "count": 1},
+    }
+    body.update(spec)
+    return {"apiVersion": "sftjob.io/v1alpha1", "kind": "SFTJob", "metadata": {"name": name}, "spec": body}

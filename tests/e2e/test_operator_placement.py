@@ -1,0 +1,69 @@
+"""Trainer pods land on the GPU nodes the SFTJob asks for, and a job that cannot be placed says why."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import yaml
+from operator_harness import REPO, Jobs, sftjob, wait_for
+
+from sftjob.gpus import products_for_type
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def allowed_types(spec: dict[str, object]) -> list[str]:
+    gpu = dict(spec.get("gpu") or {})  # type: ignore[call-overload]
+    if gpu.get("types"):
+        return list(gpu["types"])
+    return ["A800", "A40", "L40S"] if gpu.get("type", "Any") == "Any" else [str(gpu["type"])]
+
+
+def test_every_example_lands_only_on_nodes_of_its_gpu_type(jobs: Jobs) -> None:
+    manifests = [yaml.safe_load(p.read_text()) for p in EXAMPLES]
+    jobs.apply(*manifests)
+    for manifest in manifests:
+        name, spec = manifest["metadata"]["name"], manifest["spec"]
+        nodes = spec["gpu"].get("nodes", 1)
+        pods = jobs.running_pods(name, count=nodes, timeout=60)
+        products = {p for t in allowed_types(spec) for p in products_for_type(t)}
+        for pod in pods:
+            assert jobs.node_product(pod["spec"]["nodeName"]) in products, (name, pod["spec"]["nodeName"])
+        status = jobs.wait_phase(name, "Running")
+        assert status["gpu"]["type"] in allowed_types(spec)
+        by_rank = sorted(pods, key=lambda p: p["metadata"]["labels"]["sftjob.io/node-rank"])
+        assert status["gpu"]["nodes"] == [p["spec"]["nodeName"] for p in by_rank]
+
+
+def test_any_lands_on_a_free_gpu_type_and_is_planned_for_the_type_it_landed_on(jobs: Jobs) -> None:
+    jobs.apply(
+        sftjob("fill-a", gpu={"type": "A800", "count": 8}), sftjob("fill-b", gpu={"type": "A800", "count": 8})
+    )
+    jobs.running_pods("fill-a")
+    jobs.running_pods("fill-b")
+    jobs.apply(
+        sftjob(
+            "anywhere", model={"name": "meta-llama/Llama-3.1-8B-Instruct"}, gpu={"type": "Any", "count": 4}
+        )
+    )
+    (pod,) = jobs.running_pods("anywhere")
+    landed = jobs.node_product(pod["spec"]["nodeName"])
+    assert landed in products_for_type("L40S") + products_for_type("A40")
+    status = jobs.wait_phase("anywhere", "Running")
+    assert status["gpu"]["product"] == landed
+    assert status["plan"]["gpu"] == status["gpu"]["profile"] == status["gpu"]["type"]
+    config = json.loads(jobs.kubectl("get", "configmap", "anywhere-config", "-o", "json").stdout)["data"]
+    assert f"config-{status['plan']['gpu']}.json" in config  # the trainer finds its own row
+
+
+def test_a_job_asking_for_more_gpus_than_any_node_has_stays_pending_and_says_why(jobs: Jobs) -> None:
+    jobs.apply(sftjob("too-big", gpu={"type": "A40", "count": 8}))
+    wait_for("Unschedulable", lambda: jobs.condition("too-big", "Scheduled").get("reason") == "Unschedulable")
+    message = jobs.condition("too-big", "Scheduled")["message"]
+    assert "Insufficient nvidia.com/gpu" in message
+    time.sleep(2)
+    assert jobs.status("too-big")["phase"] == "Pending"

@@ -1,0 +1,105 @@
+"""The API server itself rejects bad SFTJobs, with a message that names the field the user must fix.
+
+Each case is sent with `kubectl create --dry-run=server`: full admission (schema, CEL rules, strict field
+validation), nothing stored.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+from operator_harness import Jobs, sftjob
+
+pytestmark = pytest.mark.e2e
+
+PVC = {"persistentVolumeClaim": {"claimName": "models"}}
+
+
+def spec_with(**changes: Any) -> dict[str, Any]:
+    """The default test job with dotted-path ``changes`` applied (``gpu__count=9`` sets spec.gpu.count)."""
+    job = sftjob("invalid")
+    for path, value in changes.items():
+        node = job["spec"]
+        *parents, leaf = path.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = copy.deepcopy(value)
+    return job
+
+
+INVALID: dict[str, tuple[dict[str, Any], str]] = {
+    "zero GPUs": (spec_with(gpu__count=0), "spec.gpu.count"),
+    "nine GPUs per node": (spec_with(gpu__count=9), "spec.gpu.count"),
+    "zero nodes": (spec_with(gpu__nodes=0), "spec.gpu.nodes"),
+    "unknown GPU type": (spec_with(gpu__type="H100"), "spec.gpu.type"),
+    "a GPU type listed twice": (spec_with(gpu={"types": ["A40", "A40"]}), "spec.gpu.types"),
+    "type and types together": (spec_with(gpu={"type": "A800", "types": ["A40"]}), "spec.gpu.types"),
+    "unknown method": (spec_with(method="dpo"), "spec.method"),
+    "model name and path": (spec_with(model={"name": "a/b", "path": "m", "volume": PVC}), "spec.model"),
+    "model without name or path": (spec_with(model={"revision": "main"}), "spec.model"),
+    "model path without volume": (spec_with(model={"path": "llama"}), "spec.model"),
+    "model path escaping the volume": (spec_with(model={"path": "../etc", "volume": PVC}), "spec.model.path"),
+    "dataset without name or path": (spec_with(dataset={"split": "train"}), "spec.dataset"),
+    "qlora on four GPUs": (spec_with(method="qlora", gpu={"type": "A800", "count": 4}), "spec.method"),
+    "qlora on two nodes": (spec_with(method="qlora", gpu={"type": "A800", "nodes": 2}), "spec.method"),
+    "huge model name": (spec_with(model={"name": "x" * 5000}), "spec.model.name"),
+    "negative sequence length": (spec_with(dataset__maxSeqLength=-1), "spec.dataset.maxSeqLength"),
+    "unknown dataset format": (spec_with(dataset__format="csv"), "spec.dataset.format"),
+    "LoRA rank zero": (spec_with(lora={"r": 0}), "spec.lora.r"),
+    "LoRA dropout of one": (spec_with(lora={"dropout": 1.0}), "spec.lora.dropout"),
+    "zero learning rate": (spec_with(training={"learningRate": 0}), "spec.training.learningRate"),
+    "unknown precision": (spec_with(training={"precision": "int4"}), "spec.training.precision"),
+    "checkpoints by steps and minutes": (
+        spec_with(checkpoints={"everySteps": 10, "everyMinutes": 5}),
+        "spec.checkpoints",
+    ),
+    "checkpoint size not a quantity": (spec_with(checkpoints={"size": "lots"}), "spec.checkpoints.size"),
+    "unknown onOOM": (spec_with(restartPolicy={"onOOM": "Ignore"}), "spec.restartPolicy.onOOM"),
+    "negative maxRestarts": (spec_with(restartPolicy={"maxRestarts": -1}), "spec.restartPolicy.maxRestarts"),
+    "reserved env name": (spec_with(env=[{"name": "SFTJOB_CONFIG", "value": "x"}]), "spec.env[0].name"),
+    "volume with two sources": (
+        spec_with(model={"path": "m", "volume": {**PVC, "hostPath": {"path": "/m"}}}),
+        "spec.model.volume",
+    ),
+    "zero deadline": (spec_with(activeDeadlineSeconds=0), "spec.activeDeadlineSeconds"),
+    "unknown field": (spec_with(gpus=2), 'unknown field "spec.gpus"'),
+    "unknown toleration operator": (
+        spec_with(tolerations=[{"operator": "Maybe"}]),
+        "spec.tolerations[0].operator",
+    ),
+    "too many node selector labels": (
+        spec_with(nodeSelector={f"k{i}": "v" for i in range(40)}),
+        "spec.nodeSelector",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_an_invalid_spec_is_rejected_at_admission_naming_the_field(jobs: Jobs, case: str) -> None:
+    manifest, field = INVALID[case]
+    result = jobs.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0, f"{case} was accepted"
+    assert field in result.stderr, result.stderr
+
+
+def test_a_name_too_long_for_its_pod_names_is_rejected(jobs: Jobs) -> None:
+    manifest = sftjob("a" * 45)
+    result = jobs.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
+    assert result.returncode != 0 and "metadata.name" in result.stderr
+
+
+def test_the_spec_is_immutable_except_suspend_deadline_and_ttl(jobs: Jobs) -> None:
+    jobs.apply(sftjob("settled", suspend=True))
+    for patch, field in (
+        ('{"spec":{"model":{"name":"other/model"}}}', "spec.model"),
+        ('{"spec":{"gpu":{"count":2}}}', "spec.gpu"),
+        ('{"spec":{"image":"evil:latest"}}', "spec.image"),
+    ):
+        result = jobs.kubectl("patch", "sft", "settled", "--type=merge", "-p", patch, check=False)
+        assert result.returncode != 0 and field in result.stderr and "immutable" in result.stderr
+    for patch in ('{"spec":{"suspend":false}}', '{"spec":{"activeDeadlineSeconds":60}}',
+                  '{"spec":{"ttlSecondsAfterFinished":60}}'):  # fmt: skip
+        jobs.kubectl("patch", "sft", "settled", "--type=merge", "-p", patch)

@@ -1,0 +1,171 @@
+"""The pure builders: an SFTJob and its plans in, the children's manifests out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sftjob import constants as c
+from sftjob.config import DistributedSettings, JobRef, TrainerConfig, TrainingSettings
+from sftjob.gpus import GpuProfile
+from sftjob.plan import MemoryEstimate, Plan, PodResources
+from sftjob.spec import SFTJobSpec
+from sftjob_operator import builders
+from sftjob_operator.planning import plan_candidates
+from sftjob_operator.scheduling import default_products, node_affinity
+
+JOB = JobRef(namespace="team", name="llama", uid="uid-1", attempt=3)
+
+
+def fake_plan(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
+    world = spec.gpu.count * spec.gpu.nodes
+    return Plan(
+        gpu=profile.key,
+        fits=True,
+        training=TrainingSettings(
+            global_batch_size=8 * world, micro_batch_size=2, gradient_accumulation_steps=4
+        ),
+        distributed=DistributedSettings(nnodes=spec.gpu.nodes, nproc_per_node=spec.gpu.count),
+        env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        resources=PodResources(cpu="8", memory="64Gi", shm_size="16Gi"),
+        memory=MemoryEstimate(terms=[], total_gib=30.0, budget_gib=40.0),
+        predicted_tokens_per_second=1000.0,
+        predicted_mfu=0.4,
+    )
+
+
+def spec(**changes: Any) -> SFTJobSpec:
+    body: dict[str, Any] = {
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+        "dataset": {"name": "org/chats"},
+    }
+    body.update(changes)
+    return SFTJobSpec.model_validate(body)
+
+
+def pod(s: SFTJobSpec, rank: int = 0) -> dict[str, Any]:
+    plans = plan_candidates(s, default_products(), fake_plan)
+    affinity = node_affinity(s.gpu.candidates(), default_products())
+    return builders.trainer_pod(JOB, s, plans.first, rank=rank, affinity=affinity, image="trainer:test")
+
+
+def env_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in manifest["spec"]["containers"][0]["env"]}
+
+
+def test_a_pod_is_named_labelled_and_owned_for_its_attempt_and_rank() -> None:
+    p = pod(spec(gpu={"type": "A800", "count": 8, "nodes": 2}), rank=1)
+    meta = p["metadata"]
+    assert meta["name"] == "llama-3-1" and meta["namespace"] == "team"
+    assert meta["labels"][c.LABEL_JOB] == "llama" and meta["labels"][c.LABEL_ATTEMPT] == "3"
+    assert meta["labels"][c.LABEL_RANK] == "1"
+    (owner,) = meta["ownerReferences"]
+    assert owner["kind"] == "SFTJob" and owner["uid"] == "uid-1" and owner["controller"]
+
+
+def test_a_single_node_pod_runs_torchrun_standalone_with_one_process_per_gpu() -> None:
+    p = pod(spec(gpu={"type": "A800", "count": 8}))
+    (container,) = p["spec"]["containers"]
+    assert container["command"] == [
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node=8",
+        "-m",
+        "sftjob_trainer.train",
+    ]
+    assert "hostname" not in p["spec"]
+
+
+def test_multi_node_pods_meet_at_rank_zero_through_the_headless_service() -> None:
+    p = pod(spec(gpu={"type": "A800", "count": 4, "nodes": 2}), rank=1)
+    command = p["spec"]["containers"][0]["command"]
+    assert "--nnodes=2" in command and "--node-rank=1" in command
+    assert "--master-addr=llama-3-0.llama" in command and f"--master-port={c.TORCHRUN_PORT}" in command
+    assert (p["spec"]["hostname"], p["spec"]["subdomain"]) == ("llama-3-1", "llama")
+    service = builders.rendezvous_service(JOB)
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+
+
+def test_a_pod_requests_its_gpus_tolerates_the_gpu_taint_and_never_restarts_itself() -> None:
+    p = pod(spec(gpu={"type": "L40S", "count": 2}))
+    resources = p["spec"]["containers"][0]["resources"]
+    assert resources["requests"][c.GPU_RESOURCE] == resources["limits"][c.GPU_RESOURCE] == "2"
+    assert resources["requests"]["memory"] == resources["limits"]["memory"] == "64Gi"
+    assert {"key": c.GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"} in p["spec"]["tolerations"]
+    assert p["spec"]["restartPolicy"] == "Never"
+    terms = p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    (term,) = terms["nodeSelectorTerms"]
+    assert term["matchExpressions"][0]["values"] == default_products()["L40S"]
+
+
+def test_a_pod_mounts_its_config_a_memory_backed_shm_and_the_checkpoint_claim() -> None:
+    p = pod(spec())
+    volumes = {v["name"]: v for v in p["spec"]["volumes"]}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    assert volumes["config"]["configMap"]["name"] == "llama-config"
+    assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "llama-checkpoints"
+    mounts = {m["name"]: m["mountPath"] for m in p["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts == {"config": c.CONFIG_MOUNT, "shm": "/dev/shm", "checkpoints": c.CHECKPOINT_MOUNT}
+
+
+def test_a_model_on_a_volume_is_mounted_read_only_where_the_config_points() -> None:
+    s = spec(model={"path": "llama-8b", "volume": {"persistentVolumeClaim": {"claimName": "models"}}})
+    p = pod(s)
+    mount = next(m for m in p["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount == {"name": "model", "mountPath": c.MODEL_MOUNT, "readOnly": True}
+    config = builders.trainer_config(JOB, s, plan_candidates(s, default_products(), fake_plan).first)
+    assert config.model.path == f"{c.MODEL_MOUNT}/llama-8b"
+
+
+def test_the_pod_environment_has_the_config_path_downward_api_plan_env_and_the_users_env_last() -> None:
+    s = spec(
+        model={"name": "meta-llama/Llama-3.1-8B-Instruct", "tokenSecretRef": {"name": "hf"}},
+        env=[{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "mine"}],
+    )
+    p = pod(s)
+    env = env_of(p)
+    assert env[c.CONFIG_ENV] == f"{c.CONFIG_MOUNT}/{c.CONFIG_FILE}"
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    names = [e["name"] for e in p["spec"]["containers"][0]["env"]]
+    assert names[-1] == "PYTORCH_CUDA_ALLOC_CONF" and names.count("PYTORCH_CUDA_ALLOC_CONF") == 2
+
+
+def test_the_trainer_may_only_read_and_annotate_its_own_pods() -> None:
+    role = builders.role(JOB, ["llama-3-0", "llama-3-1"])
+    (rule,) = role["rules"]
+    assert rule["verbs"] == ["get", "patch"] and rule["resourceNames"] == ["llama-3-0", "llama-3-1"]
+    assert builders.service_account(JOB)["automountServiceAccountToken"] is False
+    assert pod(spec())["spec"]["automountServiceAccountToken"] is True
+    binding = builders.role_binding(JOB)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-trainer", "namespace": "team"}]
+
+
+def test_the_checkpoint_claim_is_shared_by_all_nodes_and_kept_only_when_asked() -> None:
+    multi = builders.checkpoint_pvc(JOB, spec(gpu={"type": "A800", "nodes": 2}, checkpoints={"size": "1Ti"}))
+    assert (
+        multi["spec"]["accessModes"] == ["ReadWriteMany"]
+        and multi["spec"]["resources"]["requests"]["storage"] == "1Ti"
+    )
+    assert multi["metadata"]["ownerReferences"]
+    kept = builders.checkpoint_pvc(JOB, spec(checkpoints={"keepOnDelete": True, "storageClassName": "fast"}))
+    assert "ownerReferences" not in kept["metadata"] and kept["spec"]["storageClassName"] == "fast"
+
+
+def test_the_config_map_holds_a_valid_trainer_config_per_candidate_gpu() -> None:
+    s = spec(gpu={"types": ["L40S", "A40"]}, checkpoints={"everySteps": 50})
+    cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), fake_plan))
+    assert set(cm["data"]) == {c.CONFIG_FILE, "config-L40S.json", "config-A40.json"}
+    config = TrainerConfig.model_validate_json(cm["data"][c.CONFIG_FILE])
+    assert (
+        config.job == JOB
+        and config.checkpoints.every_steps == 50
+        and config.checkpoints.every_minutes is None
+    )
+    assert config.output_dir == f"{c.CHECKPOINT_MOUNT}/final" and config.lora.target_modules == "all-linear"
+    assert cm["data"][c.CONFIG_FILE] == cm["data"]["config-L40S.json"]
+
+
+def test_a_single_type_job_gets_one_config() -> None:
+    s = spec(gpu={"type": "A40"})
+    cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), fake_plan))
+    assert set(cm["data"]) == {c.CONFIG_FILE}

@@ -1,0 +1,148 @@
+"""The CRD and the pydantic models describe the same API: same field names, same enums, same defaults;
+and the CRD meets the bar users see in `kubectl explain` and at admission (descriptions, bounds)."""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import yaml
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from sftjob import constants as c
+from sftjob.spec import SFTJobSpec, SFTJobStatus
+
+CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
+# Model fields the API does not expose: filled in by the operator, never by users.
+INTERNAL = {"spec.model.architecture": {"family", "name"}}
+Schema = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def crd() -> Schema:
+    return dict(yaml.safe_load(CRD_PATH.read_text()))
+
+
+@pytest.fixture(scope="module")
+def schema(crd: Schema) -> Schema:
+    (version,) = crd["spec"]["versions"]
+    return dict(version["schema"]["openAPIV3Schema"])
+
+
+def _strip(annotation: Any) -> Any:
+    """The annotation without Optional/Annotated wrappers."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            models = [a for a in args if _is_model(_strip(a))]
+            annotation = models[0] if models else args[0]
+        else:
+            return annotation
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _pairs(model: type[BaseModel], node: Schema, where: str) -> Iterator[tuple[str, type[BaseModel], Schema]]:
+    """Every (path, model, schema) pair reachable from ``model`` at ``node``."""
+    yield where, model, node
+    for name, field in model.model_fields.items():
+        alias = field.alias or name
+        child = node.get("properties", {}).get(alias)
+        annotation = _strip(field.annotation)
+        if typing.get_origin(annotation) is list and child is not None:
+            annotation, child = _strip(typing.get_args(annotation)[0]), child.get("items", {})
+        if _is_model(annotation) and child is not None:
+            yield from _pairs(annotation, child, f"{where}.{alias}")
+
+
+def _walk(node: Schema, where: str) -> Iterator[tuple[str, Schema]]:
+    yield where, node
+    for name, child in node.get("properties", {}).items():
+        yield from _walk(child, f"{where}.{name}")
+    if "items" in node:
+        yield from _walk(node["items"], f"{where}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], f"{where}{{}}")
+
+
+def test_the_crd_names_the_sftjob_kind_as_the_operator_expects(crd: Schema) -> None:
+    names = crd["spec"]["names"]
+    assert crd["spec"]["group"] == c.API_GROUP and names["kind"] == c.KIND and names["plural"] == c.PLURAL
+    assert names["shortNames"] == ["sft"] and crd["metadata"]["name"] == f"{c.PLURAL}.{c.API_GROUP}"
+    (version,) = crd["spec"]["versions"]
+    assert version["name"] == c.API_VERSION and version["subresources"] == {"status": {}}
+
+
+@pytest.mark.parametrize(("model", "part"), [(SFTJobSpec, "spec"), (SFTJobStatus, "status")])
+def test_the_crd_and_the_models_have_the_same_field_names(
+    schema: Schema, model: type[BaseModel], part: str
+) -> None:
+    for where, m, node in _pairs(model, schema["properties"][part], part):
+        fields = {f.alias or n for n, f in m.model_fields.items()} - INTERNAL.get(where, set())
+        assert set(node.get("properties", {})) == fields, where
+
+
+def test_the_crd_and_the_models_agree_on_enums_and_defaults(schema: Schema) -> None:
+    for where, m, node in _pairs(SFTJobSpec, schema["properties"]["spec"], "spec"):
+        for name, field in m.model_fields.items():
+            prop = node.get("properties", {}).get(field.alias or name)
+            if prop is None:
+                continue
+            literal = _strip(field.annotation)
+            if typing.get_origin(literal) is Literal and "enum" in prop:
+                assert set(prop["enum"]) == set(typing.get_args(literal)), f"{where}.{name}"
+            if (
+                "default" in prop
+                and field.default is not PydanticUndefined
+                and not isinstance(field.default, BaseModel)
+            ):
+                assert prop["default"] == field.default or prop["default"] == {}, f"{where}.{name}"
+
+
+def test_every_field_has_a_description(schema: Schema) -> None:
+    missing = [
+        w for w, node in _walk(schema, "") if "description" not in node and not w.endswith(("[]", "{}"))
+    ]
+    assert missing == [".metadata"]  # metadata is the API machinery's
+
+
+def test_every_number_string_and_list_in_the_spec_is_bounded(schema: Schema) -> None:
+    for where, node in _walk(schema["properties"]["spec"], "spec"):
+        kind = node.get("type")
+        if kind in ("integer", "number"):
+            assert "minimum" in node and "maximum" in node, where
+        elif kind == "string":
+            assert "maxLength" in node or "enum" in node, where
+        elif kind == "array":
+            assert "maxItems" in node, where
+
+
+def test_the_printer_columns_show_gpu_phase_progress_loss_restarts_and_age(
+    schema: Schema, crd: Schema
+) -> None:
+    columns = {col["name"]: col for col in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert list(columns)[:6] == ["GPU", "Phase", "Progress", "Loss", "Restarts", "Age"]
+    status = schema["properties"]["status"]["properties"]
+    for name in ("GPU", "Phase", "Progress", "Loss", "Restarts"):
+        path = columns[name]["jsonPath"].removeprefix(".status.").split(".")
+        node = {"properties": status}
+        for part in path:
+            node = node["properties"][part]
+        assert node["type"] in ("string", "number", "integer"), name
+
+
+def test_conditions_are_a_map_keyed_by_type(schema: Schema) -> None:
+    conditions = schema["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == [
+        "type"
+    ]

@@ -1,0 +1,360 @@
+"""Restart decisions: permanent failures fail at once, transient ones back off, budgets end flapping,
+CUDA OOM walks the planner's ladder, and every decision is re-derived from status alone."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from sftjob.attempts import AttemptRecord, RestartPolicy
+from sftjob.config import DistributedSettings, TrainingSettings
+from sftjob.failures import PERMANENT, FailureClass
+from sftjob.plan import MemoryEstimate, Plan, PodResources
+from sftjob.spec import SFTJobSpec
+from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
+from sftjob_operator.planning import CandidatePlans, plan_candidates
+from sftjob_operator.restarts import GiveUpReason, backoff_seconds, decide, next_attempt
+from sftjob_operator.scheduling import default_products
+
+T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
+A800, L40S = "A800-SXM4-80GB", "L40S"
+PRODUCTS = {"NVIDIA-A800-SXM4-80GB": A800, "NVIDIA-L40S": L40S}
+
+
+def plan(gpu: str = A800, micro_batch: int = 4, accumulation: int = 8, memory: str = "64Gi") -> Plan:
+    return Plan(
+        gpu=gpu,
+        fits=True,
+        training=TrainingSettings(
+            global_batch_size=micro_batch * accumulation,
+            micro_batch_size=micro_batch,
+            gradient_accumulation_steps=accumulation,
+        ),
+        distributed=DistributedSettings(),
+        resources=PodResources(cpu="8", memory=memory, shm_size="16Gi"),
+        memory=MemoryEstimate(terms=[], total_gib=60.0, budget_gib=70.0),
+        predicted_tokens_per_second=1000.0,
+        predicted_mfu=0.4,
+    )
+
+
+def candidates(*plans: Plan) -> CandidatePlans:
+    return CandidatePlans({p.gpu: p for p in plans or (plan(),)}, PRODUCTS)
+
+
+def halve_micro_batch(p: Plan) -> Plan:
+    """A stand-in re-planner for policy tests: one rung (halve the micro-batch), then exhausted."""
+    t = p.training
+    if t.micro_batch_size == 1:
+        return p.model_copy(update={"fits": False, "ladder": [*p.ladder, "exhausted"]})
+    training = t.model_copy(
+        update={
+            "micro_batch_size": t.micro_batch_size // 2,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps * 2,
+        }
+    )
+    return p.model_copy(update={"training": training, "ladder": [*p.ladder, "halved"]})
+
+
+def failed(attempt: int, reason: FailureClass, *, node: str = "gpu-0", gpu: str = A800) -> AttemptRecord:
+    end = T0 + timedelta(minutes=attempt * 10)
+    return AttemptRecord(
+        attempt=attempt,
+        node=node,
+        gpu=gpu,
+        start_time=end - timedelta(minutes=5),
+        end_time=end,
+        reason=reason,
+        exit_code=1,
+        message=f"{reason} happened",
+    )
+
+
+def history_of(*reasons: FailureClass, node: str = "gpu-0", gpu: str = A800) -> list[AttemptRecord]:
+    return [failed(i, r, node=node, gpu=gpu) for i, r in enumerate(reasons, start=1)]
+
+
+def node(name: str, memory: str) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"allocatable": {"memory": memory}}}
+
+
+def policy_decision(
+    history: list[AttemptRecord],
+    policy: RestartPolicy | None = None,
+    plans: CandidatePlans | None = None,
+    nodes: dict[str, Any] | None = None,
+) -> NextAttempt | GiveUp:
+    return decide(
+        policy or RestartPolicy(), history, plans or candidates(), replan=halve_micro_batch, nodes=nodes or {}
+    )
+
+
+def restart(decision: NextAttempt | GiveUp) -> NextAttempt:
+    assert isinstance(decision, NextAttempt), decision
+    return decision
+
+
+def give_up(decision: NextAttempt | GiveUp) -> GiveUp:
+    assert isinstance(decision, GiveUp), decision
+    return decision
+
+
+def wait_of(decision: NextAttempt | GiveUp, history: list[AttemptRecord]) -> float:
+    start, end = restart(decision).not_before, history[-1].end_time
+    assert end is not None
+    return 0.0 if start is None else (start - end).total_seconds()
+
+
+# --- the policy --------------------------------------------------------------------------------------
+
+
+def test_the_first_attempt_starts_at_once_with_the_planners_plans() -> None:
+    assert policy_decision([]) == NextAttempt(attempt=1, plans=candidates())
+
+
+def test_a_resumed_job_starts_the_next_attempt_at_once() -> None:
+    suspended = AttemptRecord(
+        attempt=1, start_time=T0, end_time=T0 + timedelta(minutes=1), message="suspended"
+    )
+    assert policy_decision([suspended]) == NextAttempt(attempt=2, plans=candidates())
+
+
+@pytest.mark.parametrize("cls", sorted(PERMANENT))
+def test_permanent_failures_fail_the_job_at_once_with_advice(cls: FailureClass) -> None:
+    result = give_up(policy_decision(history_of(cls)))
+    assert result.reason == cls.value
+    assert result.message.startswith(f"attempt 1 failed with {cls} (exit code 1): {cls} happened; ")
+    assert "apply" in result.message or "spec." in result.message
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        FailureClass.UNKNOWN,
+        FailureClass.STALLED,
+        FailureClass.STORAGE_ERROR,
+        FailureClass.COMMUNICATION_ERROR,
+    ],
+)
+def test_transient_failures_restart_after_the_backoff(cls: FailureClass) -> None:
+    history = history_of(cls)
+    decision = restart(policy_decision(history))
+    assert decision.attempt == 2
+    assert wait_of(decision, history) == 10
+
+
+def test_backoff_doubles_per_counted_failure_and_is_capped() -> None:
+    policy = RestartPolicy(backoff_seconds=10, max_backoff_seconds=60, max_restarts=10)
+    waits = []
+    for n in range(1, 6):
+        history = history_of(*[FailureClass.UNKNOWN] * n)
+        waits.append(wait_of(policy_decision(history, policy), history))
+    assert waits == [10, 20, 40, 60, 60]
+    assert backoff_seconds(policy, 0) == 0
+
+
+def test_the_failure_after_max_restarts_fails_the_job() -> None:
+    policy = RestartPolicy(max_restarts=3)
+    assert isinstance(policy_decision(history_of(*[FailureClass.UNKNOWN] * 3), policy), NextAttempt)
+    result = give_up(policy_decision(history_of(*[FailureClass.UNKNOWN] * 4), policy))
+    assert result.reason == GiveUpReason.RESTART_LIMIT_EXCEEDED
+    assert "4 failures exceed restartPolicy.maxRestarts 3" in result.message
+
+
+def test_max_restarts_zero_fails_on_the_first_failure() -> None:
+    result = give_up(policy_decision(history_of(FailureClass.STALLED), RestartPolicy(max_restarts=0)))
+    assert result.reason == "RestartLimitExceeded"
+
+
+def test_preemptions_and_node_loss_restart_at_once_without_consuming_max_restarts() -> None:
+    reasons = [FailureClass.UNKNOWN] * 3 + [FailureClass.PREEMPTED, FailureClass.NODE_LOST] * 3
+    decision = restart(policy_decision(history_of(*reasons), RestartPolicy(max_restarts=3)))
+    assert decision.not_before is None and decision.attempt == 10
+
+
+def test_interruptions_are_bounded_separately_so_a_flapping_cluster_still_ends() -> None:
+    policy = RestartPolicy(max_interruptions=2)
+    assert isinstance(policy_decision(history_of(*[FailureClass.PREEMPTED] * 2), policy), NextAttempt)
+    result = give_up(policy_decision(history_of(*[FailureClass.PREEMPTED] * 3), policy))
+    assert result.reason == GiveUpReason.INTERRUPTION_LIMIT_EXCEEDED
+    assert "maxInterruptions 2" in result.message
+
+
+def test_a_cuda_oom_re_plans_at_once_without_consuming_max_restarts() -> None:
+    history = [*history_of(*[FailureClass.UNKNOWN] * 3), failed(4, FailureClass.CUDA_OOM)]
+    decision = restart(policy_decision(history, RestartPolicy(max_restarts=3)))
+    assert decision.not_before is None
+    assert decision.plans.first.training.micro_batch_size == 2
+    assert (decision.ladder_step, decision.message) == ("halved", f"{A800}: halved")
+
+
+def test_on_oom_retry_keeps_the_plan_and_consumes_the_budget() -> None:
+    history = history_of(FailureClass.CUDA_OOM)
+    decision = restart(policy_decision(history, RestartPolicy(on_oom="Retry")))
+    assert decision.plans == candidates() and wait_of(decision, history) == 10
+
+
+def test_on_oom_fail_fails_the_job_at_once() -> None:
+    result = give_up(policy_decision(history_of(FailureClass.CUDA_OOM), RestartPolicy(on_oom="Fail")))
+    assert result.reason == "CudaOOM" and "onOOM is Fail" in result.message
+
+
+def test_an_oom_on_one_gpu_type_leaves_the_other_types_plan_alone() -> None:
+    plans = candidates(plan(A800), plan(L40S))
+    decision = restart(policy_decision(history_of(FailureClass.CUDA_OOM, gpu=L40S), plans=plans))
+    assert decision.plans.plans[A800] == plan(A800)
+    assert decision.plans.plans[L40S].training.micro_batch_size == 2
+
+
+def test_an_exhausted_ladder_moves_the_job_to_a_card_with_more_memory() -> None:
+    plans = candidates(plan(L40S, micro_batch=1, accumulation=32), plan(A800))
+    decision = restart(policy_decision(history_of(FailureClass.CUDA_OOM, gpu=L40S), plans=plans))
+    assert decision.plans.allowed_products() == ["NVIDIA-A800-SXM4-80GB"]
+    assert decision.plans.first.gpu == A800
+
+
+def test_an_exhausted_ladder_rules_out_cards_with_no_more_memory() -> None:
+    plans = candidates(plan(A800, micro_batch=1, accumulation=32), plan(L40S))
+    history = [failed(1, FailureClass.CUDA_OOM, gpu=L40S), failed(2, FailureClass.CUDA_OOM)]
+    result = give_up(policy_decision(history, plans=plans))
+    assert result.reason == GiveUpReason.OOM_LADDER_EXHAUSTED
+    assert f"{A800}: exhausted" in result.message
+
+
+def test_the_host_oom_memory_bump_keeps_the_users_resources_through_re_plans() -> None:
+    history = [failed(1, FailureClass.CUDA_OOM), failed(2, FailureClass.HOST_OOM)]
+    decision = restart(policy_decision(history, plans=candidates(plan(memory="100Gi"))))
+    assert decision.plans.first.resources.memory == "153600Mi"  # 100Gi x 1.5, re-plan or not
+
+
+def test_host_oom_raises_the_memory_request_up_to_node_allocatable_then_fails() -> None:
+    nodes = {"gpu-0": node("gpu-0", "134217728Ki")}  # 128 GiB
+
+    def memory_after(n: int) -> str:
+        decision = policy_decision(history_of(*[FailureClass.HOST_OOM] * n), nodes=nodes)
+        return restart(decision).plans.first.resources.memory
+
+    assert memory_after(1) == "98304Mi"  # 64Gi x 1.5
+    assert memory_after(2) == "131072Mi"  # 144Gi capped at the node's 128Gi
+    result = give_up(policy_decision(history_of(*[FailureClass.HOST_OOM] * 3), nodes=nodes))
+    assert result.reason == GiveUpReason.HOST_MEMORY_EXHAUSTED
+    assert "134217728Ki" in result.message
+
+
+def test_host_oom_on_a_node_that_is_gone_still_raises_memory() -> None:
+    decision = restart(policy_decision(history_of(FailureClass.HOST_OOM)))
+    assert decision.plans.first.resources.memory == "98304Mi"
+    assert "memory 64Gi -> 98304Mi after host OOM" in decision.message
+
+
+def test_lost_and_faulty_nodes_and_repeated_nccl_breakers_are_avoided() -> None:
+    history = [
+        failed(1, FailureClass.NODE_LOST, node="lost"),
+        failed(2, FailureClass.GPU_UNAVAILABLE, node="xid"),
+        failed(3, FailureClass.DRIVER_MISMATCH, node="old-driver"),
+        failed(4, FailureClass.COMMUNICATION_ERROR, node="flaky"),
+        failed(5, FailureClass.COMMUNICATION_ERROR, node="once"),
+        failed(6, FailureClass.COMMUNICATION_ERROR, node="flaky"),
+    ]
+    decision = restart(policy_decision(history, RestartPolicy(max_restarts=10)))
+    assert decision.avoid_nodes == ("flaky", "lost", "old-driver", "xid")
+    assert "avoiding node(s) flaky, lost, old-driver, xid" in decision.message
+
+
+def test_a_communication_error_on_pcie_only_gpus_disables_nccl_p2p() -> None:
+    plans = candidates(plan(A800), plan(L40S))
+    decision = restart(policy_decision(history_of(FailureClass.COMMUNICATION_ERROR, gpu=L40S), plans=plans))
+    assert decision.plans.plans[L40S].env["NCCL_P2P_DISABLE"] == "1"
+    nvlink = restart(policy_decision(history_of(FailureClass.COMMUNICATION_ERROR, gpu=A800), plans=plans))
+    assert "NCCL_P2P_DISABLE" not in nvlink.plans.plans[A800].env
+
+
+def test_the_decision_after_an_operator_restart_equals_the_decision_before() -> None:
+    history = [
+        failed(1, FailureClass.CUDA_OOM),
+        failed(2, FailureClass.HOST_OOM),
+        failed(3, FailureClass.NODE_LOST, node="gone"),
+        failed(4, FailureClass.UNKNOWN),
+    ]
+    stored = [r.model_dump(mode="json", by_alias=True, exclude_none=True) for r in history]
+    reloaded = [AttemptRecord.model_validate(r) for r in stored]
+    before, after = policy_decision(history), policy_decision(reloaded)
+    assert before == after
+    assert restart(after).not_before == T0 + timedelta(minutes=40, seconds=20)  # mid-backoff: same deadline
+
+
+def test_the_running_attempt_is_rendered_from_the_history_before_it() -> None:
+    history = history_of(FailureClass.CUDA_OOM, FailureClass.UNKNOWN)
+    restarted = restart(policy_decision(history))
+    rendered = restart(policy_decision(history[:1]))
+    assert rendered.plans == restarted.plans and rendered.attempt == 2
+
+
+# --- with the real planner's OOM ladder -------------------------------------------------------------
+
+
+def qwen7b_spec(gpu: dict[str, Any] | None = None, **training: Any) -> SFTJobSpec:
+    return SFTJobSpec.model_validate(
+        {
+            "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+            "dataset": {"name": "org/chats", "maxSeqLength": 2048},
+            "gpu": gpu or {"type": "A800"},
+            "training": {"globalBatchSize": 4, **training},
+        }
+    )
+
+
+def planned(spec: SFTJobSpec, history: list[AttemptRecord]) -> NextAttempt | GiveUp:
+    plans = plan_candidates(spec, default_products())
+    return next_attempt(spec, history, plans, nodes={}, now=T0)
+
+
+def test_cuda_oom_twice_halves_the_micro_batch_then_turns_on_checkpointing_keeping_the_global_batch() -> None:
+    spec = qwen7b_spec()
+    first = restart(planned(spec, [])).plans.first.training
+    assert (first.micro_batch_size, first.gradient_accumulation_steps, first.gradient_checkpointing) == (
+        2,
+        2,
+        False,
+    )
+
+    once = restart(planned(spec, history_of(FailureClass.CUDA_OOM)))
+    t = once.plans.first.training
+    assert (t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size) == (1, 4, 4)
+    assert not t.gradient_checkpointing
+    assert once.ladder_step is not None and "micro-batch 2 -> 1" in once.ladder_step
+
+    twice = restart(planned(spec, history_of(FailureClass.CUDA_OOM, FailureClass.CUDA_OOM)))
+    t = twice.plans.first.training
+    assert (t.micro_batch_size, t.gradient_accumulation_steps, t.global_batch_size) == (1, 4, 4)
+    assert t.gradient_checkpointing
+    assert twice.ladder_step is not None and "gradient checkpointing on" in twice.ladder_step
+    assert len(twice.plans.first.ladder) == 2
+
+
+def test_a_job_that_cannot_be_made_to_fit_fails_with_the_ladder() -> None:
+    spec = qwen7b_spec(packing=False)
+    result = give_up(planned(spec, history_of(*[FailureClass.CUDA_OOM] * 3)))
+    assert result.reason == GiveUpReason.OOM_LADDER_EXHAUSTED
+    for step in ("micro-batch 2 -> 1", "gradient checkpointing on", "exhausted"):
+        assert step in result.message
+
+
+def test_a_job_whose_ladder_runs_out_on_its_preferred_card_moves_to_a_bigger_one() -> None:
+    spec = qwen7b_spec({"types": ["L40S", "A800"]}, packing=False)
+    plans = plan_candidates(spec, default_products())
+    assert plans.first.gpu == L40S
+    decision = restart(
+        next_attempt(spec, history_of(*[FailureClass.CUDA_OOM] * 3, gpu=L40S), plans, nodes={}, now=T0)
+    )
+    assert L40S not in decision.plans.fitting
+    assert decision.plans.first.gpu == A800 and decision.plans.first.ladder == []
+
+
+def test_the_policy_plugs_into_the_reconcile_and_starts_the_first_attempt_with_the_planners_plans() -> None:
+    policy: AttemptPolicy = next_attempt
+    spec = qwen7b_spec()
+    plans = plan_candidates(spec, default_products())
+    assert policy(spec, [], plans, nodes={}, now=T0) == NextAttempt(attempt=1, plans=plans)

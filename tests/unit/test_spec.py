@@ -1,0 +1,119 @@
+"""The SFTJob spec model: defaults, cross-field rules, GPU candidates and the planner request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from sftjob.spec import SFTJobSpec, SFTJobStatus, to_plan_request, valid_job_name
+
+PVC = {"persistentVolumeClaim": {"claimName": "models"}}
+
+
+def spec(**changes: Any) -> SFTJobSpec:
+    body: dict[str, Any] = {
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
+        "dataset": {"name": "org/chats"},
+    }
+    body.update(changes)
+    return SFTJobSpec.model_validate(body)
+
+
+def test_a_minimal_spec_gets_the_documented_defaults() -> None:
+    s = spec()
+    assert s.method == "lora" and s.gpu.type == "Any" and (s.gpu.count, s.gpu.nodes) == (1, 1)
+    assert s.dataset.format == "auto" and s.dataset.max_seq_length == 2048
+    assert s.checkpoints.size == "100Gi" and s.checkpoints.keep == 3 and not s.checkpoints.keep_on_delete
+    assert s.restart_policy.on_oom == "Replan" and not s.suspend
+    assert s.checkpoint_every_minutes == 30 and s.target_modules == "all-linear"
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"model": {"name": "a/b", "path": "m", "volume": PVC}},
+        {"model": {"revision": "main"}},
+        {"model": {"path": "m"}},
+        {"model": {"path": "/abs", "volume": PVC}},
+        {"model": {"path": "../up", "volume": PVC}},
+        {"dataset": {"split": "train"}},
+        {"method": "qlora", "gpu": {"count": 4}},
+        {"method": "qlora", "gpu": {"nodes": 2}},
+        {"gpu": {"type": "A800", "types": ["A40"]}},
+        {"gpu": {"types": ["A40", "A40"]}},
+        {"gpu": {"type": "H100"}},
+        {"gpu": {"count": 9}},
+        {"checkpoints": {"everySteps": 10, "everyMinutes": 5}},
+        {"checkpoints": {"size": "lots"}},
+        {"env": [{"name": "SFTJOB_CONFIG", "value": "x"}]},
+        {"model": {"path": "m", "volume": {**PVC, "hostPath": {"path": "/m"}}}},
+        {"restartPolicy": {"onOOM": "Ignore"}},
+        {"gpus": 2},
+    ],
+)
+def test_an_invalid_spec_is_rejected(changes: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        spec(**changes)
+
+
+def test_qlora_on_one_gpu_is_accepted() -> None:
+    assert spec(method="qlora", gpu={"type": "L40S", "count": 1}).method == "qlora"
+
+
+def test_any_prefers_the_biggest_card_and_a_list_keeps_the_users_order() -> None:
+    assert spec().gpu.candidates() == ["A800", "L40S", "A40"]
+    assert spec(gpu={"types": ["A40", "L40S"]}).gpu.candidates() == ["A40", "L40S"]
+    assert spec(gpu={"type": "L40S"}).gpu.candidates() == ["L40S"]
+
+
+def test_the_gpu_summary_reads_nodes_by_gpus_by_type() -> None:
+    assert spec(gpu={"type": "A800", "count": 8}).gpu.describe() == "8xA800"
+    assert spec(gpu={"type": "A800", "count": 8, "nodes": 2}).gpu.describe() == "2x8xA800"
+    assert spec(gpu={"types": ["L40S", "A40"]}).gpu.describe() == "1xL40S|A40"
+
+
+def test_on_oom_is_spelled_with_the_acronym_in_capitals() -> None:
+    s = spec(restartPolicy={"onOOM": "Fail"})
+    assert s.restart_policy.on_oom == "Fail"
+    assert s.model_dump(by_alias=True)["restartPolicy"]["onOOM"] == "Fail"
+
+
+def test_job_names_must_leave_room_for_pod_names() -> None:
+    assert valid_job_name("llama-8b-lora")
+    assert not valid_job_name("a" * 41) and not valid_job_name("9lives") and not valid_job_name("Upper")
+
+
+def test_the_plan_request_carries_the_spec_and_the_gpu_shape() -> None:
+    s = spec(method="full", training={"globalBatchSize": 64}, dataset={"name": "d/s", "maxSeqLength": 4096})
+    request = to_plan_request(s, gpus_per_node=8, nodes=2)
+    assert request.method == "full" and request.max_seq_length == 4096
+    assert (request.gpus_per_node, request.nodes) == (8, 2)
+    assert request.overrides.global_batch_size == 64
+    assert request.architecture.layers > 0
+
+
+def test_a_model_of_unknown_size_cannot_be_planned() -> None:
+    with pytest.raises(ValueError, match=r"spec\.model\.parameters"):
+        to_plan_request(spec(model={"name": "someone/mystery-model"}), gpus_per_node=1, nodes=1)
+
+
+def test_the_status_round_trips_through_its_json_patch() -> None:
+    raw = {
+        "phase": "Running",
+        "attempt": 1,
+        "conditions": [
+            {
+                "type": "Running",
+                "status": "True",
+                "reason": "Training",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+        ],
+        "attempts": [{"attempt": 1, "startTime": "2026-01-01T00:00:00Z"}],
+    }
+    status = SFTJobStatus.model_validate(raw)
+    again = SFTJobStatus.model_validate(status.to_patch())
+    assert again == status
+    assert status.to_patch()["conditions"][0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
