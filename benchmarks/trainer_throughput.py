@@ -1,0 +1,384 @@
+"""Trainer throughput: the seed guide's settings, plain tuning and the planner's configs, side by side.
+
+Random-initialised Llama shapes (1.1B full, 7B LoRA, 7B QLoRA; no downloads) train on synthetic SFT
+samples (log-normal lengths, median ~300 tokens, up to 4,096) through the trainer's own code: its
+model preparation (``prepare_for_training``), batching (``make_units``/``StepBatches``) and optimizer
+step (``train_step``). For each configuration it reports real (non-padding) tokens/s, MFU against a
+measured bf16 matmul peak, peak memory and the ratio to the seed config; a configuration that fails
+(out of memory, say) is recorded as such and the next one runs.
+
+    python benchmarks/trainer_throughput.py --quick     # one GPU, ~6 minutes
+    python benchmarks/trainer_throughput.py             # one GPU, the full step counts
+    python benchmarks/trainer_throughput.py --tiny      # CPU, a tiny model, seconds (CI)
+
+MFU (``mfu``) follows the anchors' convention so the numbers compare with
+shared/research/h200-anchors.md: 6·N (full) or 4·N (LoRA) FLOPs per real token, N = matmul weights;
+``mfuWithAttention`` adds causal attention FLOPs (sftjob_trainer.flops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the planner's pod env
+
+import torch
+from throughput_results import environment, write_results  # beside this script
+from throughput_workload import matmul_peak, missing, quantize_linears, synthetic_examples
+
+from sftjob.architectures import architecture_from_hf_config
+from sftjob.candidates import PlanRequest
+from sftjob.config import LoraSettings, Method, TrainingOverrides, TrainingSettings
+from sftjob.gpus import profile_for_type
+from sftjob.planner import plan
+from sftjob_trainer.batching import Layout, Schedule, StepBatches, make_units
+from sftjob_trainer.checkpoints import Trainables
+from sftjob_trainer.data import Example
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.flops import flops_model
+from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
+from sftjob_trainer.model import precision_plan, prepare_for_training
+
+GIB = 1024**3
+GLOBAL_BATCH = 32  # the seed guide's 4 x 8
+LORA = LoraSettings(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+    ),
+    "1.1B": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),  # TinyLlama
+    "7B": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),  # Llama-2-7B
+}
+# Issue 8's targets for the planned configs: (model, method, cap GiB) -> MFU.
+TARGETS = {("1.1B", "full", 80.0): 0.55, ("1.1B", "full", 46.0): 0.50, ("7B", "lora", 46.0): 0.50}
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str
+    method: Method
+    config: str  # seed | plain | plain+liger | planned
+    cap_gib: float | None = None  # per-process memory cap emulating a smaller card
+    plan_for: str | None = None  # GPU type the planner planned for
+    micro: int = 4
+    accumulation: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.method}/{self.config}" + (f"-{self.plan_for}" if self.plan_for else "")
+
+
+def _group(model: str, method: Method, plain: tuple[int, int, float | None], liger: bool) -> list[Run]:
+    micro, accumulation, cap = plain
+    runs = [Run(model, method, "seed"), Run(model, method, "plain", cap, None, micro, accumulation)]
+    if liger:
+        runs.append(Run(model, method, "plain+liger", cap, None, micro, accumulation))
+    return runs + [
+        Run(model, method, "planned", c, g) for g, c in (("A800", 80.0), ("A40", 46.0), ("L40S", 46.0))
+    ]
+
+
+GPU_RUNS = (
+    _group("1.1B", "full", (4, 2, None), liger=True)
+    + _group("7B", "lora", (1, 4, 46.0), liger=True)
+    + _group("7B", "qlora", (1, 4, 46.0), liger=False)
+)
+TINY_RUNS = [
+    *_group("tiny", "full", (4, 2, None), liger=True),
+    Run("tiny", "lora", "seed"),
+    Run("tiny", "qlora", "seed"),
+]
+
+
+@dataclass(frozen=True)
+class Mode:
+    runs: list[Run]
+    steps: int
+    discard: int
+    max_accumulation: int | None
+    seq: int  # longest sample = packed row length
+    median: int
+    samples: int
+
+
+MODES = {
+    "tiny": Mode(TINY_RUNS, 2, 1, None, 128, 24, 200),
+    "quick": Mode(GPU_RUNS, 8, 3, 2, 4096, 300, 3000),
+    "full": Mode(GPU_RUNS, 14, 4, None, 4096, 300, 6000),
+}
+
+
+def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]]:
+    """The run's training settings, and planner details for planned rows."""
+    if run.config == "seed":  # the seed guide's TrainingArguments: fp16, 4 x 8, pad to the longest
+        return TrainingSettings(
+            precision="fp16",
+            micro_batch_size=4,
+            gradient_accumulation_steps=8,
+            global_batch_size=32,
+            packing=False,
+            learning_rate=2e-5,
+            weight_decay=0.01,
+            tf32=False,
+            dataloader_workers=0,
+        ), {}
+    if run.config.startswith("plain"):
+        return TrainingSettings(
+            precision="bf16",
+            micro_batch_size=run.micro,
+            gradient_accumulation_steps=run.accumulation,
+            global_batch_size=run.micro * run.accumulation,
+            packing=True,
+            packing_length=mode.seq,
+            liger_kernels=run.config == "plain+liger",
+            dataloader_workers=0,
+        ), {}
+    arch = architecture_from_hf_config(dict(SHAPES[run.model], model_type="llama", tie_word_embeddings=False))
+    request = PlanRequest(
+        architecture=arch,
+        method=run.method,
+        lora=LORA,
+        max_seq_length=mode.seq,
+        overrides=TrainingOverrides(global_batch_size=GLOBAL_BATCH),
+    )
+    chosen = plan(request, profile_for_type(run.plan_for or "A800"))
+    details = {
+        "planFits": chosen.fits,
+        "predictedPeakGiB": round(chosen.memory.total_gib, 1),
+        "plannedGlobalBatch": chosen.training.global_batch_size,
+        "planSummary": chosen.summary(),
+    }
+    return chosen.training.model_copy(update={"dataloader_workers": 0}), details
+
+
+def cap_accumulation(t: TrainingSettings, limit: int | None) -> TrainingSettings:
+    if limit is None or t.gradient_accumulation_steps <= limit:
+        return t
+    return t.model_copy(
+        update={"gradient_accumulation_steps": limit, "global_batch_size": t.micro_batch_size * limit}
+    )
+
+
+def build_model(run: Run, t: TrainingSettings, device: torch.device) -> tuple[Any, dict[str, Any]]:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SHAPES[run.model], max_position_embeddings=8192, tie_word_embeddings=False)
+    precision = precision_plan(run.method, t.precision)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=precision.load_dtype, attn_implementation=t.attention
+        )
+    if run.method == "qlora":
+        quantize_linears(model, precision.compute_dtype)
+    return prepare_for_training(model, run.method, LORA, t, device), config.to_dict()
+
+
+def measure(
+    run: Run, mode: Mode, device: torch.device, examples: dict[int, list[Example]], peak: float | None
+) -> dict[str, Any]:
+    t, details = settings_for(run, mode)
+    t = cap_accumulation(t, mode.max_accumulation)
+    row: dict[str, Any] = {
+        "microBatch": t.micro_batch_size,
+        "accumulation": t.gradient_accumulation_steps,
+        "sequence": t.packing_length if t.packing else "padded",
+        "gradientCheckpointing": t.gradient_checkpointing,
+        "liger": t.liger_kernels,
+        "precision": t.precision,
+    } | details
+    if details and not details["planFits"]:
+        return row | {"status": "skipped", "note": "the planner found no configuration that fits"}
+    if run.method == "qlora" and (device.type != "cuda" or missing("bitsandbytes")):
+        return row | {"status": "skipped", "note": "QLoRA needs a CUDA GPU and bitsandbytes"}
+    if t.liger_kernels and (device.type != "cuda" or missing("liger_kernel")):
+        row["note"] = "Liger kernels not available here: ran without them"
+    model, hf_config = build_model(run, t, device)
+    ctx = DistContext(0, 1, 0, 1, device)
+    optimizer = build_optimizer(model, t, device)
+    precision = precision_plan(run.method, t.precision)
+    parts = Trainables(
+        model, optimizer, build_scheduler(optimizer, t, mode.steps), make_scaler(precision, device)
+    )
+    units = make_units(examples[SHAPES[run.model]["vocab_size"]], t.packing_length if t.packing else None)
+    schedule = Schedule(len(units), t.micro_batch_size, t.gradient_accumulation_steps, 1, t.seed)
+    layout = Layout(t.packing, flatten=t.attention == "flash_attention_2", pad_id=0)
+    batches = StepBatches(units, schedule, layout, 0, 0, mode.steps)
+    steps = [batches[i] for i in range(mode.steps)]
+    counted = {"seconds": 0.0, "tokens": 0, "pairs": 0}
+    if device.type == "cuda":  # the training peak, not building the model (QLoRA builds it in bf16 first)
+        torch.cuda.reset_peak_memory_stats(device)
+    for i, micro_batches in enumerate(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = train_step(parts, micro_batches, precision, t.max_grad_norm, ctx)  # ends with a sync
+        if i >= mode.discard:
+            counted["seconds"] += time.perf_counter() - started
+            counted["tokens"] += result.tokens
+            counted["pairs"] += result.attention_pairs
+    flops = flops_model(hf_config, run.method, 0)
+    rate = counted["tokens"] / counted["seconds"]
+    pairs_rate = counted["pairs"] / counted["seconds"]
+    row |= {
+        "status": "ok",
+        "tokensPerSecond": round(rate, 1),
+        "lastLoss": round(result.loss, 4),
+        "mfu": round(flops.per_token * rate / peak, 4) if peak else None,
+        "mfuWithAttention": round(flops.step_flops(rate, pairs_rate) / peak, 4) if peak else None,
+    }
+    if device.type == "cuda":
+        row |= {
+            "peakGiB": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
+            "peakReservedGiB": round(torch.cuda.max_memory_reserved(device) / GIB, 2),
+        }
+    return row
+
+
+def run_isolated(
+    run: Run,
+    mode: Mode,
+    device: torch.device,
+    examples: dict[int, list[Example]],
+    peak: float | None,
+    card_gib: float | None,
+) -> dict[str, Any]:
+    """One configuration; its failure (OOM or otherwise) becomes the row, and memory is freed after."""
+    import transformers.models.llama.modeling_llama as llama
+
+    patched = dict(vars(llama))  # Liger patches module functions; undo that for the next run
+    row: dict[str, Any] = {
+        "model": run.model,
+        "method": run.method,
+        "config": run.config,
+        "planFor": run.plan_for,
+        "capGiB": run.cap_gib or card_gib,
+        "tokensPerSecond": None,
+        "mfu": None,
+        "peakGiB": None,
+    }
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        if run.cap_gib and card_gib:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, run.cap_gib / card_gib), device)
+    started = time.perf_counter()
+    try:
+        row |= measure(run, mode, device, examples, peak)
+    except torch.OutOfMemoryError as exc:
+        row |= {"status": "oom", "note": f"out of memory: {str(exc).splitlines()[0][:200]}"}
+    except Exception as exc:  # record and go on to the next configuration
+        row |= {
+            "status": "error",
+            "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+        }
+    finally:
+        vars(llama).clear()
+        vars(llama).update(patched)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    row["wallSeconds"] = round(time.perf_counter() - started, 1)
+    print(
+        f"{run.name}: {row.get('status')} {row.get('tokensPerSecond', '')} tokens/s"
+        f" mfu {row.get('mfu')} peak {row.get('peakGiB')} GiB {row.get('note', '')}",
+        flush=True,
+    )
+    return row
+
+
+def finish_rows(rows: list[dict[str, Any]]) -> None:
+    """Ratio to the seed config of the same model and method; target verdicts for planned rows."""
+    seeds = {(r["model"], r["method"]): r.get("tokensPerSecond") for r in rows if r["config"] == "seed"}
+    for r in rows:
+        seed = seeds.get((r["model"], r["method"]))
+        r["ratioToSeed"] = (
+            round(r["tokensPerSecond"] / seed, 2) if seed and r.get("tokensPerSecond") else None
+        )
+        target = TARGETS.get((r["model"], r["method"], r["capGiB"])) if r["config"] == "planned" else None
+        if target is not None and r.get("mfu") is not None:
+            r["targetMfu"] = target
+            r["meetsTarget"] = r["mfu"] >= target
+            shortfall = (target - r["mfu"]) * 100
+            r["verdict"] = (
+                f"meets {target:.0%}" if r["meetsTarget"] else f"misses {target:.0%} by {shortfall:.1f} pts"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--tiny", action="store_true", help="CPU, tiny model, 3 steps (CI)")
+    size.add_argument("--quick", action="store_true", help="GPU, 8 steps (3 discarded), accumulation <= 2")
+    parser.add_argument("--only", default=None, help="regex on run names, e.g. '1.1B/full' or 'planned'")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = parser.parse_args(argv)
+    mode_name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    mode = MODES[mode_name]
+    device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
+    if device.type == "cpu" and not args.tiny:
+        parser.error("no CUDA GPU: use --tiny for the CPU check")
+    torch.set_float32_matmul_precision("high")
+    card_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+    peak = matmul_peak(device)
+    runs = [r for r in mode.runs if args.only is None or re.search(args.only, r.name)]
+    examples = {
+        v: synthetic_examples(mode.samples, mode.median, mode.seq, v)
+        for v in {SHAPES[r.model]["vocab_size"] for r in runs}
+    }
+    meta = environment(device, peak, mode_name, mode.steps, mode.discard, mode.max_accumulation)
+    rows: list[dict[str, Any]] = []
+    measured: dict[str, dict[str, Any]] = {}  # A40 and L40S plans are often the same: measure once
+    for run in runs:
+        settings, details = settings_for(run, mode)
+        key = f"{run.model}/{run.method}/{run.cap_gib}/{cap_accumulation(settings, mode.max_accumulation)}"
+        if key in measured:
+            same = measured[key]
+            note = "measured once: same settings as " + " ".join(
+                filter(None, (same["config"], same["planFor"]))
+            )
+            copy = {"config": run.config, "planFor": run.plan_for, "wallSeconds": 0.0, "note": note}
+            rows.append(
+                {k: v for k, v in same.items() if k not in ("verdict", "targetMfu", "meetsTarget")}
+                | details
+                | copy
+            )
+        else:
+            card = round(card_gib, 1) if card_gib else None
+            measured[key] = run_isolated(run, mode, device, examples, peak, card)
+            rows.append(measured[key])
+        finish_rows(rows)  # written after every run, so a session cut short still leaves its results
+        paths = write_results(rows, meta, args.out, f"trainer-throughput-{mode_name}")
+    print("wrote " + ", ".join(str(p) for p in paths) if rows else "no run matched --only")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

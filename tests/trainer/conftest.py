@@ -1,0 +1,91 @@
+"""Fixtures for the trainer tests: a tiny random model made once, and configs pointing at it.
+
+Everything runs on the CPU with a tokenizer trained on the fly (no downloads, HF_HUB_OFFLINE=1).
+``trainer_config`` writes a config file for a short deterministic run; tests override what they need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from sftjob_trainer.tiny import make_tiny_model, write_dataset  # noqa: E402
+from tests.trainer.runs import MakeConfig  # noqa: E402
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Tiny matmuls gain nothing from threads on a shared 2-core machine; one thread in this process and in
+# the trainer processes the tests start also keeps their floating-point results identical.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = (
+            _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture
+def termination_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "termination-log"
+    monkeypatch.setenv("SFTJOB_TERMINATION_LOG", str(path))
+    return path
+
+
+@pytest.fixture
+def trainer_config(tmp_path: Path, tiny_model: Path, termination_log: Path) -> MakeConfig:
+    """``trainer_config(fmt="messages", **overrides)`` -> path of a config for a 12-step CPU run."""
+
+    def make(fmt: str = "messages", rows: int = 128, name: str = "run", **overrides: Any) -> Path:
+        run = tmp_path / name
+        data = write_dataset(run / f"data-{fmt}.jsonl", fmt, rows=rows)
+        config = {
+            "job": {"name": "tiny"},
+            "model": {"path": str(tiny_model)},
+            "dataset": {"path": str(data), "maxSeqLength": 64},
+            "method": "lora",
+            "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
+            "training": {
+                "maxSteps": 12,
+                "learningRate": 3e-3,
+                "warmupRatio": 0.0,
+                "globalBatchSize": 8,
+                "microBatchSize": 4,
+                "gradientAccumulationSteps": 2,
+                "precision": "fp32",
+                "packing": True,
+                "packingLength": 128,
+                "dataloaderWorkers": 0,
+                "loggingEverySteps": 1,
+            },
+            "checkpoints": {
+                "dir": str(run / "checkpoints"),
+                "everySteps": 4,
+                "everyMinutes": None,
+                "keep": 2,
+            },
+            "outputDir": str(run / "output"),
+            "gpu": {"required": False},
+            "report": {"metricsPort": None},
+        }
+        path = run / "config.json"
+        path.write_text(json.dumps(_merge(config, overrides)))
+        return path
+
+    return make

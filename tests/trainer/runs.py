@@ -1,0 +1,58 @@
+"""Helpers for the trainer tests: reading a run's per-step losses, starting the trainer as a process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+MakeConfig = Callable[..., Path]
+
+
+def train_log(config_path: Path) -> dict[int, float]:
+    """Loss per step from the run's train_log.jsonl; a re-run step keeps its latest loss."""
+    config = json.loads(config_path.read_text())
+    losses: dict[int, float] = {}
+    log = Path(config["outputDir"]) / "train_log.jsonl"
+    if not log.exists():
+        return losses
+    for line in log.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run may be cut
+            continue
+        losses[record["step"]] = record["loss"]
+    return losses
+
+
+def start_trainer(config_path: Path, termination_log: Path) -> subprocess.Popen[bytes]:
+    """The trainer as its container runs it: a separate process with the config in SFTJOB_CONFIG."""
+    env = os.environ | {"SFTJOB_CONFIG": str(config_path), "SFTJOB_TERMINATION_LOG": str(termination_log)}
+    out = (config_path.parent / "trainer.log").open("wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "sftjob_trainer.train"], env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
+def wait_for_step(config_path: Path, proc: subprocess.Popen[bytes], step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while max(train_log(config_path), default=0) < step:
+        assert proc.poll() is None, (
+            f"trainer exited early with {proc.returncode}: {trainer_output(config_path)}"
+        )
+        assert time.monotonic() < deadline, f"no step {step} in {timeout}s: {trainer_output(config_path)}"
+        time.sleep(0.005)
+
+
+def trainer_output(config_path: Path) -> str:
+    return (config_path.parent / "trainer.log").read_text(errors="replace")[-3000:]
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())

@@ -1,0 +1,132 @@
+"""Every way the trainer fails ends with its documented exit code and a one-line reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.failures import classify
+from sftjob_trainer.preflight import DriverInfo, check_driver, same_product
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig
+
+pytestmark = pytest.mark.trainer
+
+
+def _rewrite(config: Path, **changes: object) -> Path:
+    data = json.loads(config.read_text())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = data
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    config.write_text(json.dumps(data))
+    return config
+
+
+def _reason(termination_log: Path) -> str:
+    text = termination_log.read_text()
+    assert text.count("\n") == 1, text
+    return text.strip()
+
+
+def test_a_bad_model_path_exits_model_load_error(
+    trainer_config: MakeConfig, tmp_path: Path, termination_log: Path
+) -> None:
+    config = _rewrite(trainer_config(), model__path=str(tmp_path / "no-such-model"))
+    assert run(str(config)) == ExitCode.MODEL_LOAD_ERROR
+    assert "no-such-model" in _reason(termination_log)
+
+
+def test_a_truncated_model_shard_exits_model_load_error(
+    trainer_config: MakeConfig, tiny_model: Path, tmp_path: Path, termination_log: Path
+) -> None:
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    for file in tiny_model.iterdir():
+        data = file.read_bytes()
+        (broken / file.name).write_bytes(data[: len(data) // 2] if file.suffix == ".safetensors" else data)
+    config = _rewrite(trainer_config(), model__path=str(broken))
+    assert run(str(config)) == ExitCode.MODEL_LOAD_ERROR
+    assert "truncated" in _reason(termination_log)
+
+
+def test_an_empty_dataset_exits_data_error(trainer_config: MakeConfig, termination_log: Path) -> None:
+    config = trainer_config()
+    Path(json.loads(config.read_text())["dataset"]["path"]).write_text("")
+    assert run(str(config)) == ExitCode.DATA_ERROR
+    assert "empty" in _reason(termination_log)
+
+
+def test_malformed_rows_past_the_threshold_exit_data_error(
+    trainer_config: MakeConfig, termination_log: Path
+) -> None:
+    config = trainer_config("alpaca", rows=40)
+    data = Path(json.loads(config.read_text())["dataset"]["path"])
+    lines = data.read_text().splitlines()
+    lines[3] = "{not json"
+    lines[7] = json.dumps({"instruction": "no output here"})
+    data.write_text("\n".join(lines) + "\n")
+    _rewrite(config, dataset__maxBadRowFraction=0.02)
+    assert run(str(config)) == ExitCode.DATA_ERROR
+    reason = _reason(termination_log)
+    assert "2 of 40 rows" in reason and "maxBadRowFraction" in reason
+
+    _rewrite(config, dataset__maxBadRowFraction=0.1, training__maxSteps=1)
+    assert run(str(config)) == ExitCode.OK  # under the threshold they are skipped
+
+
+def test_an_unwritable_checkpoint_dir_exits_storage_error(
+    trainer_config: MakeConfig, tmp_path: Path, termination_log: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    config = _rewrite(trainer_config(), checkpoints__dir=str(blocker / "checkpoints"))
+    assert run(str(config)) == ExitCode.STORAGE_ERROR
+    assert "checkpoint directory" in _reason(termination_log)
+
+
+def test_an_invalid_config_exits_config_error(tmp_path: Path, termination_log: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model": {"path": "/m"}, "dataset": {"path": "/d"}, "method": "dpo"}))
+    assert run(str(config)) == ExitCode.CONFIG_ERROR
+    assert "method" in _reason(termination_log)
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ExitCode.CUDA_OOM),
+        (
+            RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
+            ExitCode.COMMUNICATION_ERROR,
+        ),
+        (OSError(28, "No space left on device"), ExitCode.STORAGE_ERROR),
+        (TrainerError(ExitCode.DATA_ERROR, "bad\ndata"), ExitCode.DATA_ERROR),
+        (KeyError("surprise"), ExitCode.UNKNOWN),
+    ],
+)
+def test_exceptions_map_to_their_exit_codes_with_one_line_reasons(exc: BaseException, code: ExitCode) -> None:
+    got, reason = classify(exc)
+    assert got == code
+    assert "\n" not in reason
+
+
+def test_an_old_driver_or_a_driver_older_than_the_cuda_runtime_is_a_driver_mismatch() -> None:
+    with pytest.raises(TrainerError) as old:
+        check_driver(DriverInfo("470.82.01", (11, 4)), "525.60.11", "12.1")
+    assert old.value.code == ExitCode.DRIVER_MISMATCH
+    with pytest.raises(TrainerError) as behind:
+        check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "13.0")
+    assert behind.value.code == ExitCode.DRIVER_MISMATCH and "CUDA up to 12.2" in behind.value.reason
+    check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "12.8")  # minor-version compatible
+
+
+def test_planned_gpu_products_match_driver_names_and_gfd_labels() -> None:
+    assert same_product("NVIDIA A800-SXM4-80GB", "NVIDIA-A800-SXM4-80GB")
+    assert same_product("NVIDIA L40S", "L40S")
+    assert not same_product("NVIDIA A40", "NVIDIA-L40S")

@@ -1,0 +1,174 @@
+"""From tokenized examples to the micro-batches of every optimizer step, deterministically.
+
+Packing puts whole examples into rows of ``packing_length`` tokens (best-fit decreasing) with
+``position_ids`` restarting at 0 for every example. With SDPA/eager attention transformers turns those
+positions into a block-diagonal mask (no attention across examples); with FlashAttention-2 the rows of
+a micro-batch are flattened into one varlen row. Without packing a micro-batch is padded to its longest
+example. Which units an optimizer step uses is a pure function of (seed, epoch, step), so a resumed run
+only needs the step number to continue on exactly the same data.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.data import IGNORE_INDEX, Example
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What the sampler shuffles: one example, or one packed row of several."""
+
+    input_ids: list[int]
+    labels: list[int]
+    position_ids: list[int]
+    lengths: tuple[int, ...]  # the examples inside, in order
+
+
+@dataclass(frozen=True)
+class Layout:
+    packing: bool
+    flatten: bool  # FlashAttention-2 varlen: one row per micro-batch, no padding
+    pad_id: int
+
+
+def make_units(examples: list[Example], packing_length: int | None) -> list[Unit]:
+    """Pack examples into rows (best-fit decreasing), or keep one example per unit."""
+    if packing_length is None:
+        return [
+            Unit(e.input_ids, e.labels, list(range(len(e.input_ids))), (len(e.input_ids),)) for e in examples
+        ]
+    bins: list[list[Example]] = []
+    free: list[tuple[int, int]] = []  # sorted (free tokens, bin index)
+    for example in sorted(examples, key=lambda e: len(e.input_ids), reverse=True):
+        size = min(len(example.input_ids), packing_length)
+        example = Example(example.input_ids[:size], example.labels[:size])
+        slot = bisect.bisect_left(free, (size, -1))
+        if slot < len(free):
+            room, index = free.pop(slot)
+        else:
+            room, index = packing_length, len(bins)
+            bins.append([])
+        bins[index].append(example)
+        bisect.insort(free, (room - size, index))
+    return [_pack(row) for row in bins]
+
+
+def _pack(examples: list[Example]) -> Unit:
+    ids: list[int] = []
+    labels: list[int] = []
+    positions: list[int] = []
+    for e in examples:
+        ids += e.input_ids
+        labels += e.labels
+        positions += range(len(e.input_ids))
+    return Unit(ids, labels, positions, tuple(len(e.input_ids) for e in examples))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Which units each rank uses for each micro-batch of each optimizer step."""
+
+    units: int
+    micro_batch_size: int
+    accumulation: int
+    world_size: int
+    seed: int
+
+    @property
+    def per_step(self) -> int:
+        return self.micro_batch_size * self.accumulation * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.units // self.per_step
+
+    def validate(self) -> None:
+        if self.steps_per_epoch == 0:
+            raise TrainerError(
+                ExitCode.DATA_ERROR,
+                f"the dataset gives {self.units} training units (packed rows or examples) but one"
+                f" optimizer step needs {self.per_step} (micro-batch x accumulation x GPUs):"
+                " add data or lower the batch",
+            )
+
+    def total_steps(self, epochs: float, max_steps: int | None) -> int:
+        return max_steps if max_steps is not None else max(1, math.ceil(epochs * self.steps_per_epoch))
+
+    def epoch_of(self, step: int) -> float:
+        return step / self.steps_per_epoch
+
+    def micro_batches(self, step: int, rank: int) -> list[list[int]]:
+        epoch, offset = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(self.units, generator=torch.Generator().manual_seed(self.seed + epoch))
+        base = offset * self.per_step
+        mb = self.micro_batch_size
+        return [
+            order[
+                base + (m * self.world_size + rank) * mb : base + (m * self.world_size + rank + 1) * mb
+            ].tolist()
+            for m in range(self.accumulation)
+        ]
+
+
+def collate(units: list[Unit], layout: Layout) -> dict[str, torch.Tensor]:
+    """Model inputs for one micro-batch plus counters: real tokens, samples, loss terms, attention pairs."""
+    if layout.packing and layout.flatten:
+        batch = {
+            "input_ids": torch.tensor([[t for u in units for t in u.input_ids]]),
+            "labels": torch.tensor([[t for u in units for t in u.labels]]),
+            "position_ids": torch.tensor([[t for u in units for t in u.position_ids]]),
+        }
+    else:
+        width = max(len(u.input_ids) for u in units)
+        pads = [width - len(u.input_ids) for u in units]
+        batch = {
+            "input_ids": torch.tensor(
+                [u.input_ids + [layout.pad_id] * p for u, p in zip(units, pads, strict=True)]
+            ),
+            "labels": torch.tensor([u.labels + [IGNORE_INDEX] * p for u, p in zip(units, pads, strict=True)]),
+        }
+        if layout.packing:  # padding forms its own "sequence" so it attends to nothing real
+            batch["position_ids"] = torch.tensor(
+                [u.position_ids + list(range(p)) for u, p in zip(units, pads, strict=True)]
+            )
+        else:
+            batch["attention_mask"] = torch.tensor(
+                [[1] * len(u.input_ids) + [0] * p for u, p in zip(units, pads, strict=True)]
+            )
+    lengths = [n for u in units for n in u.lengths]
+    batch["num_tokens"] = torch.tensor(sum(lengths))
+    batch["num_samples"] = torch.tensor(len(lengths))
+    batch["num_targets"] = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    # Query-key pairs causal attention computes (for the attention FLOPs in MFU).
+    batch["attention_pairs"] = torch.tensor(sum(n * (n + 1) // 2 for n in lengths))
+    return batch
+
+
+class StepBatches(Dataset[list[dict[str, torch.Tensor]]]):
+    """Item ``i`` is the list of micro-batches this rank runs for optimizer step ``first_step + i``."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        schedule: Schedule,
+        layout: Layout,
+        rank: int,
+        first_step: int,
+        last_step: int,
+    ) -> None:
+        self.units, self.schedule, self.layout, self.rank = units, schedule, layout, rank
+        self.first_step, self.last_step = first_step, last_step
+
+    def __len__(self) -> int:
+        return max(0, self.last_step - self.first_step)
+
+    def __getitem__(self, index: int) -> list[dict[str, torch.Tensor]]:
+        picks = self.schedule.micro_batches(self.first_step + index, self.rank)
+        return [collate([self.units[i] for i in pick], self.layout) for pick in picks]

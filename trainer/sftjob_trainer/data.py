@@ -1,0 +1,311 @@
+"""Reading SFT rows (JSONL, Parquet, hub datasets) and turning them into token ids with loss masks.
+
+Three row formats: ``messages`` (a chat rendered with the tokenizer's chat template), ``alpaca``
+(instruction / input / output, rendered as a one-turn chat) and ``text`` (plain language modelling).
+For chats the loss covers only the assistant turns. A malformed row is counted and skipped with a log
+line; more than ``dataset.max_bad_row_fraction`` of them, or no usable row at all, fails with DataError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sftjob.config import DatasetSource
+from sftjob.failures import ExitCode, TrainerError
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+ROLES = frozenset({"system", "user", "assistant"})
+_SHOWN_BAD_ROWS = 10
+_DETECT_ROWS = 20
+
+# Used when the tokenizer has no chat template of its own (documented in docs/trainer.md).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class BadRow(ValueError):
+    """A row that cannot be used; the message says why, in words a user can act on."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized sample: ``labels`` is ``IGNORE_INDEX`` where no loss is taken."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    bad_rows: int = 0
+    truncated: int = 0
+    without_target: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+
+    def bad(self, where: str, reason: str) -> None:
+        self.bad_rows += 1
+        if self.bad_rows <= _SHOWN_BAD_ROWS:
+            log.warning("skipping malformed row %s: %s", where, reason)
+            self.bad_examples.append(f"{where}: {reason}")
+
+
+def load_examples(source: DatasetSource, tokenizer: Any) -> tuple[list[Example], DataStats, str]:
+    """Read, validate and tokenize the whole dataset; returns examples, counts and the format used."""
+    rows = read_rows(source)
+    head: list[tuple[str, Any]] = []
+    for item in rows:
+        head.append(item)
+        if len(head) >= _DETECT_ROWS:
+            break
+    if not head:
+        raise TrainerError(ExitCode.DATA_ERROR, f"dataset {_where(source)} is empty")
+    fmt = source.format if source.format != "auto" else detect_format([r for _, r in head])
+    ensure_chat_template(tokenizer)
+    stats = DataStats()
+    examples: list[Example] = []
+    for where, row in _chain(head, rows):
+        stats.rows += 1
+        try:
+            example = tokenize_row(row, fmt, tokenizer, source.max_seq_length, stats)
+        except BadRow as exc:
+            stats.bad(where, str(exc))
+            continue
+        if example is not None:
+            examples.append(example)
+    _check_quality(source, stats, len(examples))
+    log.info(
+        "data: %d rows (%s format), %d malformed skipped, %d truncated to %d tokens, %d without a target"
+        " after truncation, %d examples",
+        stats.rows,
+        fmt,
+        stats.bad_rows,
+        stats.truncated,
+        source.max_seq_length,
+        stats.without_target,
+        len(examples),
+    )
+    return examples, stats, fmt
+
+
+def _check_quality(source: DatasetSource, stats: DataStats, usable: int) -> None:
+    fraction = stats.bad_rows / stats.rows
+    if fraction > source.max_bad_row_fraction:
+        raise TrainerError(
+            ExitCode.DATA_ERROR,
+            f"{stats.bad_rows} of {stats.rows} rows ({fraction:.1%}) in {_where(source)} are malformed,"
+            f" more than dataset.maxBadRowFraction={source.max_bad_row_fraction};"
+            f" first: {stats.bad_examples[0]}",
+        )
+    if usable == 0:
+        raise TrainerError(ExitCode.DATA_ERROR, f"dataset {_where(source)} has no usable rows")
+
+
+def _where(source: DatasetSource) -> str:
+    return source.path or f"{source.name} (split {source.split})"
+
+
+def _chain(head: list[tuple[str, Any]], rest: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    yield from head
+    yield from rest
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def read_rows(source: DatasetSource) -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, row)``; a row that is not even JSON comes through as a :class:`BadRow`."""
+    if source.path is not None:
+        return _read_path(Path(source.path))
+    return _read_hub(source)
+
+
+def _read_path(path: Path) -> Iterator[tuple[str, Any]]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+        if not files:
+            raise TrainerError(
+                ExitCode.DATA_ERROR, f"dataset folder {path} has no .jsonl/.json/.parquet files"
+            )
+    elif path.is_file():
+        if path.suffix not in DATA_SUFFIXES:
+            raise TrainerError(ExitCode.DATA_ERROR, f"dataset file {path} is not .jsonl, .json or .parquet")
+        files = [path]
+    else:
+        raise TrainerError(ExitCode.DATA_ERROR, f"dataset path {path} does not exist")
+    return _read_files(files)
+
+
+def _read_files(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    for file in files:
+        try:
+            if DATA_SUFFIXES[file.suffix] == "parquet":
+                yield from _read_parquet(file)
+            else:
+                yield from _read_jsonl(file)
+        except OSError as exc:
+            raise TrainerError(ExitCode.DATA_ERROR, f"dataset file {file} is unreadable: {exc}") from exc
+
+
+def _read_jsonl(file: Path) -> Iterator[tuple[str, Any]]:
+    with file.open(encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{file.name}:{number}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield f"{file.name}:{number}", BadRow(f"not valid JSON ({exc.msg})")
+
+
+def _read_parquet(file: Path) -> Iterator[tuple[str, Any]]:
+    pa = importlib.import_module("pyarrow")
+    pq = importlib.import_module("pyarrow.parquet")
+
+    try:
+        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+        number = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{file.name}:row {number}", row
+    except pa.ArrowException as exc:
+        raise TrainerError(
+            ExitCode.DATA_ERROR, f"dataset file {file} is not readable Parquet: {exc}"
+        ) from exc
+
+
+def _read_hub(source: DatasetSource) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(source.name, split=source.split)
+    except Exception as exc:
+        raise TrainerError(
+            ExitCode.DATA_ERROR, f"could not load hub dataset {source.name} split {source.split}: {exc}"
+        ) from exc
+    for number, row in enumerate(dataset):
+        yield f"{source.name}[{number}]", row
+
+
+# --- formats -------------------------------------------------------------------------------------
+
+
+def detect_format(rows: Iterable[Any]) -> str:
+    keys: set[str] = set()
+    for row in rows:
+        if not isinstance(row, dict):
+            continue
+        keys = set(row)
+        if "messages" in keys:
+            return "messages"
+        if {"instruction", "output"} <= keys:
+            return "alpaca"
+        if "text" in keys:
+            return "text"
+    raise TrainerError(
+        ExitCode.DATA_ERROR,
+        f"cannot detect the dataset format from the first rows (keys {sorted(keys)}); expected 'messages',"
+        " 'instruction'+'output' or 'text', or set dataset.format",
+    )
+
+
+def row_messages(row: Any, fmt: str) -> list[dict[str, str]]:
+    """The chat a ``messages`` or ``alpaca`` row stands for, validated."""
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow(f"expected an object, got {type(row).__name__}")
+    if fmt == "alpaca":
+        instruction, extra, output = row.get("instruction"), row.get("input") or "", row.get("output")
+        if not isinstance(instruction, str) or not instruction.strip():
+            raise BadRow("'instruction' is missing or empty")
+        if not isinstance(output, str) or not output.strip():
+            raise BadRow("'output' is missing or empty")
+        if not isinstance(extra, str):
+            raise BadRow("'input' is not a string")
+        prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRow("'messages' is missing or not a non-empty list")
+    chat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise BadRow(f"message {i} needs a role in {sorted(ROLES)} and a string content")
+        chat.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in chat):
+        raise BadRow("no non-empty assistant message to learn from")
+    return chat
+
+
+def ensure_chat_template(tokenizer: Any) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        log.info("tokenizer has no chat template: using the documented fallback template")
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+
+
+def chat_segments(tokenizer: Any, chat: list[dict[str, str]]) -> list[tuple[str, bool]]:
+    """Split the rendered chat into (text, is_assistant) pieces by rendering it turn by turn."""
+
+    def render(messages: list[dict[str, str]], prompt: bool) -> str:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt))
+
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(chat):
+        if message["role"] != "assistant":
+            continue
+        try:
+            prompt, full = render(chat[:i], True), render(chat[: i + 1], False)
+        except Exception as exc:  # jinja raises for chats the template refuses
+            raise BadRow(f"the chat template rejected the conversation: {exc}") from exc
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise BadRow(
+                "the chat template does not render this chat turn by turn (needed for the loss mask)"
+            )
+        segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        done = full
+    return segments
+
+
+def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataStats) -> Example | None:
+    if fmt == "text":
+        ids = _text_ids(row, tokenizer)
+        labels = list(ids)
+    else:
+        ids, labels = [], []
+        for text, trainable in chat_segments(tokenizer, row_messages(row, fmt)):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            labels += piece if trainable else [IGNORE_INDEX] * len(piece)
+    if len(ids) > max_len:
+        stats.truncated += 1
+        ids, labels = ids[:max_len], labels[:max_len]
+    labels[0] = IGNORE_INDEX  # nothing predicts a sequence's first token, also when packed after another
+    if all(label == IGNORE_INDEX for label in labels):
+        stats.without_target += 1
+        return None
+    return Example(ids, labels)
+
+
+def _text_ids(row: Any, tokenizer: Any) -> list[int]:
+    if isinstance(row, BadRow):
+        raise row
+    text = row.get("text") if isinstance(row, dict) else None
+    if not isinstance(text, str) or not text.strip():
+        raise BadRow("'text' is missing or empty")
+    ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return ([bos] if bos is not None else []) + ids + ([eos] if eos is not None else [])

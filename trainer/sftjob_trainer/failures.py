@@ -1,0 +1,90 @@
+"""Turning whatever ended the trainer into an exit code and a one-line reason for the operator.
+
+The operator classifies an ended attempt from the container's exit code and its termination message
+(``/dev/termination-log``), so every way out of the trainer goes through :func:`classify` and
+:func:`write_termination_message`. The table of codes itself is the shared contract in
+:mod:`sftjob.failures`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+
+from pydantic import ValidationError
+
+from sftjob.constants import TERMINATION_LOG
+from sftjob.failures import ExitCode, TrainerError
+
+log = logging.getLogger(__name__)
+
+TERMINATION_LOG_ENV = "SFTJOB_TERMINATION_LOG"
+# Kubernetes keeps at most 4096 bytes of the message; one line of this length is plenty.
+_MAX_REASON_CHARS = 1000
+
+_OOM_PATTERNS = ("CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+_COMMUNICATION_PATTERNS = (
+    "NCCL",
+    "ProcessGroup",
+    "c10d",
+    "Connection reset by peer",
+    "Connection refused",
+    "Socket Timeout",
+    "collective operation timeout",
+    "Watchdog caught collective operation timeout",
+)
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EIO, errno.EPERM})
+
+
+def one_line(text: str) -> str:
+    """Collapse whitespace so the reason is one line, and keep it short."""
+    line = re.sub(r"\s+", " ", text).strip()
+    return line[: _MAX_REASON_CHARS - 3] + "..." if len(line) > _MAX_REASON_CHARS else line
+
+
+def classify(exc: BaseException) -> tuple[ExitCode, str]:
+    """Map an exception to the exit code the operator expects and a one-line reason."""
+    if isinstance(exc, TrainerError):
+        return exc.code, one_line(exc.reason)
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, ValidationError):
+        return ExitCode.CONFIG_ERROR, one_line(f"invalid trainer configuration: {exc}")
+    if _is_oom(exc):
+        return ExitCode.CUDA_OOM, one_line(f"CUDA out of memory: {exc}")
+    if _is_communication(exc):
+        return ExitCode.COMMUNICATION_ERROR, one_line(f"communication error between ranks: {message}")
+    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+        return ExitCode.STORAGE_ERROR, one_line(f"storage error: {message}")
+    return ExitCode.UNKNOWN, one_line(f"unexpected error: {message}")
+
+
+def _is_oom(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    if name == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError / torch.OutOfMemoryError
+        return True
+    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _OOM_PATTERNS)
+
+
+def _is_communication(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    if name in {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}:
+        return True
+    return isinstance(exc, RuntimeError | TimeoutError | ConnectionError) and any(
+        p in str(exc) for p in _COMMUNICATION_PATTERNS
+    )
+
+
+def termination_log_path() -> str:
+    return os.environ.get(TERMINATION_LOG_ENV, TERMINATION_LOG)
+
+
+def write_termination_message(reason: str) -> None:
+    """Write the one-line reason where Kubernetes reads it; never raise (we are already exiting)."""
+    path = termination_log_path()
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(one_line(reason) + "\n")
+    except OSError as exc:
+        log.warning("could not write the termination message to %s: %s", path, exc)

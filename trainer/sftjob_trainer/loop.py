@@ -1,0 +1,114 @@
+"""One optimizer step, and the optimizer, scheduler and scaler it needs.
+
+Kept apart from ``train.py`` so the throughput benchmark times exactly the code jobs run. The loss is
+normalised by the number of target tokens in the whole global batch (all micro-batches, all ranks),
+so gradient accumulation and data parallelism give the same gradient as one big batch would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sftjob.config import TrainingSettings
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.checkpoints import Trainables
+from sftjob_trainer.distributed import DistContext, no_sync
+from sftjob_trainer.model import PrecisionPlan
+
+MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean loss per target token over the global batch
+    grad_norm: float
+    learning_rate: float
+    tokens: int  # real tokens, all ranks
+    samples: int
+    attention_pairs: int
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_optimizer(
+    model: nn.Module, training: TrainingSettings, device: torch.device
+) -> torch.optim.Optimizer:
+    params = trainable_parameters(model)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": training.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    lr = training.learning_rate
+    if training.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        try:
+            bnb = importlib.import_module("bitsandbytes")
+        except ImportError as exc:
+            raise TrainerError(
+                ExitCode.CONFIG_ERROR, f"optimizer {training.optimizer} needs bitsandbytes"
+            ) from exc
+        cls = bnb.optim.PagedAdamW8bit if training.optimizer == "paged_adamw_8bit" else bnb.optim.AdamW8bit
+        return cls(groups, lr=lr)
+    fused = training.optimizer == "adamw_torch_fused" and device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingSettings, total_steps: int) -> Any:
+    from transformers import get_scheduler
+
+    warmup = math.ceil(training.warmup_ratio * total_steps)
+    return get_scheduler(
+        training.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+    )
+
+
+def make_scaler(plan: PrecisionPlan, device: torch.device) -> torch.amp.GradScaler | None:
+    return torch.amp.GradScaler(device.type) if plan.grad_scaler else None
+
+
+def train_step(
+    parts: Trainables,
+    micro_batches: list[dict[str, torch.Tensor]],
+    plan: PrecisionPlan,
+    max_grad_norm: float,
+    ctx: DistContext,
+) -> StepResult:
+    """Forward/backward every micro-batch, clip, step the optimizer and the schedule."""
+    model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
+    local = [
+        sum(float(mb[k]) for mb in micro_batches)
+        for k in ("num_targets", "num_tokens", "num_samples", "attention_pairs")
+    ]
+    targets, tokens, samples, pairs = ctx.sum(local)
+    targets_on_device = torch.tensor(max(targets, 1.0), device=ctx.device)
+    loss_sum = torch.zeros((), device=ctx.device)
+    for i, mb in enumerate(micro_batches):
+        inputs = {k: mb[k].to(ctx.device, non_blocking=True) for k in MODEL_INPUTS if k in mb}
+        with no_sync(model, i == len(micro_batches) - 1):
+            with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
+                loss = model(**inputs, use_cache=False, num_items_in_batch=targets_on_device).loss
+            # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
+            scaled = loss * ctx.world_size
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        loss_sum += loss.detach()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), max_grad_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    learning_rate = float(optimizer.param_groups[0]["lr"])
+    parts.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    (loss_total,) = ctx.sum([float(loss_sum)])
+    return StepResult(loss_total, float(full_norm), learning_rate, int(tokens), int(samples), int(pairs))

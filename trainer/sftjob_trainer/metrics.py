@@ -1,0 +1,140 @@
+"""The trainer's Prometheus metrics, served over HTTP by rank 0 (names fixed in contract-notes.md).
+
+Every series carries the bounded labels ``sftjob`` (job name) and ``gpu`` (GPU profile key, or
+``cpu``). GPU memory gauges read 0 on a CPU run. Rates (tokens/s, samples/s, MFU) are over the
+last logging window, not since start, so they show what the job does now.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+SAVE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+@dataclass(frozen=True)
+class WindowRates:
+    tokens_per_second: float
+    samples_per_second: float
+    mfu: float
+
+
+class TrainerMetrics:
+    def __init__(self, job: str, gpu: str, model: str, method: str, precision: str) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = {"sftjob": job, "gpu": gpu}
+        self._server: Any = None
+        names = list(self._labels)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, names, registry=self.registry).labels(**self._labels)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, names, registry=self.registry).labels(**self._labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**self._labels)
+
+        self.loss = gauge("sftjob_train_loss", "Mean training loss of the last optimizer step")
+        self.learning_rate = gauge("sftjob_train_learning_rate", "Learning rate of the last optimizer step")
+        self.grad_norm = gauge("sftjob_train_grad_norm", "Gradient norm before clipping, last step")
+        self.step = gauge("sftjob_train_step", "Optimizer steps done")
+        self.total_steps = gauge("sftjob_train_total_steps", "Optimizer steps the job will run")
+        self.epoch = gauge("sftjob_train_epoch", "Fractional epoch")
+        self.tokens = counter("sftjob_train_tokens", "Real (non-padding) tokens trained on, all ranks")
+        self.samples = counter("sftjob_train_samples", "Samples trained on, all ranks")
+        self.tokens_per_second = gauge("sftjob_train_tokens_per_second", "Real tokens/s, last window")
+        self.samples_per_second = gauge("sftjob_train_samples_per_second", "Samples/s, last window")
+        self.step_duration = histogram(
+            "sftjob_train_step_duration_seconds", "Optimizer step time", STEP_BUCKETS
+        )
+        self.mfu = gauge(
+            "sftjob_train_mfu_ratio", "Model FLOPs utilisation (0-1) against the dense bf16 peak"
+        )
+        self.memory_allocated = gauge(
+            "sftjob_train_gpu_memory_allocated_bytes", "GPU memory allocated (rank 0)"
+        )
+        self.memory_reserved = gauge("sftjob_train_gpu_memory_reserved_bytes", "GPU memory reserved (rank 0)")
+        self.memory_peak = gauge("sftjob_train_gpu_memory_peak_bytes", "Peak GPU memory allocated (rank 0)")
+        self.memory_total = gauge("sftjob_train_gpu_memory_total_bytes", "GPU memory of the card (rank 0)")
+        self.dataloader_wait = counter(
+            "sftjob_train_dataloader_wait_seconds", "Time spent waiting for batches"
+        )
+        self.checkpoint_save = histogram(
+            "sftjob_train_checkpoint_save_duration_seconds", "Checkpoint save time", SAVE_BUCKETS
+        )
+        self.last_checkpoint_step = gauge(
+            "sftjob_train_last_checkpoint_step", "Step of the newest checkpoint"
+        )
+        self.last_checkpoint_time = gauge(
+            "sftjob_train_last_checkpoint_timestamp_seconds", "Unix time of the newest checkpoint"
+        )
+        self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (0 = first)")
+        self.bad_rows = counter("sftjob_train_bad_rows", "Malformed dataset rows skipped")
+        info = Gauge(
+            "sftjob_train_info",
+            "What is being trained",
+            [*names, "model", "method", "precision"],
+            registry=self.registry,
+        )
+        info.labels(**self._labels, model=model, method=method, precision=precision).set(1)
+
+    def serve(self, port: int) -> int:
+        """Start the HTTP endpoint (port 0 picks a free one); returns the bound port."""
+        self._server, _thread = start_http_server(port, registry=self.registry)
+        bound = int(self._server.server_port)
+        log.info("metrics on :%d/metrics", bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def record_step(
+        self,
+        *,
+        step: int,
+        epoch: float,
+        loss: float,
+        learning_rate: float,
+        grad_norm: float,
+        tokens: int,
+        samples: int,
+        seconds: float,
+        dataloader_wait: float,
+    ) -> None:
+        self.step.set(step)
+        self.epoch.set(epoch)
+        self.loss.set(loss)
+        self.learning_rate.set(learning_rate)
+        self.grad_norm.set(grad_norm)
+        self.tokens.inc(tokens)
+        self.samples.inc(samples)
+        self.step_duration.observe(seconds)
+        self.dataloader_wait.inc(dataloader_wait)
+
+    def record_window(self, rates: WindowRates, device: torch.device) -> None:
+        self.tokens_per_second.set(rates.tokens_per_second)
+        self.samples_per_second.set(rates.samples_per_second)
+        self.mfu.set(rates.mfu)
+        if device.type == "cuda":
+            self.memory_allocated.set(torch.cuda.memory_allocated(device))
+            self.memory_reserved.set(torch.cuda.memory_reserved(device))
+            self.memory_peak.set(torch.cuda.max_memory_allocated(device))
+            self.memory_total.set(torch.cuda.get_device_properties(device).total_memory)
+
+    def record_checkpoint(self, step: int, seconds: float) -> None:
+        self.checkpoint_save.observe(seconds)
+        self.last_checkpoint_step.set(step)
+        self.last_checkpoint_time.set(time.time())

@@ -1,0 +1,205 @@
+"""Loading the tokenizer and the base model, and making it trainable as the plan says.
+
+Precision policy: full fine-tuning keeps fp32 master weights and runs the maths under autocast
+(bf16/fp16, the latter with a gradient scaler); LoRA keeps the frozen base in the compute dtype with
+fp32 adapters under autocast; QLoRA stores the base in 4-bit NF4 (bitsandbytes, GPU only).
+Liger kernels and the attention implementation are speed choices: when they are not available the
+trainer says so in the log and continues without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerConfig, TrainingSettings
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.failures import classify
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    compute_dtype: torch.dtype  # what matmuls run in
+    load_dtype: torch.dtype  # what the model's weights are stored in
+    autocast: bool
+    grad_scaler: bool
+
+
+def precision_plan(method: Method, precision: Precision) -> PrecisionPlan:
+    if precision == "fp8":
+        log.warning("precision fp8 is not implemented by this trainer: training in bf16 instead")
+        precision = "bf16"
+    compute = _DTYPES[precision]
+    half = compute != torch.float32
+    load = torch.float32 if method == "full" else compute
+    return PrecisionPlan(compute, load, autocast=half, grad_scaler=precision == "fp16")
+
+
+def resolve_attention(requested: str, device: torch.device) -> str:
+    if requested == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if device.type != "cuda" or not is_flash_attn_2_available():
+            log.warning("attention flash_attention_2 planned but not available here: using sdpa")
+            return "sdpa"
+    return requested
+
+
+def _hub_kwargs(source: ModelSource) -> dict[str, Any]:
+    return {
+        "revision": source.revision,
+        "token": os.environ.get("HF_TOKEN") or None,
+        "trust_remote_code": source.trust_remote_code,
+    }
+
+
+def _model_ref(source: ModelSource) -> str:
+    return source.path or source.name or ""
+
+
+def _load_error(what: str, source: ModelSource, exc: Exception) -> Exception:
+    if classify(exc)[0] == ExitCode.CUDA_OOM:
+        return exc
+    return TrainerError(
+        ExitCode.MODEL_LOAD_ERROR, f"could not load the {what} from {_model_ref(source)}: {exc}"
+    )
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(_model_ref(source), **_hub_kwargs(source))
+    except Exception as exc:
+        raise _load_error("tokenizer", source, exc) from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def load_model(config: TrainerConfig, device: torch.device, attention: str) -> Any:
+    """The base model from the hub or a local folder, on ``device`` unless FSDP will place it."""
+    from transformers import AutoModelForCausalLM
+
+    plan = precision_plan(config.method, config.training.precision)
+    kwargs = _hub_kwargs(config.model) | {"dtype": plan.load_dtype, "attn_implementation": attention}
+    if config.method == "qlora":
+        kwargs |= {"quantization_config": qlora_quantization(plan), "device_map": {"": device}}
+    elif device.type == "cuda" and config.distributed.sharding != "fsdp":
+        kwargs["device_map"] = {"": device}
+    try:
+        return AutoModelForCausalLM.from_pretrained(_model_ref(config.model), **kwargs)
+    except Exception as exc:
+        raise _load_error("model", config.model, exc) from exc
+
+
+def qlora_quantization(plan: PrecisionPlan) -> Any:
+    from transformers import BitsAndBytesConfig
+    from transformers.utils import is_bitsandbytes_available
+
+    if not torch.cuda.is_available() or not is_bitsandbytes_available():
+        raise TrainerError(
+            ExitCode.CONFIG_ERROR, "method qlora needs a CUDA GPU and the bitsandbytes package"
+        )
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=plan.compute_dtype,
+    )
+
+
+def prepare_for_training(
+    model: Any, method: Method, lora: LoraSettings, training: TrainingSettings, device: torch.device
+) -> Any:
+    """Liger kernels, gradient checkpointing and LoRA adapters, in the order they must be applied."""
+    model.config.use_cache = False
+    if training.liger_kernels:
+        apply_liger(model, device)
+    checkpointing = {"use_reentrant": False}
+    if method == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=training.gradient_checkpointing,
+            gradient_checkpointing_kwargs=checkpointing,
+        )
+    elif training.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    if method in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        adapters = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, adapters)
+    if method != "qlora" and device.type == "cuda" and next(model.parameters()).device != device:
+        model = model.to(device)
+    return model
+
+
+def apply_liger(model: Any, device: torch.device) -> None:
+    if device.type != "cuda":
+        log.info("Liger kernels planned but this is a CPU run: continuing without them")
+        return
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    except ImportError:
+        log.warning("Liger kernels planned but liger_kernel is not importable: continuing without them")
+        return
+    _apply_liger_kernel_to_instance(model=model)
+    log.info("Liger kernels applied (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)")
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int
+    non_embedding: int  # what MFU counts: every weight except the input embedding table
+    trainable: int
+
+
+def count_parameters(model: Any) -> ParameterCounts:
+    """Counts of the base model's weights (4-bit weights counted as the numbers they stand for)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding_ids = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and any(id(p) in embedding_ids for p in head.parameters())
+    total = trainable = 0
+    # A tied output head still does its matmul: count it once as a non-embedding weight.
+    non_embedding = sum(p.numel() for p in head.parameters()) if tied and head is not None else 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            trainable += p.numel()
+        if "lora_" in name:
+            continue
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        n = math.prod(shape) if shape is not None else p.numel()
+        total += n
+        if id(p) not in embedding_ids:
+            non_embedding += n
+    return ParameterCounts(total, non_embedding, trainable)
+
+
+def save_output(model: Any, tokenizer: Any, output_dir: str, state_dict: dict[str, Any] | None) -> None:
+    """The adapter (LoRA/QLoRA) or the whole model, with the tokenizer, as save_pretrained writes them."""
+    try:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+        tokenizer.save_pretrained(output_dir)
+    except OSError as exc:
+        raise TrainerError(
+            ExitCode.STORAGE_ERROR, f"could not save the output to {output_dir}: {exc}"
+        ) from exc

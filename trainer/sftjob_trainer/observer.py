@@ -1,0 +1,117 @@
+"""Rank 0's view of a run: the human log line, the metrics, the train log and the progress reports.
+
+Everything here is fed once per optimizer step by the loop in train.py; rates (tokens/s, MFU) are over
+the window since the previous logging step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from sftjob.config import TrainerConfig
+from sftjob_trainer.batching import Schedule
+from sftjob_trainer.checkpoints import TrainState
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.flops import mfu
+from sftjob_trainer.loop import StepResult
+from sftjob_trainer.metrics import TrainerMetrics, WindowRates
+from sftjob_trainer.report import ProgressReporter
+
+log = logging.getLogger("sftjob_trainer")
+
+TRAIN_LOG_FILE = "train_log.jsonl"  # one JSON line per logging step (rank 0), appended across attempts
+
+
+class Observer:
+    """Rank 0's view of the run: the log line, the metrics, the train log and the progress reports."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        ctx: DistContext,
+        gpu: str,
+        peak: float | None,
+        total: int,
+        schedule: Schedule,
+    ) -> None:
+        self.ctx, self.peak, self.total, self.schedule = ctx, peak, total, schedule
+        self.every = config.training.logging_every_steps
+        self.metrics = TrainerMetrics(
+            config.job.name,
+            gpu,
+            config.model.name or config.model.path or "",
+            config.method,
+            config.training.precision,
+        )
+        if config.report.metrics_port is not None:
+            self.metrics.serve(config.report.metrics_port)
+        else:
+            log.info("metrics endpoint disabled (report.metricsPort is unset)")
+        self.metrics.total_steps.set(total)
+        self.metrics.restarts_seen.set(config.job.attempt)
+        self.reporter = ProgressReporter(config.report)
+        self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
+        self._window: list[tuple[StepResult, float, float]] = []  # (result, seconds, flops)
+
+    def step(self, state: TrainState, result: StepResult, seconds: float, waited: float, flops: Any) -> None:
+        epoch = self.schedule.epoch_of(state.step)
+        self.metrics.record_step(
+            step=state.step,
+            epoch=epoch,
+            loss=result.loss,
+            learning_rate=result.learning_rate,
+            grad_norm=result.grad_norm,
+            tokens=result.tokens,
+            samples=result.samples,
+            seconds=seconds,
+            dataloader_wait=waited,
+        )
+        self._window.append((result, seconds, flops.step_flops(result.tokens, result.attention_pairs)))
+        if state.step % self.every and state.step != self.total:
+            return
+        elapsed = sum(s for _, s, _ in self._window) or 1e-9
+        rates = WindowRates(
+            sum(r.tokens for r, _, _ in self._window) / elapsed,
+            sum(r.samples for r, _, _ in self._window) / elapsed,
+            mfu(sum(f for _, _, f in self._window) / elapsed, self.peak),
+        )
+        eta = (self.total - state.step) * elapsed / len(self._window)
+        self._window.clear()
+        self.metrics.record_window(rates, self.ctx.device)
+        log.info(
+            "step %d/%d (epoch %.2f) | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s | MFU %.1f%%"
+            " | ETA %s",
+            state.step,
+            self.total,
+            epoch,
+            result.loss,
+            result.learning_rate,
+            result.grad_norm,
+            f"{rates.tokens_per_second:,.0f}",
+            rates.mfu * 100,
+            timedelta(seconds=round(eta)),
+        )
+        record = {
+            "step": state.step,
+            "totalSteps": self.total,
+            "epoch": round(epoch, 4),
+            "loss": result.loss,
+            "learningRate": result.learning_rate,
+            "tokensPerSecond": round(rates.tokens_per_second, 1),
+            "etaSeconds": round(eta, 1),
+        }
+        self.reporter.progress(record)
+        with self.train_log.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record | {"gradNorm": result.grad_norm, "tokens": state.tokens}) + "\n")
+
+    def checkpoint_saved(self, step: int, path: str, seconds: float) -> None:
+        self.metrics.record_checkpoint(step, seconds)
+        self.reporter.checkpoint(step, path)
+
+    def close(self) -> None:
+        self.reporter.close()
+        self.metrics.close()

@@ -1,0 +1,225 @@
+"""Cheap checks before any heavy work, each failing with its own exit code and a one-line reason.
+
+The seed guide's common failures (driver too old or mismatched with CUDA, GPU not detected, model
+files broken, storage not writable) are caught here in seconds instead of minutes into model loading.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import struct
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sftjob.config import GpuExpectation, ModelSource, TrainerConfig
+from sftjob.failures import ExitCode, TrainerError
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class DriverInfo:
+    version: str  # e.g. "535.54.03"
+    cuda: tuple[int, int] | None  # newest CUDA version the driver supports, e.g. (12, 2)
+
+
+def run_preflight(config: TrainerConfig, local_rank: int, local_world_size: int) -> None:
+    """Run every check in order; the first failure raises :class:`TrainerError`."""
+    check_writable(config.checkpoints.dir, "checkpoint directory (checkpoints.dir)")
+    check_writable(config.output_dir, "output directory (output_dir)")
+    check_model_files(config.model)
+    if config.gpu.required:
+        check_gpu(config.gpu, local_rank, local_world_size)
+    else:
+        log.info("preflight: GPU checks skipped because gpu.required is false (CPU run)")
+    log.info("preflight: all checks passed")
+
+
+def check_writable(path: str, what: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-") as fh:
+            fh.write(b"ok")
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise TrainerError(ExitCode.STORAGE_ERROR, f"{what} {path} is not writable: {exc}") from exc
+
+
+# --- model files ---------------------------------------------------------------------------------
+
+
+def check_model_files(source: ModelSource) -> None:
+    if source.path is None:
+        hf_home = os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+        check_writable(hf_home, "Hugging Face cache (HF_HOME)")
+        return
+    folder = Path(source.path)
+    if not (folder / "config.json").is_file():
+        raise TrainerError(ExitCode.MODEL_LOAD_ERROR, f"model.path {folder} has no config.json")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as exc:
+            raise TrainerError(
+                ExitCode.MODEL_LOAD_ERROR, f"model index {index} is unreadable: {exc}"
+            ) from exc
+        for shard in shards:
+            check_safetensors_file(folder / shard)
+    elif (folder / "model.safetensors").is_file():
+        check_safetensors_file(folder / "model.safetensors")
+    elif not (folder / "pytorch_model.bin").is_file():
+        raise TrainerError(
+            ExitCode.MODEL_LOAD_ERROR,
+            f"model.path {folder} has no weights (model.safetensors, its index, or pytorch_model.bin)",
+        )
+
+
+def check_safetensors_file(path: Path) -> None:
+    """The header must parse and the file must be long enough for every tensor it lists."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            if header_len > size:
+                raise ValueError("header length exceeds the file size")
+            header = json.loads(fh.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise TrainerError(
+            ExitCode.MODEL_LOAD_ERROR, f"model shard {path} is missing or unreadable: {exc}"
+        ) from exc
+    if size < 8 + header_len + end:
+        raise TrainerError(
+            ExitCode.MODEL_LOAD_ERROR,
+            f"model shard {path} is truncated: {size} bytes, header says {8 + header_len + end}",
+        )
+
+
+# --- GPU and driver ------------------------------------------------------------------------------
+
+
+def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) -> None:
+    driver = read_driver_info()
+    if driver is None and not torch.cuda.is_available():
+        raise TrainerError(ExitCode.GPU_UNAVAILABLE, "no NVIDIA GPU or driver is visible in the container")
+    if driver is not None:
+        check_driver(driver, expect.min_driver, torch.version.cuda)
+    if not torch.cuda.is_available():
+        raise TrainerError(
+            ExitCode.DRIVER_MISMATCH,
+            f"driver {driver.version if driver else '?'} is present but PyTorch (CUDA {torch.version.cuda})"
+            " cannot use the GPU",
+        )
+    count = torch.cuda.device_count()
+    if count < local_world_size:
+        raise TrainerError(
+            ExitCode.GPU_UNAVAILABLE,
+            f"{count} GPU(s) visible, the plan needs {local_world_size} on this node",
+        )
+    name = torch.cuda.get_device_name(local_rank)
+    if expect.product and not same_product(name, expect.product):
+        raise TrainerError(
+            ExitCode.GPU_UNAVAILABLE, f"GPU is {name!r}, the plan was made for {expect.product!r}"
+        )
+    free, total = torch.cuda.mem_get_info(local_rank)
+    if expect.memory_gib is not None and free / GIB < expect.memory_gib:
+        raise TrainerError(
+            ExitCode.GPU_UNAVAILABLE,
+            f"GPU {local_rank} ({name}) has {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB,"
+            f" the plan needs {expect.memory_gib:.1f} GiB",
+        )
+    log.info(
+        "preflight: %d x %s, %.1f GiB free on GPU %d, driver %s, CUDA runtime %s",
+        count,
+        name,
+        free / GIB,
+        local_rank,
+        driver.version if driver else "?",
+        torch.version.cuda,
+    )
+
+
+def check_driver(driver: DriverInfo, min_driver: str, runtime_cuda: str | None) -> None:
+    if version_tuple(driver.version) < version_tuple(min_driver):
+        raise TrainerError(
+            ExitCode.DRIVER_MISMATCH, f"NVIDIA driver {driver.version} is older than the minimum {min_driver}"
+        )
+    if runtime_cuda is None or driver.cuda is None:
+        return
+    runtime = tuple(version_tuple(runtime_cuda)[:2])
+    if driver.cuda[0] < runtime[0]:
+        raise TrainerError(
+            ExitCode.DRIVER_MISMATCH,
+            f"NVIDIA driver {driver.version} supports CUDA up to {driver.cuda[0]}.{driver.cuda[1]},"
+            f" PyTorch was built for CUDA {runtime_cuda}: update the driver or use a matching image",
+        )
+    if driver.cuda < runtime:
+        log.warning(
+            "driver %s supports CUDA %d.%d < runtime %s: relying on CUDA minor-version compatibility",
+            driver.version,
+            *driver.cuda,
+            runtime_cuda,
+        )
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.strip().split(".") if part.isdigit())
+
+
+def same_product(device_name: str, planned: str) -> bool:
+    """NVML says "NVIDIA A800-SXM4-80GB", GFD labels say "NVIDIA-A800-SXM4-80GB"; both must match."""
+
+    def norm(s: str) -> str:
+        return s.strip().lower().replace(" ", "-")
+
+    a, b = norm(device_name), norm(planned)
+    return a == b or a.endswith("-" + b) or b.endswith("-" + a)
+
+
+def read_driver_info() -> DriverInfo | None:
+    """Driver version and its CUDA version from NVML (via ctypes), else nvidia-smi; None if neither."""
+    return _nvml_driver_info() or _nvidia_smi_driver_info()
+
+
+def _nvml_driver_info() -> DriverInfo | None:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        buf = ctypes.create_string_buffer(96)
+        if nvml.nvmlSystemGetDriverVersion(buf, ctypes.c_uint(96)) != 0:
+            return None
+        cuda = ctypes.c_int(0)
+        ok = nvml.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(cuda)) == 0
+        return DriverInfo(buf.value.decode(), (cuda.value // 1000, cuda.value % 1000 // 10) if ok else None)
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _nvidia_smi_driver_info() -> DriverInfo | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = out.strip().splitlines()
+    return DriverInfo(lines[0].strip(), None) if lines else None

@@ -1,0 +1,311 @@
+"""The trainer's entry point: config, preflight, data, model, loop, checkpoint, output.
+
+Read top to bottom like nanoGPT's train.py. ``run`` is the whole life of one attempt and returns the
+exit code the operator will read (ExitCode, with a one-line reason in the termination log); ``main``
+is the console script ``sftjob-trainer``, run by torchrun or directly for one process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from sftjob.config import TrainerConfig
+from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import checkpoints
+from sftjob_trainer.batching import Layout, Schedule, StepBatches, make_units
+from sftjob_trainer.checkpoints import Trainables, TrainState
+from sftjob_trainer.data import load_examples
+from sftjob_trainer.distributed import DistContext, init_distributed, unwrap, wrap_model
+from sftjob_trainer.failures import classify, write_termination_message
+from sftjob_trainer.flops import flops_model, peak_flops
+from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
+from sftjob_trainer.model import (
+    count_parameters,
+    load_model,
+    load_tokenizer,
+    precision_plan,
+    prepare_for_training,
+    resolve_attention,
+    save_output,
+)
+from sftjob_trainer.observer import Observer
+from sftjob_trainer.preflight import run_preflight
+
+log = logging.getLogger("sftjob_trainer")
+
+SUMMARY_FILE = "summary.json"
+
+
+class GracefulStop:
+    """SIGTERM sets a flag; the loop finishes its step, saves a checkpoint and exits PREEMPTED."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.requested:
+            log.warning("SIGTERM received: finishing the current step, then saving a checkpoint")
+        self.requested = True
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(int(run(os.environ.get(CONFIG_ENV, f"{CONFIG_MOUNT}/{CONFIG_FILE}"))))
+
+
+def run(config_path: str) -> ExitCode:
+    """One attempt, start to finish; never raises."""
+    stop = GracefulStop()
+    stop.install()
+    ctx: DistContext | None = None
+    try:
+        config = load_config(config_path)
+        ctx = init_distributed(config)
+        if not ctx.is_main:
+            logging.getLogger().setLevel(logging.WARNING)
+        if ctx.is_main:
+            log.info("effective configuration (%s):\n%s", config_path, config.to_json())
+        summary = Training(config, ctx, stop).run()
+        write_termination_message(
+            f"completed {summary['steps']} steps, final loss {summary['finalLoss']:.4f},"
+            f" {summary['tokensPerSecond']:,.0f} tokens/s"
+        )
+        return ExitCode.OK
+    except BaseException as exc:
+        code, reason = classify(exc)
+        if code in (ExitCode.UNKNOWN, ExitCode.COMMUNICATION_ERROR):
+            log.exception("trainer failed")
+        log.error("exiting with %s (%d): %s", code.name, code, reason)
+        write_termination_message(reason)
+        return code
+    finally:
+        stop.uninstall()
+        if ctx is not None:
+            ctx.close()
+
+
+def load_config(path: str) -> TrainerConfig:
+    try:
+        return TrainerConfig.load(path)
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise TrainerError(ExitCode.CONFIG_ERROR, f"cannot load the trainer config {path}: {exc}") from exc
+
+
+class Training:
+    def __init__(self, config: TrainerConfig, ctx: DistContext, stop: GracefulStop) -> None:
+        self.config, self.ctx, self.stop = config, ctx, stop
+        self.t = config.training
+
+    def run(self) -> dict[str, Any]:
+        config, ctx, t = self.config, self.ctx, self.t
+        run_preflight(config, ctx.local_rank, ctx.local_world_size)
+        from transformers import set_seed
+
+        set_seed(t.seed)
+        torch.set_float32_matmul_precision("high" if t.tf32 else "highest")
+
+        # Data: every rank tokenizes the same rows the same way; the schedule picks its share.
+        tokenizer = load_tokenizer(config.model)
+        examples, stats, fmt = load_examples(config.dataset, tokenizer)
+        packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
+        units = make_units(examples, packing_length)
+        schedule = Schedule(
+            len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
+        )
+        schedule.validate()
+        total = schedule.total_steps(t.epochs, t.max_steps)
+        attention = resolve_attention(t.attention, ctx.device)
+        layout = Layout(t.packing, flatten=attention == "flash_attention_2", pad_id=tokenizer.pad_token_id)
+        log.info(
+            "%d training units (%s), %d steps per epoch, %d steps in all",
+            len(units),
+            f"packed into {packing_length}-token rows" if t.packing else "one example each",
+            schedule.steps_per_epoch,
+            total,
+        )
+
+        # Model.
+        plan = precision_plan(config.method, t.precision)
+        base = load_model(config, ctx.device, attention)
+        counts = count_parameters(base)
+        flops = flops_model(base.config.to_dict(), config.method, counts.non_embedding)
+        model = prepare_for_training(base, config.method, config.lora, t, ctx.device)
+        log.info(
+            "model: %.3fB parameters, %.2fM trainable (%s, %s, attention %s)",
+            counts.total / 1e9,
+            sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6,
+            config.method,
+            t.precision,
+            attention,
+        )
+        model = wrap_model(model, config, ctx, plan.compute_dtype)
+        optimizer = build_optimizer(model, t, ctx.device)
+        parts = Trainables(
+            model, optimizer, build_scheduler(optimizer, t, total), make_scaler(plan, ctx.device)
+        )
+
+        # Resume.
+        root = Path(config.checkpoints.dir)
+        fingerprint = {
+            "units": len(units),
+            "perStep": schedule.per_step,
+            "worldSize": ctx.world_size,
+            "seed": t.seed,
+            "packing": t.packing,
+        }
+        resumed = checkpoints.load_latest(root, parts, ctx)
+        state = resumed[0] if resumed else TrainState(fingerprint=fingerprint)
+        resumed_from = state.step if resumed else None
+        if resumed and state.fingerprint != fingerprint:
+            log.warning(
+                "resuming with a different data layout (%s, was %s): the data order after step %d"
+                " differs from the interrupted run",
+                fingerprint,
+                state.fingerprint,
+                state.step,
+            )
+        state.fingerprint = fingerprint
+
+        # Observability (rank 0).
+        device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
+        gpu_label, peak = peak_flops(device_name, ctx.world_size)
+        observer = Observer(config, ctx, gpu_label, peak, total, schedule) if ctx.is_main else None
+        if observer is not None:
+            observer.metrics.bad_rows.inc(stats.bad_rows)
+            if resumed:
+                observer.checkpoint_saved(state.step, str(resumed[1]), 0.0)
+        try:
+            seconds, tokens = self.loop(
+                parts,
+                plan,
+                StepBatches(units, schedule, layout, ctx.rank, state.step, total),
+                state,
+                total,
+                observer,
+                flops,
+            )
+            self.save_outputs(model, tokenizer)
+            summary = {
+                "finalLoss": state.loss,
+                "steps": state.step,
+                "totalSteps": total,
+                "tokens": state.tokens,
+                "samples": state.samples,
+                "seconds": round(seconds, 3),
+                "tokensPerSecond": tokens / seconds if seconds > 0 else 0.0,
+                "resumedFromStep": resumed_from,
+                "method": config.method,
+                "format": fmt,
+                "badRows": stats.bad_rows,
+            }
+            if ctx.is_main:
+                _write_json(Path(config.output_dir) / SUMMARY_FILE, summary)
+                log.info("done: %s", json.dumps(summary))
+            return summary
+        finally:
+            if observer is not None:
+                observer.close()
+
+    def loop(
+        self,
+        parts: Trainables,
+        plan: Any,
+        batches: StepBatches,
+        state: TrainState,
+        total: int,
+        observer: Observer | None,
+        flops: Any,
+    ) -> tuple[float, int]:
+        """Train from ``state.step`` to ``total``; returns (seconds, tokens) of this attempt."""
+        ctx, t, every = self.ctx, self.t, self.config.checkpoints
+        # Its own generator: seeding workers must not draw from the global RNG restored from the checkpoint.
+        loader = DataLoader(
+            batches,
+            batch_size=None,
+            num_workers=t.dataloader_workers,
+            pin_memory=ctx.device.type == "cuda",
+            generator=torch.Generator().manual_seed(t.seed),
+        )
+        if self.stop.requested:
+            raise TrainerError(ExitCode.PREEMPTED, f"SIGTERM before training resumed at step {state.step}")
+        started = last_save = time.monotonic()
+        tokens_this_attempt = 0
+        wait_started = time.monotonic()
+        for micro_batches in loader:
+            waited = time.monotonic() - wait_started
+            result = train_step(parts, micro_batches, plan, t.max_grad_norm, ctx)
+            state.step += 1
+            state.tokens += result.tokens
+            state.samples += result.samples
+            state.loss = result.loss
+            tokens_this_attempt += result.tokens
+            if observer is not None:
+                observer.step(state, result, time.monotonic() - wait_started, waited, flops)
+            minutes_due = (
+                every.every_minutes is not None and time.monotonic() - last_save >= every.every_minutes * 60
+            )
+            steps_due = every.every_steps is not None and state.step % every.every_steps == 0
+            due, stopping = (
+                v > 0 for v in ctx.sum([float(minutes_due or steps_due), float(self.stop.requested)])
+            )
+            if stopping or (due and state.step < total):
+                saved = time.monotonic()
+                path = checkpoints.save(Path(every.dir), state, parts, ctx, every.keep)
+                last_save = time.monotonic()
+                if observer is not None:
+                    observer.checkpoint_saved(state.step, str(path), last_save - saved)
+                log.info("checkpoint %s saved in %.1fs", path, last_save - saved)
+            if stopping:
+                raise TrainerError(
+                    ExitCode.PREEMPTED, f"preempted (SIGTERM): checkpoint saved at step {state.step}"
+                )
+            wait_started = time.monotonic()
+        return time.monotonic() - started, tokens_this_attempt
+
+    def save_outputs(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state_dict = None
+        if self.config.distributed.sharding == "fsdp" and self.ctx.active:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state_dict = get_model_state_dict(model, options=options)
+        if self.ctx.is_main:
+            save_output(unwrap(model), tokenizer, self.config.output_dir, state_dict)
+            log.info(
+                "saved the %s to %s",
+                "adapter" if self.config.method != "full" else "model",
+                self.config.output_dir,
+            )
+        self.ctx.barrier()
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
