@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Generator, Iterator
 
 import pytest
+
 from sftjob_dev import binaries, processes
 from sftjob_dev.cluster import Cluster
 from sftjob_dev.components import COMPONENTS

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from sftjob import constants as c
-
 from sftjob_dev.errors import ClusterError
 
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"

@@ -57,8 +57,13 @@ EXIT_CODE_CLASS: dict[int, FailureClass] = {
 
 # Fix the spec (or the data, or the model) and apply again: restarting cannot help.
 PERMANENT = frozenset(
-    {FailureClass.CONFIG_ERROR, FailureClass.DATA_ERROR, FailureClass.MODEL_LOAD_ERROR,
-     FailureClass.IMAGE_PULL_ERROR, FailureClass.DEADLINE_EXCEEDED}
+    {
+        FailureClass.CONFIG_ERROR,
+        FailureClass.DATA_ERROR,
+        FailureClass.MODEL_LOAD_ERROR,
+        FailureClass.IMAGE_PULL_ERROR,
+        FailureClass.DEADLINE_EXCEEDED,
+    }
 )
 # The node was at fault: retry elsewhere, avoiding it.
 NODE_FAULT = frozenset({FailureClass.GPU_UNAVAILABLE, FailureClass.DRIVER_MISMATCH, FailureClass.NODE_LOST})

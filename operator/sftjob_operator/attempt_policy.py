@@ -7,9 +7,8 @@ The reconcile asks one question, in two places: "given the attempts so far, what
    ConfigMap or pod re-created after an operator crash carries the same plan as the original;
 2. after the current attempt ended in failure (asked with the whole history), to restart or give up.
 
-:func:`no_restarts` is the answer before fault tolerance: a failed attempt fails the job with the
-attempt's own reason and message. The restart policy (``restarts.py``) plugs in as another
-:data:`AttemptPolicy`; the reconcile does not change.
+The restart policy (``restarts.next_attempt``) is the :data:`AttemptPolicy` the operator runs; the
+reconcile only depends on this protocol, so its tests can plug in simpler policies.
 """
 
 from __future__ import annotations
@@ -56,22 +55,3 @@ class AttemptPolicy(Protocol):
         nodes: Mapping[str, NodeObj],
         now: datetime,
     ) -> NextAttempt | GiveUp: ...
-
-
-def no_restarts(
-    spec: SFTJobSpec,
-    history: Sequence[AttemptRecord],
-    plans: CandidatePlans,
-    *,
-    nodes: Mapping[str, NodeObj],
-    now: datetime,
-) -> NextAttempt | GiveUp:
-    """A failed attempt ends the job; otherwise (first start, resume after suspend) start the next one."""
-    last = history[-1] if history else None
-    if last is not None and last.failed:
-        reason = str(last.reason) if last.reason is not None else "Failed"
-        what = f"attempt {last.attempt} failed with {reason}"
-        if last.exit_code is not None:
-            what += f" (exit code {last.exit_code})"
-        return GiveUp(reason, f"{what}: {last.message}" if last.message else what)
-    return NextAttempt(attempt=(last.attempt if last else 0) + 1, plans=plans)

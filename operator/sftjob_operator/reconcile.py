@@ -27,9 +27,16 @@ from sftjob.attempts import AttemptRecord
 from sftjob.config import JobRef
 from sftjob.failures import FailureClass
 from sftjob.spec import SFTJobSpec, SFTJobStatus, valid_job_name
-from sftjob_operator import builders, observe
-from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt, no_restarts
-from sftjob_operator.classify import Classification, Outcome, classify_attempt, classify_pod, end_record
+from sftjob_operator import builders, observe, restarts
+from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
+from sftjob_operator.classify import (
+    Classification,
+    Outcome,
+    classify_attempt,
+    classify_pod,
+    describe_failure,
+    end_record,
+)
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason, set_condition
 from sftjob_operator.planning import (
@@ -75,7 +82,7 @@ class Context:
     products: ProductMap
     image: str
     plan_fn: PlanFn = planner_plan
-    attempt_policy: AttemptPolicy = no_restarts
+    attempt_policy: AttemptPolicy = restarts.next_attempt
 
 
 @dataclass(frozen=True)
@@ -256,6 +263,8 @@ class _Pass:
         self.deletes += [observe.name(p) for p in self.current if observe.is_active(p)]
         if outcome.outcome is Outcome.SUCCEEDED:
             return self.succeed()
+        reason = str(ended.reason or FailureClass.UNKNOWN)
+        self.events.append(Event("Warning", reason, describe_failure(ended)))
         self.next_attempt(spec, plans)
 
     def observe_running(self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from sftjob import constants as c
 from sftjob_dev import processes
 from sftjob_dev.cluster import Cluster

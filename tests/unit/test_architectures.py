@@ -1,6 +1,7 @@
 """Resolving a model's shape: explicit block, built-in table, config.json, or a guess from its size."""
 
 import pytest
+
 from sftjob.architectures import Architecture, architecture_from_hf_config, resolve_architecture
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from sftjob.cli import main
 
 JOB = """

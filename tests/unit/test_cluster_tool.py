@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from sftjob import constants as c
 from sftjob_dev import components, processes
 from sftjob_dev.cli import main

@@ -1,6 +1,7 @@
 """The GPU profile table and its lookups."""
 
 import pytest
+
 from sftjob.gpus import GPU_TYPES, PROFILES, products_for_type, profile_for_product, profile_for_type
 
 

@@ -1,6 +1,7 @@
 """The memory estimator against the measured H200 anchors and its accounting rules."""
 
 import pytest
+
 from sftjob.architectures import resolve_architecture
 from sftjob.config import LoraSettings
 from sftjob.memory import MemoryInputs, estimate_memory

@@ -1,6 +1,7 @@
 """The planner: fit verdicts per GPU, method and size, overrides, batch exactness, fp8, the OOM ladder."""
 
 import pytest
+
 from sftjob.architectures import resolve_architecture
 from sftjob.config import LoraSettings, TrainingOverrides
 from sftjob.gpus import GPU_TYPES, profile_for_type

@@ -282,7 +282,8 @@ def test_a_missing_pod_is_recreated_soon_after_the_start_and_judged_vanished_lat
     soon = reconcile(then(obs, first, now=NOW + timedelta(seconds=5)), CTX)
     assert [m["metadata"]["name"] for m in soon.children if m["kind"] == "Pod"] == ["job-1-0"]
     later = reconcile(then(obs, first, now=NOW + timedelta(seconds=120)), CTX)
-    assert later.status.phase == "Failed" and later.status.attempts[0].reason == "Preempted"
+    assert later.status.attempts[0].reason == "Preempted"
+    assert [m["metadata"]["name"] for m in later.children if m["kind"] == "Pod"] == ["job-2-0"]
 
 
 def test_progress_and_checkpoint_annotations_are_folded_into_status() -> None:
@@ -311,7 +312,7 @@ def test_a_multi_node_attempt_fails_together_when_one_pod_fails() -> None:
         pod(rank=1, phase="Failed", node="a800-0", status=terminated(1, "Error", "x")),
     ]
     actions = reconcile(then(obs, first, pods=pods), CTX)
-    assert actions.status.phase == "Failed" and actions.delete_pods == ["job-1-0"]
+    assert actions.status.phase == "Restarting" and actions.delete_pods == ["job-1-0"]
 
 
 def test_a_pod_not_yet_in_the_index_right_after_the_start_is_waited_for_not_recreated() -> None:
