@@ -34,7 +34,7 @@ CHART = REPO_ROOT / "charts" / "sftjob-operator"
 CRDS = REPO_ROOT / "crds"
 EXAMPLES = REPO_ROOT / "examples"
 DEMO_JOBS = EXAMPLES / "demo"
-DEMO_JOB = "tiny-copy-lora"
+DEMO_JOB = "tiny-copy"
 RELEASE = "sftjob-operator"
 RELEASE_NAMESPACE = "sftjob-system"
 NAMESPACE = "default"
@@ -46,6 +46,8 @@ POLL_SECONDS = 2.0
 START_TIMEOUT = 120.0
 TOKEN_DURATION = "24h"
 COMPONENTS = ("runner", "operator")  # stopped in this order
+# The Deployment's flags the local operator replaces: its ports must be free ones on loopback.
+LOCAL_FLAGS = ("--liveness", "--metrics-port", "--log-format")
 
 
 def prepare_assets(workdir: Path) -> Path:
@@ -145,6 +147,7 @@ class Demo:
             argv, env, kubeconfig = ["--standalone"], {}, self.cluster.kubeconfig
         self.cluster.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
         liveness, metrics = free_ports(2)
+        argv = [a for a in argv if not a.startswith(LOCAL_FLAGS)]
         argv += [
             f"--liveness=http://127.0.0.1:{liveness}/healthz",
             f"--metrics-port={metrics}",
@@ -193,22 +196,18 @@ class Demo:
         print(f"warning: {job} has no scheduled pod after {timeout:.0f}s (kubectl describe sft {job})")
 
     def watch(self, seconds: float) -> None:
-        """``kubectl get sft -w`` style: a row is printed again when something but its age changed."""
-        shown: dict[str, str] = {}
-        header = ""
+        """``kubectl get sft -w`` style: each row again whenever more than its age changed."""
+        shown: dict[str, list[str]] = {}
         deadline = time.monotonic() + seconds
         while True:
             lines = self.cluster.kubectl("-n", NAMESPACE, "get", "sftjobs").stdout.splitlines()
-            if lines:
-                age = lines[0].find("AGE")
-                if lines[0] != header:
-                    header, shown = lines[0], {}
-                    print(header, flush=True)
-                for line in lines[1:]:
-                    name, key = line.split()[0], line[:age].rstrip() if age > 0 else line
-                    if shown.get(name) != key:
-                        shown[name] = key
-                        print(line, flush=True)
+            if not shown and lines:
+                print(lines[0], flush=True)
+            for line in lines[1:]:
+                fields = line.split()
+                if shown.get(fields[0]) != fields[:-1]:  # the last column is AGE
+                    shown[fields[0]] = fields[:-1]
+                    print(line, flush=True)
             phase = self.cluster.kubectl(
                 "-n", NAMESPACE, "get", "sftjob", DEMO_JOB, "-o", "jsonpath={.status.phase}", check=False
             ).stdout
@@ -225,9 +224,9 @@ class Demo:
 Everything keeps running. Look around:
   source <(.venv/bin/python -m sftjob_dev env{flag})
   kubectl get sft                         # all jobs; -o wide adds the plan
-  kubectl describe sft {DEMO_JOB}      # conditions, plan, progress, events
+  kubectl describe sft {DEMO_JOB:<19}# conditions, plan, progress, events
   kubectl get pods -o wide                # trainer pods on the fake A800/A40/L40S nodes
-  cat {job_dir}/output/final/summary.json
+  cat {job_dir}/checkpoints/final/summary.json   # the trainer's summary (spec.output.path "final")
 Logs: {self.cluster.logs_dir}/{{operator,runner,...}}.log; the real trainer: {job_dir}/*.log
 Stop everything: hack/demo.sh down""",
             flush=True,
@@ -247,12 +246,16 @@ Stop everything: hack/demo.sh down""",
         self._clear_job_folders()
 
     def _clear_job_folders(self) -> None:
-        """Jobs' checkpoints and logs belong to one cluster's life; the tiny model and data are kept."""
+        """Jobs' checkpoints and logs live as long as the cluster; the tiny model, data and PIDs stay."""
         if not self.local.is_dir():
             return
         for entry in self.local.iterdir():
-            if entry.is_dir() and entry != assets_dir(self.cluster.workdir):
+            if entry in (assets_dir(self.cluster.workdir), self.state_file):
+                continue
+            if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def _healthy(url: str) -> bool:

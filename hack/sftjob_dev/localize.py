@@ -3,8 +3,8 @@
 The local trainer runner (``sftjob_dev.runner``) plays the container runtime for pods of the fake
 cluster; these pure functions decide what that run gets: the operator's own ``TrainerConfig`` with the
 in-pod folders (``/checkpoints``, ``/output``, ``/model``, ``/data``) mapped to local ones, GPU checks
-off, a free metrics port, no dataloader workers, and one process instead of torchrun's several; the pod's environment with
-the same folders mapped. The runner does the I/O around them.
+off, a free metrics port, no dataloader workers and one process instead of torchrun's several; and
+the pod's environment with the same folders mapped. The runner does the I/O around them.
 """
 
 from __future__ import annotations

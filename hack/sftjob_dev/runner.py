@@ -69,6 +69,7 @@ class Trainer:
     """One trainer process backing one pod."""
 
     namespace: str
+    job: str
     pod: str
     uid: str
     proc: subprocess.Popen[bytes]
@@ -86,6 +87,7 @@ class Runner:
         self.custom = client.CustomObjectsApi(api)
         self.trainers: dict[str, Trainer] = {}  # by pod uid
         self.done: set[str] = set()  # pod uids finished or not ours: never started again
+        self.waiting: dict[str, dict[str, Any]] = {}  # pods whose job's previous trainer still runs
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.stop_requested = threading.Event()
 
@@ -102,6 +104,7 @@ class Runner:
             else:
                 self._on_pod(kind, pod)
             self._reap()
+            self._retry_waiting()
         self.shutdown()
 
     def _watch(self) -> None:
@@ -138,6 +141,7 @@ class Runner:
                 self._terminate(trainer)
             return
         annotations = meta.get("annotations") or {}
+        self.waiting.pop(uid, None)
         if (
             kind == "DELETED"
             or uid in self.done
@@ -146,6 +150,10 @@ class Runner:
             or c.SIM_OUTCOME in annotations
         ):
             return
+        if self._busy(meta["namespace"], (meta.get("labels") or {}).get(c.LABEL_JOB, "")):
+            # The previous pod's trainer is still saving its checkpoint: like a volume still attached.
+            self.waiting[uid] = pod
+            return
         try:
             self._start(pod)
         except Exception as exc:  # one bad pod must not stop the runner
@@ -153,6 +161,13 @@ class Runner:
             self.done.add(uid)
             message = f"local trainer runner: {exc}"
             self._steer(meta["namespace"], meta["name"], ExitCode.CONFIG_ERROR, message)
+
+    def _busy(self, namespace: str, job: str) -> bool:
+        return any(t.namespace == namespace and t.job == job for t in self.trainers.values())
+
+    def _retry_waiting(self) -> None:
+        for pod in list(self.waiting.values()):
+            self._on_pod("MODIFIED", pod)
 
     # --- starting ---------------------------------------------------------------------------------
     def _start(self, pod: dict[str, Any]) -> None:
@@ -199,7 +214,7 @@ class Runner:
                 env=env,
                 start_new_session=True,
             )
-        self.trainers[uid] = Trainer(namespace, name, uid, proc, termination_log)
+        self.trainers[uid] = Trainer(namespace, job_name, name, uid, proc, termination_log)
         log.info(
             "pod %s/%s: trainer started (PID %d) from ConfigMap key %s; metrics http://127.0.0.1:%d/metrics;"
             " log %s; %s",
