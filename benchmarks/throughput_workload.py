@@ -1,8 +1,8 @@
-"""What the trainer throughput benchmark trains on, and the measured peak it divides by.
+"""What the trainer throughput benchmark trains on, the measured peak it divides by, and a check.
 
 Synthetic SFT samples (no downloads), NF4 quantisation of a random-initialised model (what
-``from_pretrained`` with a 4-bit BitsAndBytesConfig produces from real weights), and the bf16 matmul
-peak MFU is measured against.
+``from_pretrained`` with a 4-bit BitsAndBytesConfig produces from real weights), the bf16 matmul
+peak MFU is measured against, and a self-check of the packed-row attention against masked SDPA.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from sftjob_trainer import attention
 from sftjob_trainer.data import IGNORE_INDEX, Example
+
+CHECK_LENGTHS = (100, 37, 250, 1, 124)  # examples in the self-check's packed row
 
 
 def synthetic_examples(samples: int, median: int, longest: int, vocab: int, seed: int = 0) -> list[Example]:
@@ -81,3 +84,44 @@ def missing(module: str) -> bool:
     except ImportError:
         return True
     return False
+
+
+def attention_check(device: torch.device) -> dict[str, Any]:
+    """Packed-row attention (``sftjob_varlen``) against SDPA with a block-diagonal causal mask.
+
+    One random bf16 row (fp32 on a CPU) of five examples, 8 query heads over 2 key/value heads (GQA),
+    head dim 64: the largest absolute difference of the outputs and of the query gradients.
+    """
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    result: dict[str, Any] = {"backend": attention.kernel_backend(device), "dtype": str(dtype)}
+    try:
+        generator = torch.Generator(device).manual_seed(0)
+        total = sum(CHECK_LENGTHS)
+        q, k, v = (
+            torch.randn(1, heads, total, 64, device=device, dtype=dtype, generator=generator)
+            for heads in (8, 2, 2)
+        )
+        cu = torch.tensor([0, *np.cumsum(CHECK_LENGTHS)], dtype=torch.int32, device=device)
+        example = torch.repeat_interleave(torch.arange(len(CHECK_LENGTHS), device=device), cu.diff())
+        position = torch.arange(total, device=device)
+        mask = (example[:, None] == example[None, :]) & (position[:, None] >= position[None, :])
+        outputs, grads = [], []
+        for packed in (True, False):
+            qq = q.clone().requires_grad_()
+            if packed:
+                out, _ = attention.varlen_attention_forward(
+                    torch.nn.Module(), qq, k, v, None, cu_seq_lens_q=cu, max_length_q=max(CHECK_LENGTHS)
+                )
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    qq, k, v, attn_mask=mask, enable_gqa=True
+                ).transpose(1, 2)
+            out.float().square().sum().backward()
+            outputs.append(out.detach().float())
+            assert qq.grad is not None
+            grads.append(qq.grad.float())
+        result["maxAbsDiffOutput"] = (outputs[0] - outputs[1]).abs().max().item()
+        result["maxAbsDiffGrad"] = (grads[0] - grads[1]).abs().max().item()
+    except Exception as exc:  # recorded in the results, the benchmark goes on
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return result

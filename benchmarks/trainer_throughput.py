@@ -2,10 +2,12 @@
 
 Random-initialised Llama shapes (1.1B full, 7B LoRA, 7B QLoRA; no downloads) train on synthetic SFT
 samples (log-normal lengths, median ~300 tokens, up to 4,096) through the trainer's own code: its
-model preparation (``prepare_for_training``), batching (``make_units``/``StepBatches``) and optimizer
-step (``train_step``). For each configuration it reports real (non-padding) tokens/s, MFU against a
-measured bf16 matmul peak, peak memory and the ratio to the seed config; a configuration that fails
-(out of memory, say) is recorded as such and the next one runs.
+attention choice (``resolve_attention``: packed rows run ``sftjob_varlen``), model preparation
+(``prepare_for_training``), batching (``make_units``/``StepBatches``) and optimizer step
+(``train_step``). Before the runs it checks that attention against SDPA with a block mask on the
+device (``meta.attentionSelfCheck``). For each configuration it reports real (non-padding) tokens/s,
+MFU against a measured bf16 matmul peak, peak memory and the ratio to the seed config; a configuration
+that fails (out of memory, say) is recorded as such and the next one runs.
 
     python benchmarks/trainer_throughput.py --quick     # one GPU, ~6 minutes
     python benchmarks/trainer_throughput.py             # one GPU, the full step counts
@@ -32,20 +34,21 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch
 from throughput_results import environment, write_results  # beside this script
-from throughput_workload import matmul_peak, missing, quantize_linears, synthetic_examples
+from throughput_workload import attention_check, matmul_peak, missing, quantize_linears, synthetic_examples
 
 from sftjob.architectures import architecture_from_hf_config
 from sftjob.candidates import PlanRequest
 from sftjob.config import LoraSettings, Method, TrainingOverrides, TrainingSettings
 from sftjob.gpus import profile_for_type
 from sftjob.planner import plan
+from sftjob_trainer.attention import FLATTENED, VARLEN, kernel_backend
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, make_units
 from sftjob_trainer.checkpoints import Trainables
 from sftjob_trainer.data import Example
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.flops import flops_model
 from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
-from sftjob_trainer.model import precision_plan, prepare_for_training
+from sftjob_trainer.model import liger_kernels_in, precision_plan, prepare_for_training, resolve_attention
 
 GIB = 1024**3
 GLOBAL_BATCH = 32  # the seed guide's 4 x 8
@@ -186,7 +189,9 @@ def cap_accumulation(t: TrainingSettings, limit: int | None) -> TrainingSettings
     )
 
 
-def build_model(run: Run, t: TrainingSettings, device: torch.device) -> tuple[Any, dict[str, Any]]:
+def build_model(
+    run: Run, t: TrainingSettings, device: torch.device, attention: str
+) -> tuple[Any, dict[str, Any]]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(**SHAPES[run.model], max_position_embeddings=8192, tie_word_embeddings=False)
@@ -194,7 +199,7 @@ def build_model(run: Run, t: TrainingSettings, device: torch.device) -> tuple[An
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(
-            config, dtype=precision.load_dtype, attn_implementation=t.attention
+            config, dtype=precision.load_dtype, attn_implementation=attention
         )
     if run.method == "qlora":
         quantize_linears(model, precision.compute_dtype)
@@ -220,7 +225,12 @@ def measure(
         return row | {"status": "skipped", "note": "QLoRA needs a CUDA GPU and bitsandbytes"}
     if t.liger_kernels and (device.type != "cuda" or missing("liger_kernel")):
         row["note"] = "Liger kernels not available here: ran without them"
-    model, hf_config = build_model(run, t, device)
+    attention = resolve_attention(t.attention, device, t.packing)  # as the trainer does
+    row["attention"] = attention
+    if attention == VARLEN:
+        row["attentionKernel"] = kernel_backend(device)
+    model, hf_config = build_model(run, t, device, attention)
+    row["ligerKernels"] = liger_kernels_in(getattr(model, "get_base_model", lambda: model)())
     ctx = DistContext(0, 1, 0, 1, device)
     optimizer = build_optimizer(model, t, device)
     precision = precision_plan(run.method, t.precision)
@@ -229,7 +239,7 @@ def measure(
     )
     units = make_units(examples[SHAPES[run.model]["vocab_size"]], t.packing_length if t.packing else None)
     schedule = Schedule(len(units), t.micro_batch_size, t.gradient_accumulation_steps, 1, t.seed)
-    layout = Layout(t.packing, flatten=t.attention == "flash_attention_2", pad_id=0)
+    layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=0)
     batches = StepBatches(units, schedule, layout, 0, 0, mode.steps)
     steps = [batches[i] for i in range(mode.steps)]
     counted = {"seconds": 0.0, "tokens": 0, "pairs": 0}
@@ -354,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in {SHAPES[r.model]["vocab_size"] for r in runs}
     }
     meta = environment(device, peak, mode_name, mode.steps, mode.discard, mode.max_accumulation)
+    meta["attentionSelfCheck"] = attention_check(device)
+    print(f"attention self-check: {meta['attentionSelfCheck']}", flush=True)
     rows: list[dict[str, Any]] = []
     measured: dict[str, dict[str, Any]] = {}  # A40 and L40S plans are often the same: measure once
     for run in runs:

@@ -12,8 +12,11 @@ not a promise.
 MFU convention (also exported by the trainer as ``sftjob_train_mfu_ratio``): real (non-padding)
 tokens/s x model FLOPs per token / (dense bf16 peak x GPUs), with model FLOPs per token
 6·N (full) or 4·N (LoRA/QLoRA: frozen weights get no weight gradients), N = the weights every token
-multiplies through (decoder layers + output projection), plus causal attention 6·L·d·c with c the
-average attended context. Recomputation (gradient checkpointing) is not counted as model FLOPs.
+multiplies through (decoder layers + output projection), plus causal attention 12·L·d·c with d the
+query width (heads x head dim) and c the average attended context: per layer and (query, key) pair,
+QK^T and the weighted sum of V cost 2·d multiply-adds each forward (4·d FLOPs), the backward twice
+that (8·d). Recomputation (gradient checkpointing) is not counted as model FLOPs. The trainer's MFU
+uses the same functions with the exact pair count of every batch.
 """
 
 from __future__ import annotations
@@ -41,12 +44,27 @@ PACKED_MEAN_CONTEXT = 512  # tokens: assumed mean sample length inside packed ro
 PADDING_EFFICIENCY = 0.52  # real-token fraction of padded batches (the anchors measured 48% padding)
 
 
+def weight_flops_per_token(matmul_parameters: int, method: Method) -> float:
+    """6·N for full fine-tuning, 4·N for LoRA/QLoRA (frozen weights get no weight gradients)."""
+    return (6 if method == "full" else 4) * matmul_parameters
+
+
+def attention_flops_per_pair(architecture: Architecture) -> float:
+    """Forward and backward attention FLOPs per causal (query, key) pair: 12·L·d."""
+    return 12 * architecture.layers * architecture.q_dim
+
+
 def model_flops_per_token(architecture: Architecture, method: Method, context: int) -> float:
-    """Model FLOPs per trained token (the MFU numerator's convention, see the module docstring)."""
-    a = architecture
-    weight = (6 if method == "full" else 4) * a.matmul_parameters
-    attention = 6 * a.layers * a.q_dim * min(context, PACKED_MEAN_CONTEXT) / 2
-    return weight + attention
+    """Model FLOPs per trained token (the MFU numerator's convention, see the module docstring).
+
+    A packed sample of n tokens has n(n+1)/2 causal pairs, about n/2 per token; samples are assumed
+    ``PACKED_MEAN_CONTEXT`` tokens long (or the whole context when that is shorter).
+    """
+    attended = min(context, PACKED_MEAN_CONTEXT) / 2
+    return (
+        weight_flops_per_token(architecture.matmul_parameters, method)
+        + attention_flops_per_pair(architecture) * attended
+    )
 
 
 @dataclass(frozen=True)

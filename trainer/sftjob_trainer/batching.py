@@ -1,16 +1,19 @@
 """From tokenized examples to the micro-batches of every optimizer step, deterministically.
 
 Packing puts whole examples into rows of ``packing_length`` tokens (best-fit decreasing) with
-``position_ids`` restarting at 0 for every example. With SDPA/eager attention transformers turns those
-positions into a block-diagonal mask (no attention across examples); with FlashAttention-2 the rows of
-a micro-batch are flattened into one varlen row. Without packing a micro-batch is padded to its longest
-example. Which units an optimizer step uses is a pure function of (seed, epoch, step), so a resumed run
-only needs the step number to continue on exactly the same data.
+``position_ids`` restarting at 0 for every example. With a varlen attention (``sftjob_varlen``, used for
+packed SDPA runs, or FlashAttention-2) the rows of a micro-batch are flattened into one row and the
+example boundaries go to the model once as cumulative lengths (``cu_seq_lens``), so no example attends
+to another and no mask is built; with eager attention transformers turns the restarting positions into a
+block-diagonal mask. Without packing a micro-batch is padded to its longest example. Which units an
+optimizer step uses is a pure function of (seed, epoch, step), so a resumed run only needs the step
+number to continue on exactly the same data.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -34,7 +37,7 @@ class Unit:
 @dataclass(frozen=True)
 class Layout:
     packing: bool
-    flatten: bool  # FlashAttention-2 varlen: one row per micro-batch, no padding
+    flatten: bool  # varlen attention: one row per micro-batch, no padding, cu_seq_lens
     pad_id: int
 
 
@@ -118,13 +121,19 @@ class Schedule:
 
 
 def collate(units: list[Unit], layout: Layout) -> dict[str, torch.Tensor]:
-    """Model inputs for one micro-batch plus counters: real tokens, samples, loss terms, attention pairs."""
+    """Model inputs for one micro-batch plus counters: real tokens, samples, loss terms, attention pairs.
+
+    Flattened rows also carry ``cu_seq_lens`` (int32 cumulative example lengths) and ``max_length``.
+    """
     if layout.packing and layout.flatten:
         batch = {
             "input_ids": torch.tensor([[t for u in units for t in u.input_ids]]),
             "labels": torch.tensor([[t for u in units for t in u.labels]]),
             "position_ids": torch.tensor([[t for u in units for t in u.position_ids]]),
         }
+        bounds = [n for u in units for n in u.lengths]
+        batch["cu_seq_lens"] = torch.tensor([0, *itertools.accumulate(bounds)], dtype=torch.int32)
+        batch["max_length"] = torch.tensor(max(bounds))
     else:
         width = max(len(u.input_ids) for u in units)
         pads = [width - len(u.input_ids) for u in units]

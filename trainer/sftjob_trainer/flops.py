@@ -1,4 +1,4 @@
-"""Model FLOPs per step and MFU, in the convention documented in :mod:`sftjob.throughput`.
+"""Model FLOPs per step and MFU, with the planner's functions from :mod:`sftjob.throughput`.
 
 Weights: 6·N FLOPs per real token for full fine-tuning, 4·N for LoRA/QLoRA (frozen weights get no
 weight gradients), N = the matmul weights every token goes through (decoder layers + output head).
@@ -16,6 +16,7 @@ from typing import Any
 from sftjob.architectures import architecture_from_hf_config
 from sftjob.config import Method
 from sftjob.gpus import profile_for_product
+from sftjob.throughput import attention_flops_per_pair, weight_flops_per_token
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,12 @@ class FlopsModel:
 
 def flops_model(hf_config: dict[str, Any], method: Method, fallback_parameters: int) -> FlopsModel:
     """From the model's config; when it cannot be read as a decoder shape, weights only."""
-    factor = 6 if method == "full" else 4
     try:
         arch = architecture_from_hf_config(hf_config)
     except ValueError as exc:
         log.info("MFU counts weights only (%d parameters): %s", fallback_parameters, exc)
-        return FlopsModel(factor * fallback_parameters, 0.0)
-    return FlopsModel(factor * arch.matmul_parameters, 12 * arch.layers * arch.q_dim)
+        return FlopsModel(weight_flops_per_token(fallback_parameters, method), 0.0)
+    return FlopsModel(weight_flops_per_token(arch.matmul_parameters, method), attention_flops_per_pair(arch))
 
 
 def peak_flops(device_name: str | None, world_size: int) -> tuple[str, float | None]:

@@ -73,6 +73,24 @@ def make_scaler(plan: PrecisionPlan, device: torch.device) -> torch.amp.GradScal
     return torch.amp.GradScaler(device.type) if plan.grad_scaler else None
 
 
+def model_inputs(micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """What ``model(**inputs)`` takes; flattened rows add transformers' FlashAttentionKwargs, which
+    reach the attention function of every layer (one copy of the boundaries per micro-batch)."""
+    inputs: dict[str, Any] = {
+        k: micro_batch[k].to(device, non_blocking=True) for k in MODEL_INPUTS if k in micro_batch
+    }
+    if "cu_seq_lens" in micro_batch:
+        bounds = micro_batch["cu_seq_lens"].to(device, non_blocking=True)
+        longest = int(micro_batch["max_length"])
+        inputs |= {
+            "cu_seq_lens_q": bounds,
+            "cu_seq_lens_k": bounds,
+            "max_length_q": longest,
+            "max_length_k": longest,
+        }
+    return inputs
+
+
 def train_step(
     parts: Trainables,
     micro_batches: list[dict[str, torch.Tensor]],
@@ -90,7 +108,7 @@ def train_step(
     targets_on_device = torch.tensor(max(targets, 1.0), device=ctx.device)
     loss_sum = torch.zeros((), device=ctx.device)
     for i, mb in enumerate(micro_batches):
-        inputs = {k: mb[k].to(ctx.device, non_blocking=True) for k in MODEL_INPUTS if k in mb}
+        inputs = model_inputs(mb, ctx.device)
         with no_sync(model, i == len(micro_batches) - 1):
             with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
                 loss = model(**inputs, use_cache=False, num_items_in_batch=targets_on_device).loss

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 
 from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import attention
 from sftjob_trainer.failures import classify
 
 log = logging.getLogger(__name__)
@@ -44,13 +46,22 @@ def precision_plan(method: Method, precision: Precision) -> PrecisionPlan:
     return PrecisionPlan(compute, load, autocast=half, grad_scaler=precision == "fp16")
 
 
-def resolve_attention(requested: str, device: torch.device) -> str:
+def resolve_attention(requested: str, device: torch.device, packing: bool) -> str:
+    """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask)."""
     if requested == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
 
         if device.type != "cuda" or not is_flash_attn_2_available():
             log.warning("attention flash_attention_2 planned but not available here: using sdpa")
-            return "sdpa"
+            requested = "sdpa"
+    if packing and requested == "sdpa":
+        attention.register()
+        log.info(
+            "packed rows: attention %s (%s), examples kept apart without a mask",
+            attention.VARLEN,
+            attention.kernel_backend(device),
+        )
+        return attention.VARLEN
     return requested
 
 
@@ -162,7 +173,30 @@ def apply_liger(model: Any, device: torch.device) -> None:
         log.warning("Liger kernels planned but liger_kernel is not importable: continuing without them")
         return
     _apply_liger_kernel_to_instance(model=model)
-    log.info("Liger kernels applied (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy)")
+    applied = liger_kernels_in(model)
+    if applied:
+        log.info("Liger kernels applied: %s", ", ".join(applied))
+    else:
+        log.warning("Liger kernels planned but none applied to %s", type(model).__name__)
+
+
+def liger_kernels_in(model: Any) -> list[str]:
+    """The Liger kernels a model really runs: its loss (fused linear cross-entropy: no logits while
+    training), RoPE (patched in the modeling module) and the norm/MLP modules it patched."""
+    found = ["fused linear cross-entropy"] if _from_liger(getattr(model, "forward", None)) else []
+    modeling = sys.modules.get(type(model).__module__)
+    if _from_liger(getattr(modeling, "apply_rotary_pos_emb", None)):
+        found.append("RoPE")
+    patched = {
+        m._get_name() if m._get_name().startswith("Liger") else f"Liger {type(m).__name__}"
+        for m in model.modules()
+        if type(m).__name__.startswith("Liger") or _from_liger(m.__dict__.get("forward"))
+    }
+    return found + sorted(patched)
+
+
+def _from_liger(function: Any) -> bool:
+    return str(getattr(function, "__module__", "")).startswith("liger_kernel")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import checkpoints
+from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.data import load_examples
@@ -136,8 +137,8 @@ class Training:
         )
         schedule.validate()
         total = schedule.total_steps(t.epochs, t.max_steps)
-        attention = resolve_attention(t.attention, ctx.device)
-        layout = Layout(t.packing, flatten=attention == "flash_attention_2", pad_id=tokenizer.pad_token_id)
+        attention = resolve_attention(t.attention, ctx.device, t.packing)
+        layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=tokenizer.pad_token_id)
         log.info(
             "%d training units (%s), %d steps per epoch, %d steps in all",
             len(units),

@@ -1,0 +1,173 @@
+"""Variable-length attention for packed rows: examples kept apart without a dense mask.
+
+With ``attn_implementation="sdpa"`` transformers turns the restarting ``position_ids`` of packed rows
+into a dense block-diagonal mask, which takes SDPA off its flash kernel and computes the whole
+row x row score matrix. ``sftjob_varlen`` (registered with transformers' ``AttentionInterface`` and,
+with a mask function that builds nothing, ``AttentionMaskInterface``) instead reads the boundaries the
+trainer computed once per micro-batch (``cu_seq_lens_q``/``max_length_q``, transformers'
+FlashAttentionKwargs, passed through ``model(**inputs)``) and calls PyTorch's own flash varlen kernel,
+``torch.nn.attention.varlen.varlen_attn``, causal within each example. Where that kernel cannot run
+(no CUDA, fp32 tensors, an older PyTorch) the same function computes exact causal SDPA per example,
+so results mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+VARLEN = "sftjob_varlen"
+# Implementations that take a micro-batch as one flattened row plus cumulative sequence lengths.
+FLATTENED = frozenset({"flash_attention_2", VARLEN})
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_KERNEL_MAX_HEAD_DIM = 256
+
+
+def register() -> None:
+    """Make ``sftjob_varlen`` a valid ``attn_implementation`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN, no_mask)
+
+
+def no_mask(attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """The mask function: packed rows need no mask (the boundaries come as cu_seq_lens)."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError(f"attention {VARLEN} takes packed rows without padding; use sdpa for padded batches")
+    return None
+
+
+@cache
+def _kernel() -> tuple[Callable[..., Any], frozenset[str]] | None:
+    """PyTorch's varlen flash attention and the keyword arguments this version accepts, if present."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def kernel_backend(device: torch.device) -> str:
+    """What a packed attention call will run on ``device`` (for logs and benchmark rows)."""
+    kernel = _kernel()
+    if device.type != "cuda":
+        return "per-example sdpa (no CUDA)"
+    if kernel is None:
+        return "per-example sdpa (torch.nn.attention.varlen missing)"
+    if not ({"window_size", "is_causal"} & kernel[1]):
+        return "per-example sdpa (varlen_attn has no causal option)"
+    return "varlen_attn"
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
+
+    ``cu_seq_lens_q`` indexes the tokens of all rows in order (keys = queries: self-attention, no
+    cache); without it every row is one causal sequence.
+    """
+    if dropout:
+        raise ValueError(f"attention {VARLEN} does not implement attention dropout")
+    batch, heads, length, dim = query.shape
+    scale = scaling if scaling is not None else dim**-0.5
+    if cu_seq_lens_q is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=key.shape[1] != heads
+        )
+        return out.transpose(1, 2).contiguous(), None
+    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
+    longest = int(max_length_q) if max_length_q is not None else length
+    if _kernel_applies(q):
+        out = _flash_varlen(q, k, v, cu_seq_lens_q, longest, scale)
+    else:
+        out = _per_example(q, k, v, cu_seq_lens_q, scale)
+    return out.view(batch, length, heads, dim), None
+
+
+def _kernel_applies(q: torch.Tensor) -> bool:
+    if not q.is_cuda:
+        return False
+    backend = kernel_backend(q.device)
+    if backend == "varlen_attn" and q.shape[-1] > _KERNEL_MAX_HEAD_DIM:
+        backend = f"per-example sdpa (head dim {q.shape[-1]} > {_KERNEL_MAX_HEAD_DIM})"
+    if backend != "varlen_attn":
+        _log_once(f"attention {VARLEN} on {q.device}: {backend}")
+        return False
+    autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in _KERNEL_DTYPES
+    if autocast or q.dtype in _KERNEL_DTYPES:
+        return True
+    _log_once(f"attention {VARLEN}: {q.dtype} tensors, the flash kernel needs fp16/bf16: per-example sdpa")
+    return False
+
+
+def _flash_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor, longest: int, scale: float
+) -> torch.Tensor:
+    kernel = _kernel()
+    assert kernel is not None
+    varlen_attn, accepts = kernel
+    # A custom op, so autocast does not cast its inputs: do what autocast does for SDPA.
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    if dtype not in _KERNEL_DTYPES:
+        dtype = torch.bfloat16
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    options: dict[str, Any] = {}
+    if "window_size" in accepts:
+        options["window_size"] = (-1, 0)  # causal
+    else:
+        options["is_causal"] = True
+    if "scale" in accepts:
+        options["scale"] = scale
+    elif not math.isclose(scale, q.shape[-1] ** -0.5):
+        q = q * (scale * math.sqrt(q.shape[-1]))
+    if "enable_gqa" in accepts:
+        options["enable_gqa"] = k.shape[1] != q.shape[1]
+    cu = cu_seq_lens.to(device=q.device, dtype=torch.int32)
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, **options)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _per_example(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Exact causal attention example by example: (tokens, heads, dim) in and out."""
+    bounds = cu_seq_lens.tolist()
+    gqa = k.shape[1] != q.shape[1]
+    pieces = []
+    for start, end in itertools.pairwise(bounds):
+        if end > start:
+            qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            pieces.append(out[0].transpose(0, 1))
+    return torch.cat(pieces)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
