@@ -39,6 +39,8 @@ LOCAL_TRAINER = "sftjob.dev/local-trainer"
 CONFIG_ENV = "SFTJOB_CONFIG"
 CONFIG_MOUNT = "/etc/sftjob"
 CONFIG_FILE = "config.json"
+# With several candidate GPU types, one plan per card beside CONFIG_FILE; the trainer loads its card's.
+CONFIG_VARIANT = "config-{profile}.json"
 CHECKPOINT_MOUNT = "/checkpoints"
 OUTPUT_MOUNT = "/output"
 MODEL_MOUNT = "/model"

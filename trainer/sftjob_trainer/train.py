@@ -21,8 +21,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from sftjob.config import TrainerConfig
-from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
+from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT, CONFIG_VARIANT
 from sftjob.failures import ExitCode, TrainerError
+from sftjob.gpus import profile_for_product
 from sftjob_trainer import checkpoints
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, make_units
@@ -82,6 +83,7 @@ def run(config_path: str) -> ExitCode:
     stop.install()
     ctx: DistContext | None = None
     try:
+        config_path = config_for_device(config_path)
         config = load_config(config_path)
         ctx = init_distributed(config)
         if not ctx.is_main:
@@ -105,6 +107,21 @@ def run(config_path: str) -> ExitCode:
         stop.uninstall()
         if ctx is not None:
             ctx.close()
+
+
+def config_for_device(path: str) -> str:
+    """The plan for the card this pod landed on: for `gpu.type: Any` or a preference list the operator
+    renders ``config-<profile>.json`` per candidate card beside the default ``config.json``."""
+    if not torch.cuda.is_available():
+        return path
+    profile = profile_for_product(torch.cuda.get_device_name())
+    if profile is None:
+        return path
+    variant = Path(path).with_name(CONFIG_VARIANT.format(profile=profile.key))
+    if not variant.exists():
+        return path
+    log.info("using the plan for %s: %s", profile.key, variant)
+    return str(variant)
 
 
 def load_config(path: str) -> TrainerConfig:
