@@ -36,7 +36,7 @@ import torch
 from throughput_results import environment, write_results  # beside this script
 from throughput_workload import attention_check, matmul_peak, missing, quantize_linears, synthetic_examples
 
-from sftjob.architectures import architecture_from_hf_config
+from sftjob.architectures import Architecture, known_architecture
 from sftjob.candidates import PlanRequest
 from sftjob.config import LoraSettings, Method, TrainingOverrides, TrainingSettings
 from sftjob.gpus import profile_for_type
@@ -53,31 +53,22 @@ from sftjob_trainer.model import liger_kernels_in, precision_plan, prepare_for_t
 GIB = 1024**3
 GLOBAL_BATCH = 32  # the seed guide's 4 x 8
 LORA = LoraSettings(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=320,
+
+
+def _known(model: str) -> Architecture:
+    arch = known_architecture(model)
+    if arch is None:
+        raise LookupError(f"{model} is not in sftjob.architectures' built-in table")
+    return arch
+
+
+# Model shapes: the built-in table's rows for the anchors' models (TinyLlama, Llama-2-7B), and a tiny one.
+SHAPES: dict[str, Architecture] = {
+    "tiny": Architecture(
+        layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128, vocab_size=320
     ),
-    "1.1B": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ),  # TinyLlama
-    "7B": dict(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-    ),  # Llama-2-7B
+    "1.1B": _known("TinyLlama/TinyLlama-1.1B"),
+    "7B": _known("meta-llama/Llama-2-7b-hf"),
 }
 # Issue 8's targets for the planned configs: (model, method, cap GiB) -> MFU.
 TARGETS = {("1.1B", "full", 80.0): 0.55, ("1.1B", "full", 46.0): 0.50, ("7B", "lora", 46.0): 0.50}
@@ -163,7 +154,7 @@ def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]
             liger_kernels=run.config == "plain+liger",
             dataloader_workers=0,
         ), {}
-    arch = architecture_from_hf_config(dict(SHAPES[run.model], model_type="llama", tie_word_embeddings=False))
+    arch = SHAPES[run.model]
     request = PlanRequest(
         architecture=arch,
         method=run.method,
@@ -194,7 +185,7 @@ def build_model(
 ) -> tuple[Any, dict[str, Any]]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**SHAPES[run.model], max_position_embeddings=8192, tie_word_embeddings=False)
+    config = LlamaConfig(**SHAPES[run.model].to_hf_config(), max_position_embeddings=8192)
     precision = precision_plan(run.method, t.precision)
     torch.manual_seed(0)
     with torch.device(device):
@@ -237,7 +228,7 @@ def measure(
     parts = Trainables(
         model, optimizer, build_scheduler(optimizer, t, mode.steps), make_scaler(precision, device)
     )
-    units = make_units(examples[SHAPES[run.model]["vocab_size"]], t.packing_length if t.packing else None)
+    units = make_units(examples[SHAPES[run.model].vocab_size], t.packing_length if t.packing else None)
     schedule = Schedule(len(units), t.micro_batch_size, t.gradient_accumulation_steps, 1, t.seed)
     layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=0)
     batches = StepBatches(units, schedule, layout, 0, 0, mode.steps)
@@ -361,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for r in mode.runs if args.only is None or re.search(args.only, r.name)]
     examples = {
         v: synthetic_examples(mode.samples, mode.median, mode.seq, v)
-        for v in {SHAPES[r.model]["vocab_size"] for r in runs}
+        for v in {SHAPES[r.model].vocab_size for r in runs}
     }
     meta = environment(device, peak, mode_name, mode.steps, mode.discard, mode.max_accumulation)
     meta["attentionSelfCheck"] = attention_check(device)

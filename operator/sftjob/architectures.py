@@ -37,6 +37,24 @@ class Architecture(BaseModel):
     family: str | None = None  # HF model_type ("llama", "qwen2", ...); None when unknown
     name: str | None = None  # where the shape came from, for the plan's reasons
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """The transformers config fields of this shape (for building random-initialised models of a
+        known family in tests and benchmarks); :func:`architecture_from_hf_config` reads them back."""
+        config: dict[str, Any] = {
+            "model_type": self.family or "llama",
+            "num_hidden_layers": self.layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tied_embeddings,
+            "attention_bias": self.attention_bias,
+        }
+        if self.head_dim is not None:
+            config["head_dim"] = self.head_dim
+        return config
+
     @property
     def head_dimension(self) -> int:
         return self.head_dim or self.hidden_size // self.heads

@@ -2,7 +2,12 @@
 
 import pytest
 
-from sftjob.architectures import Architecture, architecture_from_hf_config, resolve_architecture
+from sftjob.architectures import (
+    Architecture,
+    architecture_from_hf_config,
+    known_architecture,
+    resolve_architecture,
+)
 
 
 @pytest.mark.parametrize(
@@ -105,3 +110,13 @@ def test_architecture_block_reads_camel_case_like_the_spec():
         {"layers": 2, "hiddenSize": 64, "heads": 4, "kvHeads": 2, "intermediateSize": 128, "vocabSize": 300}
     )
     assert arch.kv_dim == 32
+
+
+@pytest.mark.parametrize(
+    "model", ["TinyLlama/TinyLlama-1.1B", "meta-llama/Llama-2-7b-hf", "google/gemma-2-9b", "Qwen/Qwen2.5-7B"]
+)
+def test_a_known_shape_survives_the_round_trip_through_a_transformers_config(model: str) -> None:
+    known = known_architecture(model)
+    assert known is not None
+    back = architecture_from_hf_config(known.to_hf_config())
+    assert back.model_copy(update={"name": None}) == known.model_copy(update={"name": None})
