@@ -50,7 +50,8 @@ class RestartPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _backoff_within_cap(self) -> RestartPolicy:
-        if self.backoff_seconds > self.max_backoff_seconds:
+        # Only a backoff the user set is an error; the operator caps its own default (defaults.py).
+        if "backoff_seconds" in self.model_fields_set and self.backoff_seconds > self.max_backoff_seconds:
             raise ValueError(
                 f"restartPolicy.backoffSeconds {self.backoff_seconds} exceeds"
                 f" restartPolicy.maxBackoffSeconds {self.max_backoff_seconds}"

@@ -40,6 +40,7 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 RESERVED_ENV_PREFIX = "SFTJOB_"
 DEFAULT_CHECKPOINT_MINUTES = 30
+DEFAULT_CHECKPOINT_SIZE = "100Gi"
 
 ObjectName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
 Quantity = Annotated[str, StringConstraints(max_length=32, pattern=QUANTITY)]
@@ -180,8 +181,9 @@ class GpuSpec(_Spec):
 
 class CheckpointSpec(_Spec):
     volume: VolumeSource | None = None
+    # The operator's defaults (sftjob_operator.defaults) fill storageClassName and size when unset.
     storage_class_name: ObjectName | None = None
-    size: Quantity = "100Gi"
+    size: Quantity = DEFAULT_CHECKPOINT_SIZE
     every_steps: int | None = Field(default=None, ge=1, le=1_000_000)
     every_minutes: int | None = Field(default=None, ge=1, le=1440)
     keep: int = Field(default=3, ge=1, le=100)
@@ -370,6 +372,24 @@ class CheckpointStatus(_Status):
     time: datetime | None = None
 
 
+class EffectiveCheckpoints(_Status):
+    storage_class_name: str | None = None  # None: the cluster's default StorageClass
+    size: str = DEFAULT_CHECKPOINT_SIZE
+
+
+class EffectiveRestartPolicy(_Status):
+    max_restarts: int = 0
+    backoff_seconds: int = 0
+    on_oom: OnOOM = Field(default="Replan", alias="onOOM")
+
+
+class EffectiveSettings(_Status):
+    """``status.effective``: the settings the operator's defaults may fill, as they apply to this job."""
+
+    checkpoints: EffectiveCheckpoints = EffectiveCheckpoints()
+    restart_policy: EffectiveRestartPolicy = EffectiveRestartPolicy()
+
+
 class SFTJobStatus(_Status):
     phase: Phase = "Pending"
     conditions: list[Condition] = []
@@ -381,6 +401,7 @@ class SFTJobStatus(_Status):
     progress: ProgressStatus | None = None
     last_checkpoint: CheckpointStatus | None = None
     attempts: list[AttemptRecord] = []
+    effective: EffectiveSettings | None = None
     start_time: datetime | None = None
     completion_time: datetime | None = None
 

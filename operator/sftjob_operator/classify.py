@@ -174,10 +174,11 @@ def end_record(
     """The ``status.attempts`` entry for an attempt that has just ended.
 
     ``progress_step`` and ``checkpoint_step`` come from the trainer's last progress and checkpoint
-    annotations; the steps between them are the work this attempt loses.
+    annotations; the steps between them are the work a failed attempt loses (None for a success).
     """
     saved = checkpoint_step if checkpoint_step is not None else (record.resumed_from_step or 0)
-    lost = None if progress_step is None else max(0, progress_step - saved)
+    failed = outcome.outcome is Outcome.FAILED
+    lost = None if progress_step is None or not failed else max(0, progress_step - saved)
     return record.model_copy(
         update={
             "end_time": end_time,

@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 
 import kopf
+from pydantic import ValidationError
 
 from sftjob.constants import DEFAULT_TRAINER_IMAGE
 from sftjob_operator import handlers, metrics
+from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.kube import Kube, connect
 from sftjob_operator.reconcile import Context
 from sftjob_operator.scheduling import default_products, parse_products
@@ -24,6 +26,14 @@ from sftjob_operator.scheduling import default_products, parse_products
 DEFAULT_PEERING = "sftjob-operator"
 DEFAULT_LIVENESS = "http://0.0.0.0:8081/healthz"
 DEFAULT_METRICS_PORT = 8080
+# The flag that sets each job default, for error messages.
+DEFAULT_FLAGS = {
+    "storage_class_name": "--checkpoint-storage-class",
+    "size": "--checkpoint-size",
+    "max_restarts": "--max-restarts",
+    "backoff_seconds": "--backoff-seconds",
+    "on_oom": "--on-oom",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +74,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-format", choices=["json", "plain"], default=env("SFTJOB_LOG_FORMAT", "json"))
     p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
+    d = p.add_argument_group("defaults for SFTJobs that leave these unset (status.effective shows them)")
+    d.add_argument(
+        "--checkpoint-storage-class",
+        default=env("SFTJOB_CHECKPOINT_STORAGE_CLASS"),
+        help="StorageClass of the checkpoint claims the operator creates (empty: the cluster's default)",
+    )
+    d.add_argument(
+        "--checkpoint-size", default=env("SFTJOB_CHECKPOINT_SIZE"), help="their size (default 100Gi)"
+    )
+    d.add_argument("--max-restarts", type=int, default=env("SFTJOB_MAX_RESTARTS"), help="default 3")
+    d.add_argument("--backoff-seconds", type=int, default=env("SFTJOB_BACKOFF_SECONDS"), help="default 10")
+    d.add_argument(
+        "--on-oom", choices=["Replan", "Retry", "Fail"], default=env("SFTJOB_ON_OOM"), help="default Replan"
+    )
+    args = p.parse_args(argv)
+    try:
+        args.defaults = JobDefaults.of(
+            storage_class_name=args.checkpoint_storage_class,
+            size=args.checkpoint_size,
+            max_restarts=args.max_restarts,
+            backoff_seconds=args.backoff_seconds,
+            on_oom=args.on_oom,
+        )
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{DEFAULT_FLAGS.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors()
+        )
+        p.error(f"invalid job default: {problems}")
+    return args
 
 
 def products_from(value: str | None) -> dict[str, list[str]]:
@@ -82,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     if not args.verbose:  # kopf logs every watch-event handler's success at INFO: thousands a minute
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    handlers.Runtime.context = Context(products=products_from(args.gpu_products), image=args.image)
+    handlers.Runtime.context = Context(
+        products=products_from(args.gpu_products), image=args.image, defaults=args.defaults
+    )
     handlers.Runtime.kube = Kube(connect())
     handlers.Runtime.resync_seconds = args.resync_seconds
     if args.metrics_port:

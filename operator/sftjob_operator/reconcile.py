@@ -5,8 +5,9 @@ its pods and their nodes from the operator's indexes) and the time, and returns 
 the children to create and the pods to delete. It never looks at events or remembers anything, so a
 pass after an operator crash decides what the lost pass would have. The steps, in order:
 
-1. parse the spec (invalid: Failed/InvalidSpec) and plan it for every candidate GPU (nothing fits:
-   Failed/DoesNotFit); finished jobs only wait for their TTL;
+1. parse the spec (invalid: Failed/InvalidSpec), complete it with the operator's defaults (kept in
+   ``status.effective``) and plan it for every candidate GPU (nothing fits: Failed/DoesNotFit);
+   finished jobs only wait for their TTL;
 2. ``spec.suspend``: delete the pods, keep everything else; ``activeDeadlineSeconds`` exceeded: Failed;
 3. no attempt under way: ask the attempt policy for the next one and start it (status first, so the
    attempt number is recorded before its pods exist), or wait for its backoff, or fail;
@@ -38,7 +39,8 @@ from sftjob_operator.classify import (
     end_record,
 )
 from sftjob_operator.conditions import ConditionType as T
-from sftjob_operator.conditions import Reason, set_condition
+from sftjob_operator.conditions import Reason
+from sftjob_operator.defaults import JobDefaults, effective
 from sftjob_operator.planning import (
     CandidatePlans,
     PlanFn,
@@ -49,6 +51,7 @@ from sftjob_operator.planning import (
 )
 from sftjob_operator.scheduling import ProductMap, node_affinity
 from sftjob_operator.status import gpu_status, parse_status, validation_message
+from sftjob_operator.status_draft import Event, StatusDraft
 
 Obj = Mapping[str, Any]
 Manifest = dict[str, Any]
@@ -83,13 +86,7 @@ class Context:
     image: str
     plan_fn: PlanFn = planner_plan
     attempt_policy: AttemptPolicy = restarts.next_attempt
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
+    defaults: JobDefaults = field(default_factory=JobDefaults)
 
 
 @dataclass
@@ -111,16 +108,14 @@ def reconcile(obs: Observed, ctx: Context) -> Actions:
     return run.actions()
 
 
-class _Pass:
-    """One reconcile pass: accumulates the new status and actions; no I/O."""
+class _Pass(StatusDraft):
+    """One reconcile pass: accumulates the new status (:class:`StatusDraft`) and actions; no I/O."""
 
     def __init__(self, obs: Observed, ctx: Context) -> None:
-        self.obs, self.ctx, self.now = obs, ctx, obs.now
-        self.old = parse_status(obs.status)
-        self.status = self.old.model_copy(update={"observed_generation": obs.generation})
+        super().__init__(parse_status(obs.status), generation=obs.generation, now=obs.now)
+        self.obs, self.ctx = obs, ctx
         self.children: list[Manifest] = []
         self.deletes: list[str] = []
-        self.events: list[Event] = []
         self.delete_job = False
         self.requeue: list[float] = []
         self.attempt = max([self.old.attempt, *(observe.attempt_of(p) for p in obs.pods)])
@@ -132,9 +127,13 @@ class _Pass:
 
     def run(self) -> None:
         try:
-            spec = SFTJobSpec.model_validate(self.obs.spec)
+            parsed = SFTJobSpec.model_validate(self.obs.spec)
         except ValidationError as err:
             return self.fail(Reason.INVALID_SPEC, validation_message(err), admitted=False)
+        # The operator's defaults as they were when the job was first seen, so upgrades change no job.
+        recorded = self.old.effective
+        spec = (JobDefaults.recorded(recorded) if recorded else self.ctx.defaults).fill(parsed)
+        self.update(effective=effective(spec))
         if not valid_job_name(self.obs.name):
             return self.fail(
                 Reason.INVALID_SPEC, "metadata.name must be a DNS label of at most 40 characters"
@@ -149,7 +148,7 @@ class _Pass:
             return self.fail(err.reason, err.message)
         self.cond(T.PLANNED, True, Reason.PLAN_FITS, f"fits on {', '.join(plans.fitting)}")
         if self.status.plan is None:
-            self.status = self.status.model_copy(update={"plan": plan_status(plans.first)})
+            self.update(plan=plan_status(plans.first))
         self.deletes += [observe.name(p) for p in self.obs.pods if observe.attempt_of(p) < self.attempt]
 
         if spec.suspend:
@@ -196,14 +195,12 @@ class _Pass:
             ladder_step=decision.ladder_step,
         )
         restarted = bool(self.status.attempts) and self.status.attempts[-1].failed
-        self.status = self.status.model_copy(
-            update={
-                "attempt": decision.attempt,
-                "attempts": [*self.status.attempts, record],
-                "restarts": self.status.restarts + (1 if restarted else 0),
-                "start_time": self.status.start_time or self.now,
-                "plan": plan_status(decision.plans.first),
-            }
+        self.update(
+            attempt=decision.attempt,
+            attempts=[*self.status.attempts, record],
+            restarts=self.status.restarts + (1 if restarted else 0),
+            start_time=self.status.start_time or self.now,
+            plan=plan_status(decision.plans.first),
         )
         self.deletes += [observe.name(p) for p in self.obs.pods if observe.attempt_of(p) < decision.attempt]
         self.children = self.render(spec, decision, ranks=list(range(spec.gpu.nodes)))
@@ -226,7 +223,7 @@ class _Pass:
             for r in range(spec.gpu.nodes)
             if r in by_rank or grace_over
         ]
-        self.observe_progress()
+        self.fold_reports(self.current)
         outcome = classify_attempt(verdicts)
         if outcome.over and (outcome.outcome is Outcome.FAILED or not missing):
             return self.attempt_over(spec, plans, record, outcome)
@@ -271,16 +268,14 @@ class _Pass:
         pods = self.current
         gpu, plan = gpu_status(spec, pods, self.obs.nodes, self.ctx.products, plans)
         nodes = gpu.nodes
-        update: dict[str, Any] = {"gpu": gpu}
-        if plan is not None:
-            update["plan"] = plan_status(plan)
-        self.status = self.status.model_copy(update=update)
+        self.update(gpu=gpu, plan=plan_status(plan) if plan is not None else self.status.plan)
         self.replace_record(
             record.model_copy(
                 update={
                     "node": nodes[0] if nodes else None,
                     "gpu": plan.gpu if plan else record.gpu,
                     "plan": plan.summary() if plan else record.plan,
+                    "ladder_step": (plan.ladder[-1] if plan.ladder else None) if plan else record.ladder_step,
                 }
             )
         )
@@ -306,29 +301,26 @@ class _Pass:
         if record.start_time is not None and len(pods) < spec.gpu.nodes:
             self.requeue.append(POD_APPEARANCE_GRACE.total_seconds())
 
-    def observe_progress(self) -> None:
-        progress = observe.progress_of(self.current)
-        if progress is not None:
-            self.status = self.status.model_copy(update={"progress": progress})
-        checkpoint = observe.checkpoint_of(self.current)
-        old = self.status.last_checkpoint
-        if checkpoint is not None and (old is None or checkpoint.step >= old.step):
-            self.status = self.status.model_copy(update={"last_checkpoint": checkpoint})
-
     def suspend(self, spec: SFTJobSpec) -> None:
         self.deletes += [observe.name(p) for p in self.current]
         record = self.record()
         if record is not None and not record.ended:
-            self.observe_progress()
+            self.fold_reports(self.current)
             self.replace_record(record.model_copy(update={"end_time": self.now, "message": "suspended"}))
         self.cond(T.SUSPENDED, True, Reason.SUSPENDED, "spec.suspend is true: pods deleted, checkpoints kept")
         self.cond(T.RUNNING, False, Reason.SUSPENDED, "suspended")
         # Like a Job, a resumed SFTJob's activeDeadlineSeconds counts from the resume.
-        self.status = self.status.model_copy(update={"start_time": None})
+        self.update(start_time=None)
         self.set_phase("Suspended", Reason.SUSPENDED, "spec.suspend is true")
 
     def finished(self, spec: SFTJobSpec) -> None:
-        self.deletes += [observe.name(p) for p in self.obs.pods if observe.is_active(p)]
+        """A finished job keeps only its last attempt's ended pods (their logs and exit codes); an
+        operator killed after writing the final status may have left older or running ones."""
+        self.deletes += [
+            observe.name(p)
+            for p in self.obs.pods
+            if observe.is_active(p) or observe.attempt_of(p) < self.attempt
+        ]
         ttl, done = spec.ttl_seconds_after_finished, self.status.completion_time
         if ttl is None or done is None:
             return
@@ -354,7 +346,7 @@ class _Pass:
         self.cond(T.SUCCEEDED, True, Reason.COMPLETED, f"attempt {self.attempt} completed training")
         self.cond(T.FAILED, False, Reason.COMPLETED, "")
         self.cond(T.RUNNING, False, Reason.COMPLETED, "finished")
-        self.status = self.status.model_copy(update={"completion_time": self.now})
+        self.update(completion_time=self.now)
         self.set_phase("Succeeded", Reason.COMPLETED, f"training completed in attempt {self.attempt}")
 
     def fail(
@@ -371,9 +363,7 @@ class _Pass:
         self.cond(T.FAILED, True, reason, message)
         self.cond(T.SUCCEEDED, False, reason, "")
         self.cond(T.RUNNING, False, reason, "failed")
-        self.status = self.status.model_copy(
-            update={"completion_time": self.status.completion_time or self.now}
-        )
+        self.update(completion_time=self.status.completion_time or self.now)
         self.set_phase("Failed", reason, message)
 
     # --- helpers --------------------------------------------------------------------------------
@@ -395,35 +385,9 @@ class _Pass:
         )
 
     def record(self) -> AttemptRecord | None:
-        return next((r for r in reversed(self.status.attempts) if r.attempt == self.attempt), None)
-
-    def replace_record(self, new: AttemptRecord) -> None:
-        attempts = [new if r.attempt == new.attempt else r for r in self.status.attempts]
-        self.status = self.status.model_copy(update={"attempts": attempts})
-
-    def cond(self, type: T, status: bool | None, reason: str, message: str) -> None:
-        conditions = set_condition(
-            self.status.conditions,
-            type=type,
-            status=status,
-            reason=reason,
-            message=message[:4096],
-            generation=self.obs.generation,
-            now=self.now,
-        )
-        self.status = self.status.model_copy(update={"conditions": conditions})
-
-    def set_phase(self, phase: str, reason: str, message: str) -> None:
-        if phase != self.old.phase and phase != "Pending":  # a new attempt announces itself (PodsCreated)
-            kind = "Warning" if phase in ("Failed", "Restarting") else "Normal"
-            self.events.append(Event(kind, reason if phase in ("Failed", "Restarting") else phase, message))
-        self.status = self.status.model_copy(update={"phase": phase})
+        return self.record_of(self.attempt)
 
     def actions(self) -> Actions:
-        unschedulable_now = _reason(self.status, T.SCHEDULED) == Reason.UNSCHEDULABLE
-        if unschedulable_now and _reason(self.old, T.SCHEDULED) != Reason.UNSCHEDULABLE:
-            message = next(c.message for c in self.status.conditions if c.type == T.SCHEDULED)
-            self.events.append(Event("Warning", Reason.UNSCHEDULABLE, message))
         deleting = {observe.name(p) for p in self.obs.pods if p["metadata"].get("deletionTimestamp")}
         return Actions(
             status=self.status,
@@ -431,10 +395,6 @@ class _Pass:
             children=self.children,
             delete_pods=sorted(set(self.deletes) - deleting),
             delete_job=self.delete_job,
-            events=self.events,
+            events=self.transition_events(),
             requeue_after=min(self.requeue) if self.requeue else None,
         )
-
-
-def _reason(status: SFTJobStatus, type: str) -> str | None:
-    return next((c.reason for c in status.conditions if c.type == type and c.status == "False"), None)

@@ -158,9 +158,9 @@ class Jobs:
 
         return list(wait_for(f"{count} running pod(s) of {job}", ready, timeout))
 
-    def delete_all(self) -> None:
-        self.kubectl("delete", "sftjobs", "--all", "--wait=true", "--timeout=60s", check=False)
-        wait_for("the namespace's trainer pods to go", lambda: not self.pods(), timeout=60)
+    def delete_all(self, timeout: float = 60.0) -> None:
+        self.kubectl("delete", "sftjobs", "--all", "--wait=true", f"--timeout={timeout:.0f}s", check=False)
+        wait_for("the namespace's trainer pods to go", lambda: not self.pods(), timeout=timeout)
 
 
 def sftjob(name: str, **spec: Any) -> dict[str, Any]:

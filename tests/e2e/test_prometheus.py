@@ -332,9 +332,10 @@ def test_dashboard_variables_find_the_job(scraped: Scraped) -> None:
 
 
 def metric_names(expr: str) -> set[str]:
-    return {
-        m for m in re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*[{\[]", expr) if m.startswith("sftjob_")
-    } | ({"up"} if re.search(r"\bup\{", expr) else set())
+    """Every sftjob_ metric an expression names (with or without a selector), and ``up``."""
+    return set(re.findall(r"\b(sftjob_[a-zA-Z0-9_:]+)", expr)) | (
+        {"up"} if re.search(r"\bup\{", expr) else set()
+    )
 
 
 def test_every_metric_an_alert_uses_is_scraped(scraped: Scraped) -> None:

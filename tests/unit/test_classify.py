@@ -320,6 +320,13 @@ def test_ending_a_record_counts_the_steps_since_the_last_checkpoint() -> None:
     assert no_checkpoint.lost_steps == 80
 
 
+def test_a_succeeded_attempt_loses_no_steps_and_says_so_by_leaving_them_unset() -> None:
+    record = AttemptRecord(attempt=1, node=NODE, start_time=NOW - timedelta(hours=1))
+    done = Classification(Outcome.SUCCEEDED, exit_code=0, node=NODE)
+    ended = end_record(record, done, end_time=NOW, progress_step=200, checkpoint_step=150)
+    assert ended.succeeded and ended.lost_steps is None
+
+
 def test_an_ended_record_round_trips_through_status_json_in_camel_case() -> None:
     record = AttemptRecord(attempt=1, node=NODE, start_time=NOW - timedelta(hours=1))
     ended = end_record(

@@ -15,6 +15,7 @@ from sftjob.gpus import GpuProfile
 from sftjob.plan import MemoryEstimate, Plan, PodResources
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
+from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.planning import CandidatePlans
 from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
 from sftjob_operator.scheduling import default_products
@@ -319,3 +320,81 @@ def test_a_pod_not_yet_in_the_index_right_after_the_start_is_waited_for_not_recr
     obs, first = started()
     actions = reconcile(then(obs, first, now=NOW + timedelta(seconds=1)), CTX)
     assert not actions.children and actions.requeue_after == 2
+
+
+# --- the operator's defaults ---------------------------------------------------------------------------
+
+SITE = JobDefaults.of(
+    storage_class_name="fast", size="7Gi", max_restarts=0, backoff_seconds=30, on_oom="Fail"
+)
+
+
+def test_unset_claim_and_restart_settings_take_the_operators_defaults_and_show_in_status() -> None:
+    actions = reconcile(observed(), replace(CTX, defaults=SITE))
+    (claim,) = [m for m in actions.children if m["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "7Gi"
+    shown = actions.status.to_patch()["effective"]
+    assert shown == {
+        "checkpoints": {"storageClassName": "fast", "size": "7Gi"},
+        "restartPolicy": {"maxRestarts": 0, "backoffSeconds": 30, "onOOM": "Fail"},
+    }
+
+
+def test_settings_the_spec_gives_win_over_the_operators_defaults() -> None:
+    spec = {**SPEC, "checkpoints": {"size": "1Ti"}, "restartPolicy": {"maxRestarts": 5, "onOOM": "Retry"}}
+    actions = reconcile(observed(spec=spec), replace(CTX, defaults=SITE))
+    effective = actions.status.effective
+    assert effective is not None
+    assert (effective.checkpoints.size, effective.checkpoints.storage_class_name) == ("1Ti", "fast")
+    policy = effective.restart_policy
+    assert (policy.max_restarts, policy.backoff_seconds, policy.on_oom) == (5, 30, "Retry")
+
+
+def test_a_default_backoff_above_the_jobs_own_cap_is_capped_there() -> None:
+    spec = {**SPEC, "restartPolicy": {"maxBackoffSeconds": 5}}
+    effective = reconcile(observed(spec=spec), replace(CTX, defaults=SITE)).status.effective
+    assert effective is not None and effective.restart_policy.backoff_seconds == 5
+
+
+def test_new_operator_defaults_do_not_change_a_job_admitted_under_the_old_ones() -> None:
+    obs, first = started()  # the built-in defaults: 100Gi, maxRestarts 3
+    failed = pod(phase="Failed", status=terminated(1, "Error", "boom"))
+    actions = reconcile(then(obs, first, pods=[failed]), replace(CTX, defaults=SITE))
+    assert actions.status.effective == first.status.effective
+    assert actions.status.phase == "Restarting", "maxRestarts 3 still applies, not the new default 0"
+
+
+def test_the_operators_default_restart_budget_decides_the_restart() -> None:
+    obs = observed()
+    first = reconcile(obs, replace(CTX, defaults=SITE))
+    failed = pod(phase="Failed", status=terminated(1, "Error", "boom"))
+    actions = reconcile(then(obs, first, pods=[failed]), replace(CTX, defaults=SITE))
+    assert actions.status.phase == "Failed" and condition(actions, "Failed") == (
+        "True",
+        "RestartLimitExceeded",
+    )
+
+
+def test_an_attempt_records_the_ladder_step_of_the_card_it_landed_on() -> None:
+    def laddered_on_a40(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
+        plan = fake_plan(spec, profile)
+        return plan.model_copy(update={"ladder": ["micro-batch 4 -> 2"]}) if profile.key == "A40" else plan
+
+    ctx = replace(CTX, plan_fn=laddered_on_a40)
+    obs = observed(spec={**SPEC, "gpu": {"type": "Any"}})
+    first = reconcile(obs, ctx)
+    assert first.status.attempts[-1].ladder_step is None  # planned for the A800 first
+    actions = reconcile(then(obs, first, pods=[pod(node="a40-0")]), ctx)
+    assert actions.status.attempts[-1].ladder_step == "micro-batch 4 -> 2"
+
+
+def test_a_finished_job_deletes_pods_of_older_attempts_an_operator_crash_left_behind() -> None:
+    obs, first = started()
+    done = reconcile(then(obs, first, pods=[pod(phase="Succeeded", status=terminated(0, "Completed"))]), CTX)
+    assert done.status.phase == "Succeeded"
+    status = done.status.model_copy(update={"attempt": 2}).to_patch()
+    old = pod(attempt=1, phase="Failed", status=terminated(1, "Error"))
+    last = pod(attempt=2, phase="Succeeded", status=terminated(0, "Completed"))
+    actions = reconcile(replace(obs, status=status, pods=[old, last]), CTX)
+    assert actions.delete_pods == ["job-1-0"]

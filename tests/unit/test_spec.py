@@ -117,3 +117,9 @@ def test_the_status_round_trips_through_its_json_patch() -> None:
     again = SFTJobStatus.model_validate(status.to_patch())
     assert again == status
     assert status.to_patch()["conditions"][0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+
+
+def test_a_backoff_above_its_cap_is_rejected_only_when_the_user_set_it() -> None:
+    with pytest.raises(ValidationError, match="backoffSeconds 30 exceeds"):
+        spec(restartPolicy={"backoffSeconds": 30, "maxBackoffSeconds": 20})
+    assert spec(restartPolicy={"maxBackoffSeconds": 5}).restart_policy.max_backoff_seconds == 5

@@ -1,0 +1,94 @@
+"""The status one reconcile pass builds, and the events its transitions post.
+
+A pass starts from the status the job had and changes it step by step: conditions (Kubernetes API
+conventions, via :func:`~sftjob_operator.conditions.set_condition`), the phase, the attempt records and
+the trainer's progress and checkpoint reports. Events are derived from what changed between the old
+and the new status, never from event history, so a repeated pass posts nothing new.
+``reconcile._Pass`` builds on :class:`StatusDraft`; pure, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sftjob.attempts import AttemptRecord
+from sftjob.spec import SFTJobStatus
+from sftjob_operator import observe
+from sftjob_operator.conditions import ConditionType as T
+from sftjob_operator.conditions import Reason, set_condition
+
+CONDITION_MESSAGE_MAX = 4096
+# Phases whose transition is a Warning event named after the reason (others: a Normal event named
+# after the phase). Pending posts nothing: a new attempt announces itself with PodsCreated.
+WARNING_PHASES = frozenset({"Failed", "Restarting"})
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+class StatusDraft:
+    """The new status of a job, built from its old one; ``events`` collects the transitions."""
+
+    def __init__(self, old: SFTJobStatus, *, generation: int, now: datetime) -> None:
+        self.old, self.generation, self.now = old, generation, now
+        self.status = old.model_copy(update={"observed_generation": generation})
+        self.events: list[Event] = []
+
+    def update(self, **fields: Any) -> None:
+        self.status = self.status.model_copy(update=fields)
+
+    def record_of(self, attempt: int) -> AttemptRecord | None:
+        return next((r for r in reversed(self.status.attempts) if r.attempt == attempt), None)
+
+    def replace_record(self, new: AttemptRecord) -> None:
+        self.update(attempts=[new if r.attempt == new.attempt else r for r in self.status.attempts])
+
+    def cond(self, type: T, status: bool | None, reason: str, message: str) -> None:
+        conditions = set_condition(
+            self.status.conditions,
+            type=type,
+            status=status,
+            reason=reason,
+            message=message[:CONDITION_MESSAGE_MAX],
+            generation=self.generation,
+            now=self.now,
+        )
+        self.update(conditions=conditions)
+
+    def set_phase(self, phase: str, reason: str, message: str) -> None:
+        if phase != self.old.phase and phase != "Pending":
+            warning = phase in WARNING_PHASES
+            self.events.append(
+                Event("Warning" if warning else "Normal", reason if warning else phase, message)
+            )
+        self.update(phase=phase)
+
+    def fold_reports(self, pods: Sequence[Mapping[str, Any]]) -> None:
+        """The trainer's latest progress and checkpoint annotations on ``pods`` into the status; an
+        older checkpoint report (a pod of an earlier attempt) never replaces a newer one."""
+        progress = observe.progress_of(pods)
+        if progress is not None:
+            self.update(progress=progress)
+        checkpoint = observe.checkpoint_of(pods)
+        old = self.status.last_checkpoint
+        if checkpoint is not None and (old is None or checkpoint.step >= old.step):
+            self.update(last_checkpoint=checkpoint)
+
+    def transition_events(self) -> list[Event]:
+        """The events of this pass: the phase transitions, and Unschedulable when the pods became so."""
+        unschedulable_now = _false_reason(self.status, T.SCHEDULED) == Reason.UNSCHEDULABLE
+        if unschedulable_now and _false_reason(self.old, T.SCHEDULED) != Reason.UNSCHEDULABLE:
+            message = next(c.message for c in self.status.conditions if c.type == T.SCHEDULED)
+            return [*self.events, Event("Warning", Reason.UNSCHEDULABLE, message)]
+        return list(self.events)
+
+
+def _false_reason(status: SFTJobStatus, type: str) -> str | None:
+    return next((c.reason for c in status.conditions if c.type == type and c.status == "False"), None)

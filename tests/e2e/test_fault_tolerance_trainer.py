@@ -1,0 +1,154 @@
+"""The real trainer (a tiny model on the CPU, backed by the local trainer runner) killed mid-run and
+restarted by the operator's decision: the new attempt resumes from the last complete checkpoint. A
+SIGKILL loses the steps since that checkpoint (the attempt ends as Unknown, killed by SIGKILL); a
+SIGTERM makes the trainer finish its step, save a checkpoint and exit Preempted, losing nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from operator_harness import REPO, Jobs, Operator, wait_for
+
+from sftjob import constants as c
+from sftjob_dev.cluster import Cluster
+from sftjob_dev.demo import prepare_assets
+from sftjob_dev.runner import local_dir
+
+pytestmark = [pytest.mark.e2e, pytest.mark.trainer]
+pytest.importorskip("torch")
+
+DEMO_JOB = REPO / "examples" / "demo" / "tiny-copy.yaml"
+EVERY_STEPS = 40
+KILLED_STEPS = 160
+TERMED_STEPS = 120
+STARTED = re.compile(r"pod (?P<ns>[^/\s]+)/(?P<pod>\S+): trainer started \(PID (?P<pid>\d+)\)")
+RESUMED = re.compile(r"resumed from \S+ \(step (?P<step>\d+)\)")
+
+
+@pytest.fixture(scope="module")
+def runner(cluster: Cluster, operator: Operator, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The local trainer runner as a subprocess; yields its log (which names each trainer's PID)."""
+    prepare_assets(cluster.workdir)
+    log = tmp_path_factory.mktemp("runner") / "runner.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sftjob_dev.runner", "--workdir", str(cluster.workdir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    yield log
+    proc.terminate()
+    proc.wait(timeout=90)
+
+
+def demo_job(name: str, max_steps: int) -> dict[str, Any]:
+    job: dict[str, Any] = yaml.safe_load(DEMO_JOB.read_text())
+    job["metadata"]["name"] = name
+    job["spec"]["training"]["maxSteps"] = max_steps
+    job["spec"]["checkpoints"]["everySteps"] = EVERY_STEPS
+    job["spec"]["restartPolicy"] = {"backoffSeconds": 1}
+    return job
+
+
+def job_dir(cluster: Cluster, jobs: Jobs, name: str) -> Path:
+    return local_dir(cluster.workdir) / jobs.namespace / name
+
+
+def trainer_pid(runner: Path, namespace: str, pod: str) -> int:
+    def started() -> int | None:
+        for m in STARTED.finditer(runner.read_text(errors="replace")):
+            if (m["ns"], m["pod"]) == (namespace, pod):
+                return int(m["pid"])
+        return None
+
+    pid: int = wait_for(f"the runner to start the trainer of {pod}", started, timeout=60)
+    return pid
+
+
+def disk_checkpoint(folder: Path) -> int:
+    """The newest complete checkpoint step on the job's checkpoint folder (0: none yet)."""
+    steps = [
+        int(p.name.removeprefix(c.CHECKPOINT_PREFIX))
+        for p in (folder / "checkpoints").glob(f"{c.CHECKPOINT_PREFIX}*")
+        if (p / c.CHECKPOINT_COMPLETE_MARKER).is_file()
+    ]
+    return max(steps, default=0)
+
+
+def logged_steps(folder: Path) -> list[int]:
+    """Every logged step of every attempt, in order (``train_log.jsonl`` is appended across attempts)."""
+    path = folder / "checkpoints" / "final" / "train_log.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+
+
+def test_a_sigkilled_trainer_is_restarted_and_resumes_at_the_last_checkpoint(
+    cluster: Cluster, jobs: Jobs, runner: Path
+) -> None:
+    jobs.apply(demo_job("killed", max_steps=KILLED_STEPS))
+    folder = job_dir(cluster, jobs, "killed")
+    pid = trainer_pid(runner, jobs.namespace, "killed-1-0")
+
+    def known_checkpoint() -> int | None:
+        """A checkpoint the operator shows, which is the newest on disk, with the trainer past it."""
+        shown = (jobs.status("killed").get("lastCheckpoint") or {}).get("step")
+        on_disk, steps = disk_checkpoint(folder), logged_steps(folder)
+        fresh = steps and on_disk < steps[-1] < on_disk + EVERY_STEPS - 15
+        return on_disk if shown == on_disk and on_disk > 0 and fresh else None
+
+    checkpoint = wait_for(
+        "the operator to show the newest checkpoint", known_checkpoint, timeout=120, every=0.1
+    )
+    os.killpg(pid, signal.SIGKILL)
+
+    status = jobs.wait_phase("killed", "Succeeded", timeout=180)
+    first, second = status["attempts"]
+    assert (first["reason"], first["exitCode"]) == ("Unknown", 137)
+    assert "SIGKILL" in first["message"]
+    assert first["lostSteps"] >= 0
+    assert second["resumedFromStep"] == checkpoint and second["succeeded"] and second.get("lostSteps") is None
+    assert status["restarts"] == 1
+
+    trainer_log = (folder / "killed-2-0.log").read_text()
+    resumed = RESUMED.search(trainer_log)
+    assert resumed is not None and int(resumed["step"]) == checkpoint, trainer_log[-2000:]
+    steps = logged_steps(folder)
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[restart - 1] > checkpoint, "the first attempt trained past the checkpoint before the kill"
+    assert checkpoint < steps[restart] <= checkpoint + 10, "the second attempt starts right after it"
+    assert steps[-1] == KILLED_STEPS
+
+
+def test_a_sigtermed_trainer_saves_its_step_and_the_restart_loses_nothing(
+    cluster: Cluster, jobs: Jobs, runner: Path
+) -> None:
+    jobs.apply(demo_job("termed", max_steps=TERMED_STEPS))
+    folder = job_dir(cluster, jobs, "termed")
+    pid = trainer_pid(runner, jobs.namespace, "termed-1-0")
+    wait_for("the trainer to pass its first checkpoint", lambda: disk_checkpoint(folder) > 0, timeout=120)
+    os.kill(pid, signal.SIGTERM)
+
+    status = jobs.wait_phase("termed", "Succeeded", timeout=180)
+    first, second = status["attempts"]
+    assert (first["reason"], first["exitCode"]) == ("Preempted", 20)
+    saved_at = re.search(r"checkpoint saved at step (\d+)", first["message"])
+    assert saved_at is not None, first["message"]
+    saved = int(saved_at[1])
+    assert first["lostSteps"] == 0
+    assert second["resumedFromStep"] == saved
+    trainer_log = (folder / "termed-2-0.log").read_text()
+    resumed = RESUMED.search(trainer_log)
+    assert resumed is not None and int(resumed["step"]) == saved
+    summary = json.loads((folder / "checkpoints" / "final" / "summary.json").read_text())
+    assert (summary["resumedFromStep"], summary["steps"]) == (saved, TERMED_STEPS)
