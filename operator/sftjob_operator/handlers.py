@@ -11,16 +11,22 @@ How the kopf handler kinds map onto a level-based operator:
 - ``@kopf.on.event`` for jobs (update, including ``suspend``) and their pods wakes that job's loop.
 
 Each pass calls :func:`sftjob_operator.reconcile.reconcile` with a snapshot and applies its actions.
+The index and event handlers are coroutines so kopf runs them on the event loop instead of handing
+each watch event to a thread. The pass reads the job's body and the indexed pods without copying them:
+kopf replaces a body wholesale on every event and the index holds fresh trimmed dicts per event, and
+nothing here mutates either. Children created by this process are remembered
+(:mod:`~sftjob_operator.expectations`) so a pass that runs before the watch shows them does not send
+them again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
+import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,6 +35,7 @@ import kopf
 from sftjob import constants as c
 from sftjob_operator import metrics
 from sftjob_operator.conditions import Reason
+from sftjob_operator.expectations import Expectations
 from sftjob_operator.kube import Conflict, Kube, Rejected
 from sftjob_operator.observe import trim_node, trim_pod
 from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
@@ -41,8 +48,10 @@ FINALIZER = f"{c.API_GROUP}/finalizer"
 RESYNC_SECONDS = 30.0
 # After an API error, the next pass waits this long, doubling up to the cap.
 ERROR_BACKOFF = (1.0, 30.0)
-# After our own status write, wait at most this long for the watch to deliver it before the next pass.
-CONSISTENCY_TIMEOUT = 5.0
+# After our own status write, wait at most this long for the watch to deliver it before the next pass
+# (a pass from the older body would only lose its status write with a 409). Under load the watch is
+# seconds behind; pod events that arrive meanwhile run the pass as soon as the body has caught up.
+CONSISTENCY_TIMEOUT = 30.0
 
 _wakeups: dict[tuple[str, str], asyncio.Event] = {}
 
@@ -53,6 +62,7 @@ class Runtime:
     context: Context
     kube: Kube
     resync_seconds: float = RESYNC_SECONDS
+    expectations = Expectations()
 
 
 def wake(namespace: str | None, name: str | None) -> None:
@@ -72,25 +82,25 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.index("pods", labels={c.LABEL_JOB: kopf.PRESENT})
-def trainer_pods(
+async def trainer_pods(
     namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[Any, Any]:
     return {(namespace, labels[c.LABEL_JOB]): trim_pod(body)}
 
 
 @kopf.index("nodes")
-def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+async def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
     return {name: trim_node(body)}
 
 
 @kopf.on.event(c.API_GROUP, c.API_VERSION, c.PLURAL)
-def job_changed(namespace: str | None, name: str | None, **_: Any) -> None:
+async def job_changed(namespace: str | None, name: str | None, **_: Any) -> None:
     metrics.WATCH_EVENTS.labels(kind=c.KIND).inc()
     wake(namespace, name)
 
 
 @kopf.on.event("pods", labels={c.LABEL_JOB: kopf.PRESENT})
-def pod_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+async def pod_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     metrics.WATCH_EVENTS.labels(kind="Pod").inc()
     wake(namespace, labels.get(c.LABEL_JOB))
 
@@ -109,10 +119,11 @@ async def job_loop(body: kopf.Body, namespace: str | None, name: str | None, **k
         while True:
             wakeup.clear()
             try:
-                delay = await _pass(body, trainer_pods, gpu_nodes)
+                delay = await _pass(body, trainer_pods, gpu_nodes, wakeup)
                 backoff = ERROR_BACKOFF[0]
             except Conflict as stale:
-                delay = await _until_changed(body, stale.resource_version)
+                await _until_changed(body, stale.resource_version, wakeup)
+                delay = 0.0
             except Exception:  # an API or programming error: say so, keep the loop alive, back off
                 log.exception("reconcile of %s/%s failed; retrying in %.0f s", namespace, name, backoff)
                 metrics.RECONCILES.labels(result="error").inc()
@@ -121,13 +132,16 @@ async def job_loop(body: kopf.Body, namespace: str | None, name: str | None, **k
                 await asyncio.wait_for(wakeup.wait(), timeout=delay)
     finally:
         _wakeups.pop(key, None)
+        Runtime.expectations.forget(str(body.metadata.get("uid")))
         metrics.track_job(*key, None)
 
 
-async def _pass(body: kopf.Body, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any]) -> float:
+async def _pass(
+    body: kopf.Body, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any], wakeup: asyncio.Event
+) -> float:
     """One reconcile pass; returns how long until the next one is due."""
     started = time.monotonic()
-    snapshot = copy.deepcopy(dict(body))
+    snapshot = dict(body)  # one version of the body: kopf replaces it whole, never edits it
     meta = snapshot["metadata"]
     namespace, name = meta["namespace"], meta["name"]
     now = _now()
@@ -138,11 +152,15 @@ async def _pass(body: kopf.Body, pods: kopf.Index[Any, Any], nodes: kopf.Index[A
         generation=int(meta.get("generation") or 0),
         spec=snapshot.get("spec") or {},
         status=snapshot.get("status") or {},
-        pods=[copy.deepcopy(p) for p in pods.get((namespace, name), [])],
-        nodes={node_name: next(iter(store)) for node_name, store in nodes.items()},
+        pods=list(pods.get((namespace, name), [])),
+        nodes=_NodeView(nodes),
         now=now,
     )
     actions = reconcile(observed, Runtime.context)
+    if actions.check_pods:  # the index lacks pods long after their attempt started: ask, then decide
+        found, gone = await _look_up(namespace, actions.check_pods)
+        observed = dataclasses.replace(observed, pods=[*observed.pods, *found], gone=gone)
+        actions = reconcile(observed, Runtime.context)
     log.debug(
         "pass over %s/%s at version %s: attempt %d, %s, %d children, %d deletions",
         namespace, name, meta.get("resourceVersion"), actions.status.attempt, actions.status.phase,
@@ -158,48 +176,88 @@ async def _pass(body: kopf.Body, pods: kopf.Index[Any, Any], nodes: kopf.Index[A
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     if actions.status_changed:
         # Let the watch deliver our own write before deciding again from the body.
-        await _until_changed(body, str(meta.get("resourceVersion")))
+        await _until_changed(body, str(meta.get("resourceVersion")), wakeup)
     due = Runtime.resync_seconds if actions.requeue_after is None else actions.requeue_after
     return min(due, Runtime.resync_seconds)
 
 
 async def _apply(job: dict[str, Any], body: kopf.Body, actions: Actions) -> None:
     meta = job["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    kube = Runtime.kube
+    namespace, name, uid = meta["namespace"], meta["name"], str(meta["uid"])
+    kube, expected, attempt = Runtime.kube, Runtime.expectations, actions.status.attempt
     version, old = str(meta["resourceVersion"]), job.get("status") or {}
     if actions.status_changed:
-        version = await asyncio.to_thread(kube.write_status, namespace, name, version, old, actions.status)
+        version = await kube.run(kube.write_status, namespace, name, version, old, actions.status)
     for manifest in actions.children:
+        if expected.pending(uid, attempt, manifest):
+            continue  # this process created it moments ago; the watch has not shown it yet
         try:
-            created = await asyncio.to_thread(kube.ensure, manifest)
+            created = await kube.run(kube.ensure, manifest)
         except Rejected as err:
             failed = reject(actions.status, str(err), generation=int(meta.get("generation") or 0), now=_now())
-            await asyncio.to_thread(
-                kube.write_status, namespace, name, version, actions.status.to_patch(), failed
-            )
+            await kube.run(kube.write_status, namespace, name, version, actions.status.to_patch(), failed)
             kopf.event(body, type="Warning", reason=Reason.CHILD_REJECTED, message=str(err)[:1024])
             return
+        expected.created(uid, attempt, manifest)
         if created and manifest["kind"] == "Pod":
             metrics.PODS_CREATED.inc()
     for pod in actions.delete_pods:
-        await asyncio.to_thread(kube.delete_pod, namespace, pod)
+        await kube.run(kube.delete_pod, namespace, pod)
     for event in actions.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
     if actions.delete_job:
-        await asyncio.to_thread(kube.delete_job, namespace, name)
+        await kube.run(kube.delete_job, namespace, name)
+
+
+async def _look_up(namespace: str, names: list[str]) -> tuple[list[dict[str, Any]], frozenset[str]]:
+    """Read pods directly: the trimmed ones that exist, and the names the API server answers 404 for."""
+    kube = Runtime.kube
+    bodies = await asyncio.gather(*(kube.run(kube.read_pod, namespace, n) for n in names))
+    found = [trim_pod(b) for b in bodies if b is not None]
+    return found, frozenset(n for n, b in zip(names, bodies, strict=True) if b is None)
+
+
+class _NodeView(Mapping[str, Any]):
+    """The node index as name → trimmed node, read on demand: a pass looks up the one or two nodes
+    its pods are on, so it does not copy an entry per node of the cluster."""
+
+    def __init__(self, index: kopf.Index[Any, Any]) -> None:
+        self.index = index
+
+    def __getitem__(self, name: str) -> Any:
+        for node in self.index[name]:
+            return node
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
-async def _until_changed(body: kopf.Body, resource_version: str) -> float:
-    """Wait (briefly) until the live body shows a newer version than the one a pass decided from."""
+async def _until_changed(body: kopf.Body, resource_version: str, wakeup: asyncio.Event) -> None:
+    """Wait (briefly) until the live body shows a newer version than the one a pass decided from.
+
+    kopf replaces the body before ``job_changed`` sets ``wakeup``, so this sleeps until an event; a
+    wake-up meant for something else (a pod) is kept for the loop."""
     deadline = time.monotonic() + CONSISTENCY_TIMEOUT
-    while body.metadata.get("resourceVersion") == resource_version and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    return 0.0
+    kept = False
+    while body.metadata.get("resourceVersion") == resource_version:
+        if wakeup.is_set():
+            kept = True
+            wakeup.clear()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wakeup.wait(), timeout=left)
+    if kept:
+        wakeup.set()
 
 
 def _created(meta: Mapping[str, Any], now: datetime) -> datetime:

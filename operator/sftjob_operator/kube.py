@@ -4,13 +4,20 @@ Children are created by name and a 409 means "already there": ConfigMaps and Rol
 follows the attempt, are then patched to the rendered content; everything else is left as it is.
 The status is written with the job's ``resourceVersion`` as a precondition, so a pass that decided
 from a stale view loses with a 409 and the next pass decides again from fresh state.
+
+The client blocks, so the reconcile loops call it through :meth:`Kube.run` on the operator's own
+thread pool, as wide as the client's HTTP connection pool (``API_CONCURRENCY``), rather than through
+asyncio's small default executor (which kopf shares).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -19,6 +26,9 @@ from sftjob import constants as c
 from sftjob.spec import SFTJobStatus
 
 Manifest = dict[str, Any]
+T = TypeVar("T")
+# Concurrent API calls: the client's HTTP connections and the threads that make the calls.
+API_CONCURRENCY = 32
 # Kinds whose content the operator keeps equal to what it renders (the attempt's plan, its pod names).
 FOLLOWS_ATTEMPT = frozenset({"ConfigMap", "Role"})
 
@@ -41,7 +51,9 @@ def connect() -> client.ApiClient:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    settings = client.Configuration.get_default_copy()
+    settings.connection_pool_maxsize = API_CONCURRENCY
+    return client.ApiClient(settings)
 
 
 class Kube:
@@ -49,6 +61,22 @@ class Kube:
         self.core = client.CoreV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.executor = ThreadPoolExecutor(API_CONCURRENCY, thread_name_prefix="sftjob-api")
+
+    async def run(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)`` (one of the blocking methods below) on the API threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(call, *args))
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod as the API server has it now (camelCase), or None when it does not exist."""
+        try:
+            response: Any = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return cast(dict[str, Any], json.loads(response.data))
 
     def write_status(
         self, namespace: str, name: str, resource_version: str, old: Mapping[str, Any], new: SFTJobStatus

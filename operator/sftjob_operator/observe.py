@@ -21,6 +21,9 @@ from sftjob.spec import CheckpointStatus, ProgressStatus
 Obj = Mapping[str, Any]
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# The pod conditions the reconcile and the failure classifier read, and the fields they read of them.
+POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget"})
+CONDITION_FIELDS = ("type", "status", "reason", "message")
 
 
 def trim_pod(body: Obj) -> dict[str, Any]:
@@ -39,8 +42,32 @@ def trim_pod(body: Obj) -> dict[str, Any]:
             "deletionTimestamp": meta.get("deletionTimestamp"),
         },
         "spec": {"nodeName": spec.get("nodeName")},
-        "status": json.loads(json.dumps(body.get("status") or {})),
+        "status": _trim_pod_status(body.get("status") or {}),
     }
+
+
+def _trim_pod_status(status: Obj) -> dict[str, Any]:
+    """Phase, reason and message, the conditions the classifier reads, and each container's state."""
+    out: dict[str, Any] = {k: status[k] for k in ("phase", "reason", "message") if status.get(k)}
+    conditions = [
+        {k: x.get(k) for k in CONDITION_FIELDS}
+        for x in status.get("conditions") or []
+        if x.get("type") in POD_CONDITIONS
+    ]
+    if conditions:
+        out["conditions"] = conditions
+    for key in ("initContainerStatuses", "containerStatuses"):
+        if status.get(key):
+            out[key] = [
+                {"name": cs.get("name"), "image": cs.get("image"), "state": _plain(cs.get("state") or {})}
+                for cs in status[key]
+            ]
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """A deep copy of JSON data (the watch's decoded dicts are not kept alive by the index)."""
+    return json.loads(json.dumps(value))
 
 
 def trim_node(body: Obj) -> dict[str, Any]:

@@ -56,7 +56,8 @@ from sftjob_operator.status_draft import Event, StatusDraft
 Obj = Mapping[str, Any]
 Manifest = dict[str, Any]
 # A pod of the current attempt that the index has not shown within this long after the attempt
-# started was deleted behind the operator's back; sooner, it is simply not created (or not seen) yet.
+# started is looked up directly (``Actions.check_pods``): only the API server's 404 (``Observed.gone``)
+# says it was deleted behind the operator's back; the index alone may simply be behind under load.
 POD_APPEARANCE_GRACE = timedelta(seconds=60)
 # Pods created by the pass that started the attempt take a moment to reach the index; only after this
 # long is a missing pod re-created (after an operator crash between the status write and the pods).
@@ -76,6 +77,8 @@ class Observed:
     pods: Sequence[Obj]
     nodes: Mapping[str, Obj]
     now: datetime
+    # Pods of the current attempt a direct read (asked for by ``Actions.check_pods``) found absent.
+    gone: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class Actions:
     delete_job: bool = False
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
+    # Pods the index lacks past their grace: read them directly and decide again with the answer
+    # (found: add them to ``Observed.pods``; 404: ``Observed.gone``). Nothing else is applied.
+    check_pods: list[str] = field(default_factory=list)
 
 
 def reconcile(obs: Observed, ctx: Context) -> Actions:
@@ -118,6 +124,7 @@ class _Pass(StatusDraft):
         self.deletes: list[str] = []
         self.delete_job = False
         self.requeue: list[float] = []
+        self.check: list[str] = []
         self.attempt = max([self.old.attempt, *(observe.attempt_of(p) for p in obs.pods)])
         self.current = sorted(
             (p for p in obs.pods if observe.attempt_of(p) == self.attempt), key=observe.rank_of
@@ -206,9 +213,9 @@ class _Pass(StatusDraft):
         self.children = self.render(spec, decision, ranks=list(range(spec.gpu.nodes)))
         what = f"attempt {decision.attempt}: creating {spec.gpu.nodes} pod(s) for {spec.gpu.describe()}"
         self.events.append(Event("Normal", Reason.PODS_CREATED, f"{what}. {decision.message}".strip()))
-        self.cond(T.SCHEDULED, False, Reason.WAITING_FOR_PODS, "the pods are being created")
-        self.cond(T.RUNNING, False, Reason.WAITING_FOR_PODS, "the pods are being created")
-        self.set_phase("Pending", Reason.PODS_CREATED, what)
+        # The status the next pass would write while the pods are on their way, written now in one go.
+        self.current = [p for p in self.obs.pods if observe.attempt_of(p) == decision.attempt]
+        self.observe_running(spec, decision.plans, record)
 
     def under_way(self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord) -> None:
         history = [r for r in self.status.attempts if r.attempt < record.attempt]
@@ -218,6 +225,11 @@ class _Pass(StatusDraft):
         by_rank = {observe.rank_of(p): p for p in self.current}
         missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
         grace_over = record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE
+        names = {r: builders.pod_name(self.obs.name, record.attempt, r) for r in missing}
+        if grace_over:
+            self.check = [names[r] for r in missing if names[r] not in self.obs.gone]
+            if self.check:  # the index may be behind: decide once the API server has been asked
+                return None
         verdicts = [
             self.classify(spec, by_rank.get(r), record)
             for r in range(spec.gpu.nodes)
@@ -388,6 +400,8 @@ class _Pass(StatusDraft):
         return self.record_of(self.attempt)
 
     def actions(self) -> Actions:
+        if self.check:
+            return Actions(status=self.old, status_changed=False, check_pods=self.check)
         deleting = {observe.name(p) for p in self.obs.pods if p["metadata"].get("deletionTimestamp")}
         return Actions(
             status=self.status,

@@ -63,6 +63,9 @@ class Operator:
         live, self.metrics_port = free_port(), free_port()
         argv = [
             sys.executable, "-m", "sftjob_operator", "--standalone",
+            # Only the tests' own namespaces (the root conftest names them test-*): tests that run an
+            # operator of their own (the chart's, Prometheus') use other namespaces and are left alone.
+            "--namespace", "test-*",
             "--metrics-port", str(self.metrics_port),
             "--liveness", f"http://127.0.0.1:{live}/healthz",
             "--log-format", "plain",
