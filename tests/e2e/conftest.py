@@ -8,7 +8,10 @@ for afterwards, so the next test finds the fake GPUs free. The operator's log is
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +32,26 @@ def operator(cluster: Cluster, crd: None, tmp_path_factory: pytest.TempPathFacto
     op.start()
     yield op
     op.stop()
+
+
+@pytest.fixture(scope="module")
+def runner(cluster: Cluster, operator: Operator, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The local trainer runner (real CPU trainers behind the pods of `sftjob.dev/local-trainer` jobs) as
+    a subprocess, with the demo's tiny model and dataset in place; yields its log, which names each
+    trainer's PID."""
+    from sftjob_dev.demo import prepare_assets  # builds a model: needs the trainer's extra (torch)
+
+    prepare_assets(cluster.workdir)
+    log = tmp_path_factory.mktemp("runner") / "runner.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sftjob_dev.runner", "--workdir", str(cluster.workdir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    yield log
+    proc.terminate()
+    proc.wait(timeout=90)
 
 
 @pytest.fixture

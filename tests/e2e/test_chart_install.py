@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from helmchart import CHART, RELEASE, VALUE_SETS, Manifest, helm, one, template_args
+from operator_harness import free_port, wait_for
 
 from sftjob import constants as c
 from sftjob.failures import ExitCode
@@ -40,21 +39,6 @@ CHECKPOINT_SIZE = "7Gi"
 NOT_INSTALLABLE = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 AUDIT_LOG = "audit.log"
 DEADLINE = 180.0
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -306,7 +290,11 @@ def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.Te
     roles: list[Manifest] = []
     try:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(sftjob(namespace, job)))
-        wait_for("both pods of attempt 1 to run", lambda: all_running(cluster, namespace, job, 1, 2))
+        wait_for(
+            "both pods of attempt 1 to run",
+            lambda: all_running(cluster, namespace, job, 1, 2),
+            timeout=DEADLINE,
+        )
         rank0 = next(
             p for p in pods(cluster, namespace, job, 1) if p["metadata"]["labels"][c.LABEL_RANK] == "0"
         )
@@ -318,13 +306,18 @@ def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.Te
             f"sim.sftjob.dev/exit-code={int(ExitCode.PREEMPTED)}",
             "sim.sftjob.dev/message=preempted (SIGTERM): checkpoint saved at step 0",
         )
-        wait_for("both pods of attempt 2 to run", lambda: all_running(cluster, namespace, job, 2, 2))
+        wait_for(
+            "both pods of attempt 2 to run",
+            lambda: all_running(cluster, namespace, job, 2, 2),
+            timeout=DEADLINE,
+        )
         roles = cluster.kubectl_json("-n", namespace, "get", "roles", "-o", "json")["items"]
         for pod in pods(cluster, namespace, job, 2):
             steer(cluster, namespace, pod["metadata"]["name"], "sim.sftjob.dev/outcome=succeed")
         wait_for(
             "the job to succeed and be deleted after its TTL",
             lambda: cluster.kubectl("-n", namespace, "get", c.PLURAL, job, check=False).returncode != 0,
+            timeout=DEADLINE,
         )
     except BaseException:
         sys.stderr.write(
@@ -362,7 +355,7 @@ def test_the_charts_defaults_reach_the_jobs(cluster: Cluster, release: Release, 
         job = sftjob(namespace, "defaults")
         job["spec"]["gpu"] = {"type": "L40S", "count": 1}
         cluster.kubectl("apply", "-f", "-", input=json.dumps(job))
-        wait_for("the trainer pod", lambda: bool(pods(cluster, namespace, "defaults", 1)))
+        wait_for("the trainer pod", lambda: bool(pods(cluster, namespace, "defaults", 1)), timeout=DEADLINE)
         (pod,) = pods(cluster, namespace, "defaults", 1)
         assert pod["spec"]["containers"][0]["image"] == TRAINER_IMAGE
         claims = cluster.kubectl_json("-n", namespace, "get", "pvc", "-o", "json")["items"]

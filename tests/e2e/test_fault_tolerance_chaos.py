@@ -202,4 +202,4 @@ def test_a_hundred_jobs_with_random_failures_and_five_operator_kills_all_end_as_
     last_pods = {f"{name}-{len(want.attempts)}-0" for name, want in scripts.items()}
     assert sorted(p["metadata"]["name"] for p in pods) == sorted(last_pods), "one pod per job: its last"
     assert all(p["status"]["phase"] in ("Succeeded", "Failed") for p in pods), "a finished job's pod runs"
-    jobs.delete_all(timeout=180)  # a hundred jobs, their finalizers and pods take longer than one
+    jobs.delete_all(timeout=300)  # a hundred jobs, their finalizers and pods take longer than one

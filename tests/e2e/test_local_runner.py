@@ -10,40 +10,20 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from operator_harness import REPO, Jobs, Operator, wait_for
+from operator_harness import REPO, Jobs, wait_for
 
 from sftjob_dev.cluster import Cluster
-from sftjob_dev.demo import prepare_assets
 from sftjob_dev.runner import local_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.trainer]
 pytest.importorskip("torch")
 
 DEMO_JOB = REPO / "examples" / "demo" / "tiny-copy.yaml"
-
-
-@pytest.fixture(scope="module")
-def runner(cluster: Cluster, operator: Operator, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The runner in the foreground of a subprocess; yields its log."""
-    prepare_assets(cluster.workdir)
-    log = tmp_path_factory.mktemp("runner") / "runner.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sftjob_dev.runner", "--workdir", str(cluster.workdir)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    yield log
-    proc.terminate()
-    proc.wait(timeout=90)
 
 
 def demo_job(name: str, **training: Any) -> dict[str, Any]:

@@ -14,14 +14,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.parse
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from typing import Any
 import pytest
 import yaml
 from helmchart import CHART, NAMESPACE, RELEASE, alert_groups
+from operator_harness import free_port, wait_for
 
 from sftjob import constants as c
 from sftjob.failures import ExitCode
@@ -44,21 +43,6 @@ GRAFANA_MACROS = {"$__rate_interval": "15s", "$__interval": "5s", "$__range": "2
 # dcgm-exporter needs an NVIDIA GPU and driver; its panels stay empty on this machine by design.
 NEEDS_GPU_EXPORTER = "DCGM_"
 DEADLINE = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float = DEADLINE) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if check():
-            return
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def get(url: str) -> bytes:
@@ -258,9 +242,13 @@ def scraped(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
         # The operator's side: one job, preempted once, its second attempt running.
         cluster.kubectl("apply", "-f", "-", input=json.dumps(sftjob(namespace)))
-        wait_for("the first attempt's pod to run", lambda: running_attempt(cluster, namespace, 1))
+        wait_for(
+            "the first attempt's pod to run", lambda: running_attempt(cluster, namespace, 1), timeout=DEADLINE
+        )
         preempt(cluster, namespace, 1)
-        wait_for("the second attempt to run", lambda: running_attempt(cluster, namespace, 2))
+        wait_for(
+            "the second attempt to run", lambda: running_attempt(cluster, namespace, 2), timeout=DEADLINE
+        )
 
         # The trainer's side: past its first checkpoints, with a minute of samples in Prometheus.
         def trainer_ready() -> bool:
@@ -268,7 +256,7 @@ def scraped(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
             samples = prometheus.query(f'count_over_time(sftjob_train_step{{sftjob="{JOB}"}}[1m]) >= 20')
             return bool(step and samples)
 
-        wait_for("the trainer to checkpoint and be scraped", trainer_ready)
+        wait_for("the trainer to checkpoint and be scraped", trainer_ready, timeout=DEADLINE)
         wait_for(
             "Prometheus to see the restart",
             lambda: bool(prometheus.query('sftjob_restarts_total{failure_class="Preempted"} >= 1')),
@@ -355,6 +343,7 @@ def test_prometheus_loads_and_evaluates_every_alert_rule(scraped: Scraped) -> No
         "every rule to be evaluated",
         lambda: all(r.get("lastEvaluation", "0001").startswith("20") for r in evaluated()),
         30,
+        timeout=DEADLINE,
     )
     rules = evaluated()
     assert {r["name"] for r in rules} == {rule["alert"] for g in alert_groups() for rule in g["rules"]}
