@@ -161,7 +161,7 @@ class Jobs:
 
         return list(wait_for(f"{count} running pod(s) of {job}", ready, timeout))
 
-    def delete_all(self, timeout: float = 60.0) -> None:
+    def delete_all(self, timeout: float = 180.0) -> None:
         self.kubectl("delete", "sftjobs", "--all", "--wait=true", f"--timeout={timeout:.0f}s", check=False)
         wait_for("the namespace's trainer pods to go", lambda: not self.pods(), timeout=timeout)
 
