@@ -343,7 +343,6 @@ def test_prometheus_loads_and_evaluates_every_alert_rule(scraped: Scraped) -> No
         "every rule to be evaluated",
         lambda: all(r.get("lastEvaluation", "0001").startswith("20") for r in evaluated()),
         30,
-        timeout=DEADLINE,
     )
     rules = evaluated()
     assert {r["name"] for r in rules} == {rule["alert"] for g in alert_groups() for rule in g["rules"]}
