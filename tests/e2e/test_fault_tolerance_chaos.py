@@ -24,9 +24,7 @@ from sftjob import constants as c
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
 from sftjob_dev.cluster import Cluster
 
-# Passes on its own (about 75 s); in the full suite its cleanup has overrun on this 2-core machine, so it
-# runs by hand: `pytest -m soak tests/e2e/test_fault_tolerance_chaos.py`.
-pytestmark = [pytest.mark.e2e, pytest.mark.soak]
+pytestmark = pytest.mark.e2e
 
 JOBS = 100
 # The operator is SIGKILLed (and started again) once this many jobs have finished: five times.
@@ -204,4 +202,6 @@ def test_a_hundred_jobs_with_random_failures_and_five_operator_kills_all_end_as_
     last_pods = {f"{name}-{len(want.attempts)}-0" for name, want in scripts.items()}
     assert sorted(p["metadata"]["name"] for p in pods) == sorted(last_pods), "one pod per job: its last"
     assert all(p["status"]["phase"] in ("Succeeded", "Failed") for p in pods), "a finished job's pod runs"
-    jobs.delete_all(timeout=300)  # a hundred jobs, their finalizers and pods take longer than one
+    # Deleting all hundred also goes through the operator (its finalizers) and the garbage collector. A pod
+    # whose DELETE a killed operator left half done is finished by KWOK, as a kubelet would.
+    jobs.delete_all()
