@@ -65,6 +65,7 @@ COLUMNS = (
     ("mfu", "MFU"),
     ("peakGiB", "peak GiB"),
     ("predictedPeakGiB", "planned GiB"),
+    ("peakVsEstimate", "peak vs estimate"),
     ("ratioToSeed", "x seed"),
     ("verdict", "MFU target"),
     ("status", "status"),
@@ -77,6 +78,8 @@ def _cell(key: str, value: Any) -> str:
         return ""
     if key == "mfu":
         return f"{value:.1%}"
+    if key == "peakVsEstimate":
+        return f"{value:+.0%}"
     if key == "tokensPerSecond":
         return f"{value:,.0f}"
     return str(value)

@@ -11,7 +11,14 @@ that fails (out of memory, say) is recorded as such and the next one runs.
 
     python benchmarks/trainer_throughput.py --quick     # one GPU, ~6 minutes
     python benchmarks/trainer_throughput.py             # one GPU, the full step counts
+    python benchmarks/trainer_throughput.py --plans     # one GPU: the planned configs, 20 steps each
     python benchmarks/trainer_throughput.py --tiny      # CPU, a tiny model, seconds (CI)
+
+``--plans`` is the planner's check (issue 4): every planned config (1.1B full, 7B LoRA, 7B QLoRA for
+A800 at 80 GiB and A40/L40S under a 46 GiB cap) runs 20 optimizer steps of a global batch of 8,
+and its row compares the measured allocator peak with the planner's estimate of it (``peakVsEstimate``,
+``withinEstimate`` at +-15%). ``--profile`` adds a torch profiler table of the last step of every run
+(``<stem>-profile-<run>.txt``: the top kernels and ops by device time), for finding what limits MFU.
 
 MFU (``mfu``) follows the anchors' convention so the numbers compare with
 shared/research/h200-anchors.md: 6·N (full) or 4·N (LoRA) FLOPs per real token, N = matmul weights;
@@ -21,12 +28,13 @@ shared/research/h200-anchors.md: 6·N (full) or 4·N (LoRA) FLOPs per real token
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import gc
 import os
 import re
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +80,11 @@ SHAPES: dict[str, Architecture] = {
 }
 # Issue 8's targets for the planned configs: (model, method, cap GiB) -> MFU.
 TARGETS = {("1.1B", "full", 80.0): 0.55, ("1.1B", "full", 46.0): 0.50, ("7B", "lora", 46.0): 0.50}
+# Issue 4: a planned config's measured peak memory lies within this fraction of the estimate.
+ESTIMATE_TOLERANCE = 0.15
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Run:
     model: str
     method: Method
@@ -111,7 +121,7 @@ TINY_RUNS = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Mode:
     runs: list[Run]
     steps: int
@@ -120,12 +130,15 @@ class Mode:
     seq: int  # longest sample = packed row length
     median: int
     samples: int
+    global_batch: int = GLOBAL_BATCH  # what the planned rows ask the planner for
 
 
 MODES = {
     "tiny": Mode(TINY_RUNS, 2, 1, None, 128, 24, 200),
     "quick": Mode(GPU_RUNS, 8, 3, 2, 4096, 300, 3000),
     "full": Mode(GPU_RUNS, 14, 4, None, 4096, 300, 6000),
+    # 20 steps at global batch 8 (so a 7B step is seconds, not tens): micro-batch and memory as at 32.
+    "plans": Mode([r for r in GPU_RUNS if r.config == "planned"], 20, 4, None, 4096, 300, 4000, 8),
 }
 
 
@@ -160,12 +173,15 @@ def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]
         method=run.method,
         lora=LORA,
         max_seq_length=mode.seq,
-        overrides=TrainingOverrides(global_batch_size=GLOBAL_BATCH),
+        overrides=TrainingOverrides(global_batch_size=mode.global_batch),
     )
     chosen = plan(request, profile_for_type(run.plan_for or "A800"))
+    outside_allocator = sum(t.gib for t in chosen.memory.terms if t.name == "overhead")
     details = {
         "planFits": chosen.fits,
         "predictedPeakGiB": round(chosen.memory.total_gib, 1),
+        # What max_memory_allocated() can see: the estimate without the CUDA context and slack.
+        "predictedAllocatorGiB": round(chosen.memory.total_gib - outside_allocator, 2),
         "plannedGlobalBatch": chosen.training.global_batch_size,
         "planSummary": chosen.summary(),
     }
@@ -198,7 +214,12 @@ def build_model(
 
 
 def measure(
-    run: Run, mode: Mode, device: torch.device, examples: dict[int, list[Example]], peak: float | None
+    run: Run,
+    mode: Mode,
+    device: torch.device,
+    examples: dict[int, list[Example]],
+    peak: float | None,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     t, details = settings_for(run, mode)
     t = cap_accumulation(t, mode.max_accumulation)
@@ -245,6 +266,10 @@ def measure(
             counted["seconds"] += time.perf_counter() - started
             counted["tokens"] += result.tokens
             counted["pairs"] += result.attention_pairs
+    if profile is not None:  # one more step, warm, under the profiler (not counted above)
+        profiled_step(
+            profile, functools.partial(train_step, parts, steps[-1], precision, t.max_grad_norm, ctx)
+        )
     flops = flops_model(hf_config, run.method, 0)
     rate = counted["tokens"] / counted["seconds"]
     pairs_rate = counted["pairs"] / counted["seconds"]
@@ -263,6 +288,21 @@ def measure(
     return row
 
 
+def profiled_step(path: Path, step: Any) -> Any:
+    """Run one step under the torch profiler; write its top kernels and ops by device time to ``path``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        result = step()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=80) + "\n")
+    return result
+
+
 def run_isolated(
     run: Run,
     mode: Mode,
@@ -270,6 +310,7 @@ def run_isolated(
     examples: dict[int, list[Example]],
     peak: float | None,
     card_gib: float | None,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """One configuration; its failure (OOM or otherwise) becomes the row, and memory is freed after."""
     import transformers.models.llama.modeling_llama as llama
@@ -291,7 +332,7 @@ def run_isolated(
             torch.cuda.set_per_process_memory_fraction(min(1.0, run.cap_gib / card_gib), device)
     started = time.perf_counter()
     try:
-        row |= measure(run, mode, device, examples, peak)
+        row |= measure(run, mode, device, examples, peak, profile)
     except torch.OutOfMemoryError as exc:
         row |= {"status": "oom", "note": f"out of memory: {str(exc).splitlines()[0][:200]}"}
     except Exception as exc:  # record and go on to the next configuration
@@ -323,6 +364,10 @@ def finish_rows(rows: list[dict[str, Any]]) -> None:
         r["ratioToSeed"] = (
             round(r["tokensPerSecond"] / seed, 2) if seed and r.get("tokensPerSecond") else None
         )
+        estimate, measured = r.get("predictedAllocatorGiB"), r.get("peakGiB")
+        if estimate and measured:
+            r["peakVsEstimate"] = round(measured / estimate - 1, 3)
+            r["withinEstimate"] = abs(r["peakVsEstimate"]) <= ESTIMATE_TOLERANCE
         target = TARGETS.get((r["model"], r["method"], r["capGiB"])) if r["config"] == "planned" else None
         if target is not None and r.get("mfu") is not None:
             r["targetMfu"] = target
@@ -338,11 +383,22 @@ def main(argv: list[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="CPU, tiny model, 3 steps (CI)")
     size.add_argument("--quick", action="store_true", help="GPU, 8 steps (3 discarded), accumulation <= 2")
+    size.add_argument(
+        "--plans", action="store_true", help="GPU, planned configs only, 20 steps, peak vs estimate"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="write a profiler table of each run's last step"
+    )
+    parser.add_argument(
+        "--max-accumulation", type=int, default=None, help="cap every run's accumulation (like for like)"
+    )
     parser.add_argument("--only", default=None, help="regex on run names, e.g. '1.1B/full' or 'planned'")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
-    mode_name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    mode_name = "tiny" if args.tiny else "quick" if args.quick else "plans" if args.plans else "full"
     mode = MODES[mode_name]
+    if args.max_accumulation is not None:
+        mode = dataclasses.replace(mode, max_accumulation=args.max_accumulation)
     device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA GPU: use --tiny for the CPU check")
@@ -357,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = environment(device, peak, mode_name, mode.steps, mode.discard, mode.max_accumulation)
     meta["attentionSelfCheck"] = attention_check(device)
     print(f"attention self-check: {meta['attentionSelfCheck']}", flush=True)
+    stem = f"trainer-throughput-{mode_name}" + (
+        f"-accum{args.max_accumulation}" if args.max_accumulation else ""
+    )
     rows: list[dict[str, Any]] = []
     measured: dict[str, dict[str, Any]] = {}  # A40 and L40S plans are often the same: measure once
     for run in runs:
@@ -375,10 +434,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             card = round(card_gib, 1) if card_gib else None
-            measured[key] = run_isolated(run, mode, device, examples, peak, card)
+            profile = args.out / f"{stem}-profile-{re.sub(r'[^A-Za-z0-9.]+', '-', run.name)}.txt"
+            args.out.mkdir(parents=True, exist_ok=True)
+            measured[key] = run_isolated(
+                run, mode, device, examples, peak, card, profile if args.profile else None
+            )
             rows.append(measured[key])
         finish_rows(rows)  # written after every run, so a session cut short still leaves its results
-        paths = write_results(rows, meta, args.out, f"trainer-throughput-{mode_name}")
+        paths = write_results(rows, meta, args.out, stem)
     print("wrote " + ", ".join(str(p) for p in paths) if rows else "no run matched --only")
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 

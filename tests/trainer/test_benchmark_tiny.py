@@ -31,3 +31,14 @@ def test_tiny_benchmark_writes_json_and_markdown_with_every_config(
     assert results["meta"]["command"] and results["meta"]["versions"]["torch"]
     table = (tmp_path / "trainer-throughput-tiny.md").read_text()
     assert "| tiny | full | planned | A800 |" in table
+
+
+def test_profile_flag_writes_a_table_of_the_slowest_ops_per_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    benchmark = importlib.import_module("trainer_throughput")
+    assert benchmark.main(["--tiny", "--profile", "--only", "tiny/full/seed", "--out", str(tmp_path)]) == 0
+
+    table = (tmp_path / "trainer-throughput-tiny-profile-tiny-full-seed.txt").read_text()
+    assert "aten::mm" in table and "# of Calls" in table
