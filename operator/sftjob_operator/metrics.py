@@ -56,7 +56,8 @@ WATCH_EVENTS = Counter(
 )
 BUILD_INFO = Gauge("sftjob_operator_build_info", "The operator's version.", ["version"])
 
-_job_states: dict[tuple[str, str], tuple[str, str]] = {}
+_job_states: dict[tuple[str, str], tuple[str, str]] = {}  # (namespace, name) -> (phase, GPU type)
+_job_counts: Tally[tuple[str, str]] = Tally()
 
 
 def serve(port: int) -> None:
@@ -88,15 +89,26 @@ def observe_pass(*, old: SFTJobStatus, new: SFTJobStatus, created: datetime, now
 
 
 def track_job(namespace: str, name: str, status: SFTJobStatus | None) -> None:
-    """Keep ``sftjob_jobs`` equal to the jobs the operator currently knows (None: the job is gone)."""
+    """Keep ``sftjob_jobs`` equal to the jobs the operator currently knows (None: the job is gone).
+
+    Constant time per call: only the one job's old and new (phase, GPU type) series move."""
     key = (namespace, name)
-    if status is None:
-        _job_states.pop(key, None)
-    else:
-        _job_states[key] = (status.phase, status.gpu.type or "Unknown")
-    JOBS.clear()
-    for (phase, gpu_type), count in Tally(_job_states.values()).items():
-        JOBS.labels(phase=phase, gpu_type=gpu_type).set(count)
+    before = _job_states.pop(key, None)
+    after = (status.phase, status.gpu.type or "Unknown") if status is not None else None
+    if after is not None:
+        _job_states[key] = after
+    if before == after:
+        return
+    if before is not None:
+        _job_counts[before] -= 1
+        if _job_counts[before] == 0:  # no job left in that state: drop the series
+            del _job_counts[before]
+            JOBS.remove(*before)
+        else:
+            JOBS.labels(*before).set(_job_counts[before])
+    if after is not None:
+        _job_counts[after] += 1
+        JOBS.labels(*after).set(_job_counts[after])
 
 
 def _flipped_true(old: SFTJobStatus, new: SFTJobStatus, type: str) -> bool:

@@ -67,6 +67,10 @@ def test_the_jobs_gauge_counts_known_jobs_by_phase_and_gpu_type() -> None:
     metrics.track_job("ns", "a", running)
     metrics.track_job("ns", "b", running)
     assert sample("sftjob_jobs", phase="Running", gpu_type="A40") == 2
+    metrics.track_job("ns", "a", SFTJobStatus(phase="Succeeded", gpu=GpuStatus(type="A40")))
+    assert sample("sftjob_jobs", phase="Running", gpu_type="A40") == 1
+    assert sample("sftjob_jobs", phase="Succeeded", gpu_type="A40") == 1
     metrics.track_job("ns", "a", None)
     metrics.track_job("ns", "b", None)
     assert sample("sftjob_jobs", phase="Running", gpu_type="A40") == 0
+    assert sample("sftjob_jobs", phase="Succeeded", gpu_type="A40") == 0
