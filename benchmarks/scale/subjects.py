@@ -106,7 +106,7 @@ class Operator:
 
     def start(self) -> None:
         self.cluster.kubectl("apply", "-f", str(CRD))
-        self.cluster.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
+        self.cluster.wait_established("sftjobs.sftjob.io")
         live = free_port()
         profiler = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
         argv = [

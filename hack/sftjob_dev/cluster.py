@@ -134,6 +134,16 @@ class Cluster:
     def kubectl_json(self, *args: str) -> Any:
         return json.loads(self.kubectl(*args, "-o", "json").stdout)
 
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """Wait until CustomResourceDefinition `crd` serves its kind. (`kubectl wait --for=condition=...`
+        fails at once, instead of waiting, while a just-created CRD has no conditions yet.)"""
+        query = '{.status.conditions[?(@.type=="Established")].status}'
+        deadline = time.monotonic() + timeout
+        while self.kubectl("get", "crd", crd, "-o", f"jsonpath={query}", check=False).stdout != "True":
+            if time.monotonic() > deadline:
+                raise ClusterError(f"CustomResourceDefinition {crd} not Established after {timeout:.0f}s")
+            time.sleep(0.2)
+
     def service_account_kubeconfig(self, namespace: str, name: str, path: Path, duration: str = "2h") -> Path:
         """Write a kubeconfig that acts as ServiceAccount `namespace/name` (a real token, so RBAC applies)."""
         if self.api_url is None:

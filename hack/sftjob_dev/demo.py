@@ -145,7 +145,7 @@ class Demo:
             )
             self.cluster.kubectl("apply", "-f", str(CRDS))
             argv, env, kubeconfig = ["--standalone"], {}, self.cluster.kubeconfig
-        self.cluster.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
+        self.cluster.wait_established("sftjobs.sftjob.io")
         liveness, metrics = free_ports(2)
         argv = [a for a in argv if not a.startswith(LOCAL_FLAGS)]
         argv += [

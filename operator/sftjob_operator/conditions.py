@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
-from sftjob.spec import Condition
+from sftjob.job_status import Condition
 
 
 class ConditionType(StrEnum):

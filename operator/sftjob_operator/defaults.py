@@ -11,14 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sftjob.spec import (
-    CheckpointSpec,
-    EffectiveCheckpoints,
-    EffectiveRestartPolicy,
-    EffectiveSettings,
-    RestartPolicySpec,
-    SFTJobSpec,
-)
+from sftjob.job_status import EffectiveCheckpoints, EffectiveRestartPolicy, EffectiveSettings
+from sftjob.spec import CheckpointSpec, RestartPolicySpec, SFTJobSpec
 
 # The fields the operator's defaults fill when the spec leaves them unset.
 CHECKPOINT_FIELDS = ("storage_class_name", "size")

@@ -23,7 +23,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from sftjob import constants as c
-from sftjob.spec import SFTJobStatus
+from sftjob.job_status import SFTJobStatus
 
 Manifest = dict[str, Any]
 T = TypeVar("T")

@@ -13,7 +13,7 @@ from importlib.metadata import version
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from sftjob.spec import SFTJobStatus
+from sftjob.job_status import SFTJobStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STARTUP_BUCKETS = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sftjob import constants as c
-from sftjob.spec import CheckpointStatus, ProgressStatus
+from sftjob.job_status import CheckpointStatus, ProgressStatus
 
 Obj = Mapping[str, Any]
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sftjob.gpus import GpuProfile
+from sftjob.job_status import PlanStatus
 from sftjob.plan import Plan, PodResources
-from sftjob.spec import PlanStatus, SFTJobSpec, to_plan_request
+from sftjob.spec import SFTJobSpec, to_plan_request
 from sftjob_operator.conditions import Reason
 from sftjob_operator.scheduling import ProductMap, profile_of
 

@@ -27,7 +27,8 @@ from pydantic import ValidationError
 from sftjob.attempts import AttemptRecord
 from sftjob.config import JobRef
 from sftjob.failures import FailureClass
-from sftjob.spec import SFTJobSpec, SFTJobStatus, valid_job_name
+from sftjob.job_status import SFTJobStatus
+from sftjob.spec import SFTJobSpec, valid_job_name
 from sftjob_operator import builders, observe, restarts
 from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
 from sftjob_operator.classify import (

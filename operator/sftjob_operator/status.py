@@ -9,8 +9,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sftjob.job_status import GpuStatus, SFTJobStatus
 from sftjob.plan import Plan
-from sftjob.spec import GpuStatus, SFTJobSpec, SFTJobStatus
+from sftjob.spec import SFTJobSpec
 from sftjob_operator import observe
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason, set_condition

@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from sftjob.attempts import AttemptRecord
-from sftjob.spec import SFTJobStatus
+from sftjob.job_status import SFTJobStatus
 from sftjob_operator import observe
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason, set_condition

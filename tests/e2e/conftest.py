@@ -23,7 +23,7 @@ from sftjob_dev.cluster import Cluster
 @pytest.fixture(scope="session")
 def crd(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=30s")
+    cluster.wait_established("sftjobs.sftjob.io")
 
 
 @pytest.fixture(scope="session")

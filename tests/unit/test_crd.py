@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from sftjob import constants as c
-from sftjob.spec import SFTJobSpec, SFTJobStatus
+from sftjob.job_status import SFTJobStatus
+from sftjob.spec import SFTJobSpec
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
 # Model fields the API does not expose: filled in by the operator, never by users.

@@ -8,7 +8,7 @@ from prometheus_client import REGISTRY
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import FailureClass
-from sftjob.spec import Condition, GpuStatus, SFTJobStatus
+from sftjob.job_status import Condition, GpuStatus, SFTJobStatus
 from sftjob_operator import metrics
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

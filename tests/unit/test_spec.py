@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from sftjob.spec import SFTJobSpec, SFTJobStatus, to_plan_request, valid_job_name
+from sftjob.job_status import SFTJobStatus
+from sftjob.spec import SFTJobSpec, to_plan_request, valid_job_name
 
 PVC = {"persistentVolumeClaim": {"claimName": "models"}}
 
