@@ -3,7 +3,9 @@
 The operator classifies an ended attempt from the container's exit code and its termination message
 (``/dev/termination-log``), so every way out of the trainer goes through :func:`classify` and
 :func:`write_termination_message`. The table of codes itself is the shared contract in
-:mod:`sftjob.failures`.
+:mod:`sftjob.failures`. Under torchrun every rank of the pod shares that one file and torchrun itself
+exits 1, so the message is all the operator has: when one rank fails (say CUDA out of memory) its peers
+fail next on the broken connection, and their echo must not replace the cause.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ _COMMUNICATION_PATTERNS = (
     "ProcessGroup",
     "c10d",
     "Connection reset by peer",
+    "Connection closed by peer",  # gloo, when a peer rank exited
     "Connection refused",
     "Socket Timeout",
     "collective operation timeout",
@@ -80,11 +83,26 @@ def termination_log_path() -> str:
     return os.environ.get(TERMINATION_LOG_ENV, TERMINATION_LOG)
 
 
-def write_termination_message(reason: str) -> None:
-    """Write the one-line reason where Kubernetes reads it; never raise (we are already exiting)."""
+def write_termination_message(reason: str, unless_written_since: float | None = None) -> None:
+    """Write the one-line reason where Kubernetes reads it; never raise (we are already exiting).
+
+    With ``unless_written_since`` (a ``time.time()``) a message another process wrote since then is
+    kept: a rank failing only because a peer failed first leaves the peer's reason in place.
+    """
     path = termination_log_path()
     try:
+        if unless_written_since is not None and _written_since(path, unless_written_since):
+            log.info("keeping the termination message another rank wrote: %s", reason)
+            return
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(one_line(reason) + "\n")
     except OSError as exc:
         log.warning("could not write the termination message to %s: %s", path, exc)
+
+
+def _written_since(path: str, since: float) -> bool:
+    try:
+        status = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return status.st_size > 0 and status.st_mtime >= since

@@ -79,6 +79,7 @@ def main() -> None:
 
 def run(config_path: str) -> ExitCode:
     """One attempt, start to finish; never raises."""
+    started = time.time()
     stop = GracefulStop()
     stop.install()
     ctx: DistContext | None = None
@@ -101,7 +102,9 @@ def run(config_path: str) -> ExitCode:
         if code in (ExitCode.UNKNOWN, ExitCode.COMMUNICATION_ERROR):
             log.exception("trainer failed")
         log.error("exiting with %s (%d): %s", code.name, code, reason)
-        write_termination_message(reason)
+        # A peer rank's failure breaks the collectives of the others: its reason is the one to keep.
+        echo = code == ExitCode.COMMUNICATION_ERROR and ctx is not None and ctx.active
+        write_termination_message(reason, unless_written_since=started if echo else None)
         return code
     finally:
         stop.uninstall()
