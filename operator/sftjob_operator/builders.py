@@ -37,6 +37,7 @@ Manifest = dict[str, Any]
 CONTAINER = "trainer"
 TRAINER_MODULE = "sftjob_trainer.train"
 MANAGED_BY = "sftjob-operator"
+EVENT_MESSAGE_MAX = 1024
 ROLE_TRAINER = "trainer"
 # The trainer finishes its step and saves a checkpoint on SIGTERM; give it time to.
 TERMINATION_GRACE_SECONDS = 120
@@ -44,6 +45,30 @@ TERMINATION_GRACE_SECONDS = 120
 PROGRESS_INTERVAL_SECONDS = 10.0
 HF_HOME = posixpath.join(c.CHECKPOINT_MOUNT, ".cache", "huggingface")  # downloads survive restarts
 VARIANT_KEY = "config-{profile}.json"
+
+
+def event(job: JobRef, *, type: str, reason: str, message: str, time: str) -> Manifest:
+    """A core/v1 Event about the job (what ``kubectl describe sftjob`` lists); ``time`` is RFC 3339."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
+        "involvedObject": {
+            "apiVersion": f"{c.API_GROUP}/{c.API_VERSION}",
+            "kind": c.KIND,
+            "namespace": job.namespace,
+            "name": job.name,
+            "uid": job.uid,
+        },
+        "type": type,
+        "reason": reason,
+        "message": message[:EVENT_MESSAGE_MAX],
+        "source": {"component": MANAGED_BY},
+        "reportingComponent": MANAGED_BY,
+        "firstTimestamp": time,
+        "lastTimestamp": time,
+        "count": 1,
+    }
 
 
 def pod_name(job: str, attempt: int, rank: int) -> str:

@@ -12,7 +12,7 @@ the child is sent again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 # How long a child created by this process is taken as present without the index showing it.
@@ -23,7 +23,8 @@ _Key = tuple[int, str, str]
 
 
 class Expectations:
-    """Per job uid: which children of which attempt this process created, and when."""
+    """Per job (its key, e.g. namespace and name): its uid, and which children of which attempt this
+    process created, and when. A new job of the same name (a new uid) starts afresh."""
 
     def __init__(
         self,
@@ -31,23 +32,26 @@ class Expectations:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.timeout_seconds, self.clock = timeout_seconds, clock
-        self._jobs: dict[str, dict[_Key, float]] = {}
+        self._jobs: dict[Hashable, tuple[str, dict[_Key, float]]] = {}
 
-    def pending(self, uid: str, attempt: int, manifest: Mapping[str, Any]) -> bool:
+    def pending(self, job: Hashable, uid: str, attempt: int, manifest: Mapping[str, Any]) -> bool:
         """True while a child this process created for ``attempt`` is still expected to appear."""
-        created = self._jobs.get(uid, {}).get(_key(attempt, manifest))
+        known_uid, children = self._jobs.get(job, ("", {}))
+        created = children.get(_key(attempt, manifest)) if known_uid == uid else None
         return created is not None and self.clock() - created <= self.timeout_seconds
 
-    def created(self, uid: str, attempt: int, manifest: Mapping[str, Any]) -> None:
+    def created(self, job: Hashable, uid: str, attempt: int, manifest: Mapping[str, Any]) -> None:
         """Record a child as created (or found existing) now; older attempts' entries are dropped."""
-        job = self._jobs.setdefault(uid, {})
-        for key in [k for k in job if k[0] < attempt]:
-            del job[key]
-        job[_key(attempt, manifest)] = self.clock()
+        known_uid, children = self._jobs.get(job, (uid, {}))
+        if known_uid != uid:
+            children = {}
+        children = {k: t for k, t in children.items() if k[0] >= attempt}
+        children[_key(attempt, manifest)] = self.clock()
+        self._jobs[job] = (uid, children)
 
-    def forget(self, uid: str) -> None:
-        """The job is no longer reconciled by this process."""
-        self._jobs.pop(uid, None)
+    def forget(self, job: Hashable) -> None:
+        """The job is gone."""
+        self._jobs.pop(job, None)
 
 
 def _key(attempt: int, manifest: Mapping[str, Any]) -> _Key:

@@ -1,59 +1,63 @@
-"""The kopf wiring: indexes of trainer pods and GPU nodes, and one reconcile loop per SFTJob.
+"""The kopf wiring: indexes of SFTJobs, trainer pods and GPU nodes, and workers that reconcile jobs.
 
 How the kopf handler kinds map onto a level-based operator:
 
-- ``@kopf.index`` keeps every trainer pod (by job) and every node in memory, fed by watches, so a
-  pass reads its children without listing anything; kopf processes no object before the indexes
-  are complete, which is what keeps an operator restarted mid-creation from duplicating pods.
-- ``@kopf.daemon`` runs one reconcile loop per SFTJob. kopf starts it when the job appears (create)
-  and for every existing job when the operator starts (resume), and stops it before the job's
-  finalizer is removed (delete: the garbage collector removes the children by ownerReference).
-- ``@kopf.on.event`` for jobs (update, including ``suspend``) and their pods wakes that job's loop.
+- ``@kopf.index`` keeps every SFTJob (compact: :class:`~sftjob_operator.observe.JobView`), every
+  trainer pod (trimmed, by job) and every node in memory, fed by watches, so a pass reads its job and
+  children without asking the API server; kopf processes no event before the indexes are complete,
+  which is what keeps an operator restarted mid-creation from duplicating pods.
+- ``@kopf.on.event`` for jobs and their pods puts the job's key on the :class:`WorkQueue`; kopf updates
+  the indexes before it calls the event handlers, so the pass sees what the event brought.
+- ``WORKERS`` workers, started with the operator, take keys off the queue and run one pass each (a
+  key is never in two passes at once). A pass asks to be run again after its requeue delay, at the
+  latest after ``RESYNC_SECONDS``; an API error backs the key off; a job gone from the index is
+  forgotten. There is no task per job and no finalizer: deleting a job needs nothing from the
+  operator (the garbage collector removes its children by ownerReference), and a finalizer an older
+  version added is removed by kopf.
 
 Each pass calls :func:`sftjob_operator.reconcile.reconcile` with a snapshot and applies its actions.
-The index and event handlers are coroutines so kopf runs them on the event loop instead of handing
-each watch event to a thread. The pass reads the job's body and the indexed pods without copying them:
-kopf replaces a body wholesale on every event and the index holds fresh trimmed dicts per event, and
-nothing here mutates either. Children created by this process are remembered
-(:mod:`~sftjob_operator.expectations`) so a pass that runs before the watch shows them does not send
-them again.
+Children created by this process are remembered (:mod:`~sftjob_operator.expectations`) so a pass that
+runs before the watch shows them does not send them again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import kopf
 
 from sftjob import constants as c
-from sftjob_operator import metrics
+from sftjob.config import JobRef
+from sftjob_operator import builders, metrics
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.kube import Conflict, Kube, Rejected
-from sftjob_operator.observe import trim_node, trim_pod
+from sftjob_operator.observe import JobView, trim_node, trim_pod
 from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
 from sftjob_operator.status import parse_status, reject
+from sftjob_operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 
-FINALIZER = f"{c.API_GROUP}/finalizer"
+FINALIZER = f"{c.API_GROUP}/finalizer"  # no longer added; kopf removes it from jobs an older version made
+# Passes that run at once (each spends most of its time waiting for the API server).
+WORKERS = 16
 # A pass with nothing to wait for still runs this often (a safety net; pod changes wake it at once).
 RESYNC_SECONDS = 30.0
 # After an API error, the next pass waits this long, doubling up to the cap.
 ERROR_BACKOFF = (1.0, 30.0)
-# After our own status write, wait at most this long for the watch to deliver it before the next pass
-# (a pass from the older body would only lose its status write with a 409). Under load the watch is
-# seconds behind; pod events that arrive meanwhile run the pass as soon as the body has caught up.
+# After our own status write (or a 409), the job's next pass waits until the index shows a newer version
+# than the one that pass decided from, at most this long: deciding again from the older one would only
+# lose its status write with a 409. Under load the watch is seconds behind.
 CONSISTENCY_TIMEOUT = 30.0
 
-_wakeups: dict[tuple[str, str], asyncio.Event] = {}
+JobKey = tuple[str, str]  # (namespace, name)
 
 
 class Runtime:
@@ -63,22 +67,37 @@ class Runtime:
     kube: Kube
     resync_seconds: float = RESYNC_SECONDS
     expectations = Expectations()
-
-
-def wake(namespace: str | None, name: str | None) -> None:
-    event = _wakeups.get((namespace or "", name or ""))
-    if event is not None:
-        event.set()
+    queue: WorkQueue[JobKey] = WorkQueue()
+    # Per key, only while it applies: the version a pass wrote over (and until when to wait for a
+    # newer one), and the current error backoff.
+    outdated: ClassVar[dict[JobKey, tuple[str, float]]] = {}
+    backoff: ClassVar[dict[JobKey, float]] = {}
+    workers: ClassVar[list[asyncio.Task[None]]] = []
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.posting.level = logging.WARNING  # transitions are posted explicitly, once each
     settings.posting.reporting_component = "sftjob-operator"
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=c.API_GROUP)
     settings.watching.server_timeout = 300
+    # kopf hands its indexes (empty until the first listings) to handlers as keyword arguments.
+    indexes = kwargs["sftjobs"], kwargs["trainer_pods"], kwargs["gpu_nodes"]
+    Runtime.workers = [asyncio.create_task(_work(*indexes)) for _ in range(WORKERS)]
+
+
+@kopf.on.cleanup()
+async def stop_workers(**_: Any) -> None:
+    for task in Runtime.workers:
+        task.cancel()
+    await asyncio.gather(*Runtime.workers, return_exceptions=True)
+
+
+@kopf.index(c.API_GROUP, c.API_VERSION, c.PLURAL)
+async def sftjobs(namespace: str | None, name: str | None, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): JobView.of(body)}
 
 
 @kopf.index("pods", labels={c.LABEL_JOB: kopf.PRESENT})
@@ -96,117 +115,144 @@ async def gpu_nodes(name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
 @kopf.on.event(c.API_GROUP, c.API_VERSION, c.PLURAL)
 async def job_changed(namespace: str | None, name: str | None, **_: Any) -> None:
     metrics.WATCH_EVENTS.labels(kind=c.KIND).inc()
-    wake(namespace, name)
+    Runtime.queue.add((namespace or "", name or ""))
 
 
 @kopf.on.event("pods", labels={c.LABEL_JOB: kopf.PRESENT})
 async def pod_changed(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
     metrics.WATCH_EVENTS.labels(kind="Pod").inc()
-    wake(namespace, labels.get(c.LABEL_JOB))
+    Runtime.queue.add((namespace or "", labels.get(c.LABEL_JOB) or ""))
 
 
-@kopf.daemon(c.API_GROUP, c.API_VERSION, c.PLURAL, cancellation_timeout=5.0)
-async def job_loop(body: kopf.Body, namespace: str | None, name: str | None, **kwargs: Any) -> None:
-    """Reconcile one SFTJob whenever it or its pods change, or when a pass asked to be requeued.
+async def _work(jobs: kopf.Index[Any, Any], pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any]) -> None:
+    """One worker: take a key, run its pass, say when it is due again."""
+    queue = Runtime.queue
+    while True:
+        key = await queue.get()
+        try:
+            await _reconcile(key, jobs, pods, nodes)
+        finally:
+            queue.done(key)
 
-    kopf passes the indexes as keyword arguments named after the index functions."""
-    trainer_pods: kopf.Index[Any, Any] = kwargs["trainer_pods"]
-    gpu_nodes: kopf.Index[Any, Any] = kwargs["gpu_nodes"]
-    key = (namespace or "", name or "")
-    wakeup = _wakeups[key] = asyncio.Event()
-    backoff = ERROR_BACKOFF[0]
+
+async def _reconcile(
+    key: JobKey, jobs: kopf.Index[Any, Any], pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any]
+) -> None:
+    job: JobView | None = next(iter(jobs.get(key, ())), None)
+    if job is None:  # deleted: its children go by ownerReference; forget what this process kept
+        _forget(key)
+        return
+    queue = Runtime.queue
+    outdated = Runtime.outdated.get(key)
+    if outdated is not None:
+        version, until = outdated
+        left = until - time.monotonic()
+        if job.resource_version == version and left > 0:
+            queue.add_after(key, left)  # the job's next watch event runs it sooner
+            return
+        del Runtime.outdated[key]
     try:
-        while True:
-            wakeup.clear()
-            try:
-                delay = await _pass(body, trainer_pods, gpu_nodes, wakeup)
-                backoff = ERROR_BACKOFF[0]
-            except Conflict as stale:
-                await _until_changed(body, stale.resource_version, wakeup)
-                delay = 0.0
-            except Exception:  # an API or programming error: say so, keep the loop alive, back off
-                log.exception("reconcile of %s/%s failed; retrying in %.0f s", namespace, name, backoff)
-                metrics.RECONCILES.labels(result="error").inc()
-                delay, backoff = backoff, min(backoff * 2, ERROR_BACKOFF[1])
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wakeup.wait(), timeout=delay)
-    finally:
-        _wakeups.pop(key, None)
-        Runtime.expectations.forget(str(body.metadata.get("uid")))
-        metrics.track_job(*key, None)
+        delay = await _pass(job, pods, nodes)
+        Runtime.backoff.pop(key, None)
+    except Conflict as stale:
+        _wait_for_newer(key, stale.resource_version)
+        return
+    except Exception:  # an API or programming error: say so, back off, try again
+        backoff = Runtime.backoff.get(key, ERROR_BACKOFF[0])
+        log.exception("reconcile of %s/%s failed; retrying in %.0f s", *key, backoff)
+        metrics.RECONCILES.labels(result="error").inc()
+        Runtime.backoff[key] = min(backoff * 2, ERROR_BACKOFF[1])
+        queue.add_after(key, backoff)
+        return
+    queue.add_after(key, delay)
 
 
-async def _pass(
-    body: kopf.Body, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any], wakeup: asyncio.Event
-) -> float:
-    """One reconcile pass; returns how long until the next one is due."""
+def _wait_for_newer(key: JobKey, version: str) -> None:
+    Runtime.outdated[key] = (version, time.monotonic() + CONSISTENCY_TIMEOUT)
+    Runtime.queue.add_after(key, CONSISTENCY_TIMEOUT)
+
+
+def _forget(key: JobKey) -> None:
+    Runtime.queue.forget(key)
+    Runtime.expectations.forget(key)
+    Runtime.outdated.pop(key, None)
+    Runtime.backoff.pop(key, None)
+    metrics.track_job(*key, None)
+
+
+async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any]) -> float:
+    """One reconcile pass over ``job`` as the index holds it; returns how long until the next is due."""
     started = time.monotonic()
-    snapshot = dict(body)  # one version of the body: kopf replaces it whole, never edits it
-    meta = snapshot["metadata"]
-    namespace, name = meta["namespace"], meta["name"]
-    now = _now()
+    key, now = (job.namespace, job.name), _now()
     observed = Observed(
-        name=name,
-        namespace=namespace,
-        uid=meta["uid"],
-        generation=int(meta.get("generation") or 0),
-        spec=snapshot.get("spec") or {},
-        status=snapshot.get("status") or {},
-        pods=list(pods.get((namespace, name), [])),
+        name=job.name,
+        namespace=job.namespace,
+        uid=job.uid,
+        generation=job.generation,
+        spec=job.spec(),
+        status=job.status(),
+        pods=list(pods.get(key, [])),
         nodes=_NodeView(nodes),
         now=now,
     )
     actions = reconcile(observed, Runtime.context)
     if actions.check_pods:  # the index lacks pods long after their attempt started: ask, then decide
-        found, gone = await _look_up(namespace, actions.check_pods)
+        found, gone = await _look_up(job.namespace, actions.check_pods)
         observed = dataclasses.replace(observed, pods=[*observed.pods, *found], gone=gone)
         actions = reconcile(observed, Runtime.context)
     log.debug(
         "pass over %s/%s at version %s: attempt %d, %s, %d children, %d deletions",
-        namespace, name, meta.get("resourceVersion"), actions.status.attempt, actions.status.phase,
+        job.namespace, job.name, job.resource_version, actions.status.attempt, actions.status.phase,
         len(actions.children), len(actions.delete_pods),
     )  # fmt: skip
-    if meta.get("deletionTimestamp"):
-        return Runtime.resync_seconds  # kopf is about to stop this loop; create nothing more
-    await _apply(snapshot, body, actions)
-    old = parse_status(observed.status)
-    metrics.observe_pass(old=old, new=actions.status, created=_created(meta, now), now=now)
-    metrics.track_job(namespace, name, actions.status)
+    if job.deleting:
+        return Runtime.resync_seconds  # being deleted (another finalizer holds it): create nothing more
+    await _apply(job, observed.status, actions)
+    metrics.observe_pass(
+        old=parse_status(observed.status), new=actions.status, created=_created(job, now), now=now
+    )
+    metrics.track_job(job.namespace, job.name, actions.status)
     metrics.RECONCILES.labels(result="success").inc()
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-    if actions.status_changed:
-        # Let the watch deliver our own write before deciding again from the body.
-        await _until_changed(body, str(meta.get("resourceVersion")), wakeup)
+    if actions.status_changed:  # decide again only from a version that shows this write
+        _wait_for_newer(key, job.resource_version)
     due = Runtime.resync_seconds if actions.requeue_after is None else actions.requeue_after
     return min(due, Runtime.resync_seconds)
 
 
-async def _apply(job: dict[str, Any], body: kopf.Body, actions: Actions) -> None:
-    meta = job["metadata"]
-    namespace, name, uid = meta["namespace"], meta["name"], str(meta["uid"])
+async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions) -> None:
+    namespace, name, uid = job.namespace, job.name, job.uid
+    key = (namespace, name)
     kube, expected, attempt = Runtime.kube, Runtime.expectations, actions.status.attempt
-    version, old = str(meta["resourceVersion"]), job.get("status") or {}
+    version = job.resource_version
     if actions.status_changed:
         version = await kube.run(kube.write_status, namespace, name, version, old, actions.status)
     for manifest in actions.children:
-        if expected.pending(uid, attempt, manifest):
+        if expected.pending(key, uid, attempt, manifest):
             continue  # this process created it moments ago; the watch has not shown it yet
         try:
             created = await kube.run(kube.ensure, manifest)
         except Rejected as err:
-            failed = reject(actions.status, str(err), generation=int(meta.get("generation") or 0), now=_now())
+            failed = reject(actions.status, str(err), generation=job.generation, now=_now())
             await kube.run(kube.write_status, namespace, name, version, actions.status.to_patch(), failed)
-            kopf.event(body, type="Warning", reason=Reason.CHILD_REJECTED, message=str(err)[:1024])
+            await _post(job, "Warning", Reason.CHILD_REJECTED, str(err))
             return
-        expected.created(uid, attempt, manifest)
+        expected.created(key, uid, attempt, manifest)
         if created and manifest["kind"] == "Pod":
             metrics.PODS_CREATED.inc()
     for pod in actions.delete_pods:
         await kube.run(kube.delete_pod, namespace, pod)
     for event in actions.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message[:1024])
+        await _post(job, event.type, event.reason, event.message)
     if actions.delete_job:
         await kube.run(kube.delete_job, namespace, name)
+
+
+async def _post(job: JobView, type: str, reason: str, message: str) -> None:
+    ref = JobRef(namespace=job.namespace, name=job.name, uid=job.uid, attempt=0)
+    stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    manifest = builders.event(ref, type=type, reason=reason, message=message, time=stamp)
+    await Runtime.kube.run(Runtime.kube.post_event, manifest)
 
 
 async def _look_up(namespace: str, names: list[str]) -> tuple[list[dict[str, Any]], frozenset[str]]:
@@ -240,26 +286,6 @@ def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
-async def _until_changed(body: kopf.Body, resource_version: str, wakeup: asyncio.Event) -> None:
-    """Wait (briefly) until the live body shows a newer version than the one a pass decided from.
-
-    kopf replaces the body before ``job_changed`` sets ``wakeup``, so this sleeps until an event; a
-    wake-up meant for something else (a pod) is kept for the loop."""
-    deadline = time.monotonic() + CONSISTENCY_TIMEOUT
-    kept = False
-    while body.metadata.get("resourceVersion") == resource_version:
-        if wakeup.is_set():
-            kept = True
-            wakeup.clear()
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wakeup.wait(), timeout=left)
-    if kept:
-        wakeup.set()
-
-
-def _created(meta: Mapping[str, Any], now: datetime) -> datetime:
-    raw = meta.get("creationTimestamp")
-    return datetime.fromisoformat(raw.replace("Z", "+00:00")) if isinstance(raw, str) else now
+def _created(job: JobView, now: datetime) -> datetime:
+    raw = job.created
+    return datetime.fromisoformat(raw.replace("Z", "+00:00")) if raw else now

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
@@ -25,6 +26,7 @@ from kubernetes.client.exceptions import ApiException
 from sftjob import constants as c
 from sftjob.job_status import SFTJobStatus
 
+log = logging.getLogger(__name__)
 Manifest = dict[str, Any]
 T = TypeVar("T")
 # Concurrent API calls: the client's HTTP connections and the threads that make the calls.
@@ -111,6 +113,14 @@ class Kube:
         if kind in FOLLOWS_ATTEMPT:
             patch(meta["name"], meta["namespace"], manifest)
         return False
+
+    def post_event(self, manifest: Manifest) -> None:
+        """Events are a courtesy to whoever reads them: one that cannot be posted is logged, not raised."""
+        try:
+            body: Any = manifest  # the client sends a dict as it is
+            self.core.create_namespaced_event(body["metadata"]["namespace"], body, _preload_content=False)
+        except ApiException as err:
+            log.warning("could not post event %s: %s", manifest["reason"], _message(err))
 
     def delete_pod(self, namespace: str, name: str) -> None:
         try:

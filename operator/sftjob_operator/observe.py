@@ -1,8 +1,8 @@
-"""What the operator reads off the objects it watches, as plain data: trimmed pods and nodes for the
-in-memory indexes, and the trainer's progress and checkpoint reports from pod annotations.
+"""What the operator reads off the objects it watches, as plain data: compact jobs and trimmed pods and
+nodes for the in-memory indexes, and the trainer's progress and checkpoint reports from pod annotations.
 
-Pure functions over API dicts; the indexes in ``handlers.py`` store what :func:`trim_pod` and
-:func:`trim_node` return so a job's reconcile never lists anything.
+Pure functions over API dicts; the indexes in ``handlers.py`` store what :meth:`JobView.of`,
+:func:`trim_pod` and :func:`trim_node` return so a job's reconcile never lists anything.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +25,45 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # The pod conditions the reconcile and the failure classifier read, and the fields they read of them.
 POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget"})
 CONDITION_FIELDS = ("type", "status", "reason", "message")
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """An SFTJob as the index keeps it: its identity, and its spec and status as compact JSON text.
+
+    Text because thousands of jobs stay in memory between their passes: a status as Python dicts and
+    strings costs about ten times its JSON, and a pass parses the spec into a model anyway."""
+
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    resource_version: str
+    created: str | None
+    deleting: bool
+    spec_json: str
+    status_json: str
+
+    @classmethod
+    def of(cls, body: Obj) -> JobView:
+        meta = body.get("metadata") or {}
+        return cls(
+            namespace=str(meta.get("namespace") or ""),
+            name=str(meta.get("name") or ""),
+            uid=str(meta.get("uid") or ""),
+            generation=int(meta.get("generation") or 0),
+            resource_version=str(meta.get("resourceVersion") or ""),
+            created=meta.get("creationTimestamp"),
+            deleting=bool(meta.get("deletionTimestamp")),
+            spec_json=json.dumps(body.get("spec") or {}, separators=(",", ":")),
+            status_json=json.dumps(body.get("status") or {}, separators=(",", ":")),
+        )
+
+    def spec(self) -> dict[str, Any]:
+        return dict(json.loads(self.spec_json))
+
+    def status(self) -> dict[str, Any]:
+        return dict(json.loads(self.status_json))
 
 
 def trim_pod(body: Obj) -> dict[str, Any]:

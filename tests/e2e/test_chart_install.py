@@ -274,7 +274,8 @@ class OperatorRun:
 @pytest.fixture(scope="module")
 def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.TempPathFactory) -> OperatorRun:
     """The operator, as the chart's ServiceAccount, takes one job through a preemption, a second
-    attempt, success and deletion after its TTL."""
+    attempt, success and deletion after its TTL, and frees a job an older version left its finalizer on
+    (versions before the work queue ran a kopf daemon per job, which needs one)."""
     namespace = f"chart-job-{uuid.uuid4().hex[:6]}"
     job = "rbac-sft"
     cluster.kubectl("create", "namespace", namespace)
@@ -290,6 +291,19 @@ def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.Te
     roles: list[Manifest] = []
     try:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(sftjob(namespace, job)))
+        legacy = sftjob(namespace, "legacy")
+        legacy["spec"]["suspend"] = True  # holds no GPUs: the running job needs the A800 pool
+        legacy["metadata"]["finalizers"] = [f"{c.API_GROUP}/finalizer"]
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(legacy))
+        wait_for(
+            "the operator to remove the older version's finalizer",
+            lambda: (
+                not cluster.kubectl_json("-n", namespace, "get", c.PLURAL, "legacy")["metadata"].get(
+                    "finalizers"
+                )
+            ),
+            timeout=DEADLINE,
+        )
         wait_for(
             "both pods of attempt 1 to run",
             lambda: all_running(cluster, namespace, job, 1, 2),

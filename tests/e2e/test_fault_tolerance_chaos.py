@@ -202,6 +202,6 @@ def test_a_hundred_jobs_with_random_failures_and_five_operator_kills_all_end_as_
     last_pods = {f"{name}-{len(want.attempts)}-0" for name, want in scripts.items()}
     assert sorted(p["metadata"]["name"] for p in pods) == sorted(last_pods), "one pod per job: its last"
     assert all(p["status"]["phase"] in ("Succeeded", "Failed") for p in pods), "a finished job's pod runs"
-    # Deleting all hundred also goes through the operator (its finalizers) and the garbage collector. A pod
+    # Deleting all hundred goes through the garbage collector (the operator adds no finalizer). A pod
     # whose DELETE a killed operator left half done is finished by KWOK, as a kubelet would.
     jobs.delete_all()

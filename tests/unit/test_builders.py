@@ -169,3 +169,20 @@ def test_a_single_type_job_gets_one_config() -> None:
     s = spec(gpu={"type": "A40"})
     cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), fake_plan))
     assert set(cm["data"]) == {c.CONFIG_FILE}
+
+
+def test_an_event_names_the_job_and_cuts_long_messages() -> None:
+    job = JobRef(namespace="team", name="tune", uid="u-1", attempt=2)
+    event = builders.event(
+        job, type="Warning", reason="CudaOOM", message="x" * 5000, time="2026-11-30T00:00:00Z"
+    )
+    assert event["involvedObject"] == {
+        "apiVersion": "sftjob.io/v1alpha1",
+        "kind": "SFTJob",
+        "namespace": "team",
+        "name": "tune",
+        "uid": "u-1",
+    }
+    assert event["metadata"] == {"generateName": "tune.", "namespace": "team"}
+    assert len(event["message"]) == builders.EVENT_MESSAGE_MAX
+    assert event["reportingComponent"] == event["source"]["component"] == "sftjob-operator"

@@ -8,7 +8,7 @@ ServiceAccount. docs/install.md lists why each rule exists.
 
 {{/* Rules on namespaced objects: a ClusterRole in cluster scope, a Role per namespace otherwise. */}}
 {{- define "sftjob.namespacedRules" -}}
-# The SFTJobs: watched; annotated by kopf (finalizer, handler progress); deleted after
+# The SFTJobs: watched; patched by kopf only to drop the finalizer early builds added; deleted after
 # spec.ttlSecondsAfterFinished; their status written through the status subresource.
 - apiGroups: ["sftjob.io"]
   resources: ["sftjobs"]
