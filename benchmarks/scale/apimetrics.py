@@ -4,7 +4,8 @@ Read over the admin credentials (``GET /metrics``, loopback only) before and aft
 difference is every client's requests in that stage: the harness's creates, the controller under
 test, the scheduler's bindings and KWOK's pod status updates. The split by verb and resource says whose
 they are (``POST configmaps`` is the operator's, ``POST pods/binding`` the scheduler's). KWOK's node
-lease renewals are background, counted apart; health checks and metric reads are left out.
+lease renewals and node status updates are background, counted apart; health checks and metric reads are
+left out.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ COUNTER = "apiserver_request_total"
 _LINE = re.compile(rf"^{COUNTER}\{{(?P<labels>[^}}]*)\}} (?P<value>\S+)")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 LEFT_OUT = frozenset({"GET /metrics", "GET /healthz", "GET /readyz", "GET /livez"})
-# Node heartbeats: one lease renewal per fake node every few seconds, whatever the jobs do.
-BACKGROUND_RESOURCES = ("leases.coordination.k8s.io",)
+# The fake kubelets' heartbeats, whatever the jobs do: a lease renewal per node every few seconds, and
+# node status updates (KWOK's node stage). Neither subject writes nodes.
+BACKGROUND = ("leases.coordination.k8s.io", "nodes", "nodes/status")
+WRITES = frozenset({"PATCH", "PUT", "POST", "UPDATE", "APPLY"})
 
 
 def fetch(api: client.ApiClient) -> str:
@@ -60,8 +63,13 @@ def delta(before: Counter[str], after: Counter[str]) -> Counter[str]:
 
 def split(counts: Counter[str]) -> tuple[Counter[str], Counter[str]]:
     """(requests attributable to the jobs, background requests)."""
-    background = Counter({k: v for k, v in counts.items() if k.endswith(BACKGROUND_RESOURCES)})
+    background = Counter({k: v for k, v in counts.items() if _heartbeat(k)})
     return counts - background, background
+
+
+def _heartbeat(key: str) -> bool:
+    verb, _, resource = key.partition(" ")
+    return resource.startswith("leases.coordination.k8s.io") or (verb in WRITES and resource in BACKGROUND)
 
 
 def per(counts: Counter[str], divisor: float, top: int = 15) -> dict[str, float]:

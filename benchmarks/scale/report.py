@@ -120,7 +120,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"quiet window {s['steadySeconds']} s after each stage. Latencies are from the create request to "
         "the harness seeing the pod (watch), in seconds; *ready* is when the job object shows it "
         "running (SFTJob `status.phase` Running, Job `status.ready` 1). jobs/s: pods created per second "
-        "over the stage. API requests exclude health checks, metric reads and KWOK's node leases.",
+        "over the stage. API requests exclude health checks, metric reads and KWOK's node heartbeats.",
         "",
     ]
     for name, result in doc["subjects"].items():
@@ -132,7 +132,8 @@ def markdown(doc: dict[str, Any]) -> str:
             quiet = ", ".join(f"{k} {v}" for k, v in last["steadyState"]["byVerbPerSecond"].items())
             lines += [f"Quiet window requests per second: {quiet or 'none'}.", ""]
             lines += [
-                "Background (KWOK node lease renewals, left out of the figures above): "
+                "Background (KWOK's node heartbeats: lease renewals and node status, left out of the figures"
+                " above): "
                 f"{last['backgroundRequestsPerSecond']} requests/s.",
                 "",
             ]
