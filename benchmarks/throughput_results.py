@@ -1,4 +1,5 @@
-"""Writing the trainer throughput benchmark's results: JSON, a Markdown table and a PNG bar chart.
+"""The trainer throughput benchmark's results: the verdicts on each row (ratio to the seed config, MFU
+target, peak memory against the planner's estimate) and the files: JSON, a Markdown table, a PNG chart.
 
 Every file records the GPU, driver, library versions and the exact command, so a number can be traced
 back to how it was measured.
@@ -19,6 +20,33 @@ from typing import Any
 import torch
 
 from sftjob_trainer.preflight import read_driver_info
+
+# Issue 8's targets for the planned configs: (model, method, cap GiB) -> MFU.
+TARGETS = {("1.1B", "full", 80.0): 0.55, ("1.1B", "full", 46.0): 0.50, ("7B", "lora", 46.0): 0.50}
+# Issue 4: a planned config's measured peak memory lies within this fraction of the estimate.
+ESTIMATE_TOLERANCE = 0.15
+
+
+def finish_rows(rows: list[dict[str, Any]]) -> None:
+    """Ratio to the seed config of the same model and method; target verdicts for planned rows."""
+    seeds = {(r["model"], r["method"]): r.get("tokensPerSecond") for r in rows if r["config"] == "seed"}
+    for r in rows:
+        seed = seeds.get((r["model"], r["method"]))
+        r["ratioToSeed"] = (
+            round(r["tokensPerSecond"] / seed, 2) if seed and r.get("tokensPerSecond") else None
+        )
+        estimate, measured = r.get("predictedAllocatorGiB"), r.get("peakGiB")
+        if estimate and measured:
+            r["peakVsEstimate"] = round(measured / estimate - 1, 3)
+            r["withinEstimate"] = abs(r["peakVsEstimate"]) <= ESTIMATE_TOLERANCE
+        target = TARGETS.get((r["model"], r["method"], r["capGiB"])) if r["config"] == "planned" else None
+        if target is not None and r.get("mfu") is not None:
+            r["targetMfu"] = target
+            r["meetsTarget"] = r["mfu"] >= target
+            shortfall = (target - r["mfu"]) * 100
+            r["verdict"] = (
+                f"meets {target:.0%}" if r["meetsTarget"] else f"misses {target:.0%} by {shortfall:.1f} pts"
+            )
 
 
 def environment(

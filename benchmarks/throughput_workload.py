@@ -2,12 +2,14 @@
 
 Synthetic SFT samples (no downloads), NF4 quantisation of a random-initialised model (what
 ``from_pretrained`` with a 4-bit BitsAndBytesConfig produces from real weights), the bf16 matmul
-peak MFU is measured against, and a self-check of the packed-row attention against masked SDPA.
+peak MFU is measured against, a self-check of the packed-row attention against masked SDPA, and a
+profiler table of one step.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,4 +126,19 @@ def attention_check(device: torch.device) -> dict[str, Any]:
         result["maxAbsDiffGrad"] = (grads[0] - grads[1]).abs().max().item()
     except Exception as exc:  # recorded in the results, the benchmark goes on
         result["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return result
+
+
+def profiled_step(path: Path, step: Any) -> Any:
+    """Run one step under the torch profiler; write its top kernels and ops by device time to ``path``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with torch_profile(activities=activities) as prof:
+        result = step()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=80) + "\n")
     return result

@@ -41,12 +41,19 @@ from typing import Any
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the planner's pod env
 
 import torch
-from throughput_results import environment, write_results  # beside this script
-from throughput_workload import attention_check, matmul_peak, missing, quantize_linears, synthetic_examples
+from throughput_results import environment, finish_rows, write_results  # beside this script
+from throughput_runs import LORA, MODES, SHAPES, Mode, Run
+from throughput_workload import (
+    attention_check,
+    matmul_peak,
+    missing,
+    profiled_step,
+    quantize_linears,
+    synthetic_examples,
+)
 
-from sftjob.architectures import Architecture, known_architecture
 from sftjob.candidates import PlanRequest
-from sftjob.config import LoraSettings, Method, TrainingOverrides, TrainingSettings
+from sftjob.config import TrainingOverrides, TrainingSettings
 from sftjob.gpus import profile_for_type
 from sftjob.planner import plan
 from sftjob_trainer.attention import FLATTENED, VARLEN, kernel_backend
@@ -59,87 +66,6 @@ from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, t
 from sftjob_trainer.model import liger_kernels_in, precision_plan, prepare_for_training, resolve_attention
 
 GIB = 1024**3
-GLOBAL_BATCH = 32  # the seed guide's 4 x 8
-LORA = LoraSettings(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
-
-
-def _known(model: str) -> Architecture:
-    arch = known_architecture(model)
-    if arch is None:
-        raise LookupError(f"{model} is not in sftjob.architectures' built-in table")
-    return arch
-
-
-# Model shapes: the built-in table's rows for the anchors' models (TinyLlama, Llama-2-7B), and a tiny one.
-SHAPES: dict[str, Architecture] = {
-    "tiny": Architecture(
-        layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128, vocab_size=320
-    ),
-    "1.1B": _known("TinyLlama/TinyLlama-1.1B"),
-    "7B": _known("meta-llama/Llama-2-7b-hf"),
-}
-# Issue 8's targets for the planned configs: (model, method, cap GiB) -> MFU.
-TARGETS = {("1.1B", "full", 80.0): 0.55, ("1.1B", "full", 46.0): 0.50, ("7B", "lora", 46.0): 0.50}
-# Issue 4: a planned config's measured peak memory lies within this fraction of the estimate.
-ESTIMATE_TOLERANCE = 0.15
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    model: str
-    method: Method
-    config: str  # seed | plain | plain+liger | planned
-    cap_gib: float | None = None  # per-process memory cap emulating a smaller card
-    plan_for: str | None = None  # GPU type the planner planned for
-    micro: int = 4
-    accumulation: int = 8
-
-    @property
-    def name(self) -> str:
-        return f"{self.model}/{self.method}/{self.config}" + (f"-{self.plan_for}" if self.plan_for else "")
-
-
-def _group(model: str, method: Method, plain: tuple[int, int, float | None], liger: bool) -> list[Run]:
-    micro, accumulation, cap = plain
-    runs = [Run(model, method, "seed"), Run(model, method, "plain", cap, None, micro, accumulation)]
-    if liger:
-        runs.append(Run(model, method, "plain+liger", cap, None, micro, accumulation))
-    return runs + [
-        Run(model, method, "planned", c, g) for g, c in (("A800", 80.0), ("A40", 46.0), ("L40S", 46.0))
-    ]
-
-
-GPU_RUNS = (
-    _group("1.1B", "full", (4, 2, None), liger=True)
-    + _group("7B", "lora", (1, 4, 46.0), liger=True)
-    + _group("7B", "qlora", (1, 4, 46.0), liger=False)
-)
-TINY_RUNS = [
-    *_group("tiny", "full", (4, 2, None), liger=True),
-    Run("tiny", "lora", "seed"),
-    Run("tiny", "qlora", "seed"),
-]
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    runs: list[Run]
-    steps: int
-    discard: int
-    max_accumulation: int | None
-    seq: int  # longest sample = packed row length
-    median: int
-    samples: int
-    global_batch: int = GLOBAL_BATCH  # what the planned rows ask the planner for
-
-
-MODES = {
-    "tiny": Mode(TINY_RUNS, 2, 1, None, 128, 24, 200),
-    "quick": Mode(GPU_RUNS, 8, 3, 2, 4096, 300, 3000),
-    "full": Mode(GPU_RUNS, 14, 4, None, 4096, 300, 6000),
-    # 20 steps at global batch 8 (so a 7B step is seconds, not tens): micro-batch and memory as at 32.
-    "plans": Mode([r for r in GPU_RUNS if r.config == "planned"], 20, 4, None, 4096, 300, 4000, 8),
-}
 
 
 def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]]:
@@ -288,21 +214,6 @@ def measure(
     return row
 
 
-def profiled_step(path: Path, step: Any) -> Any:
-    """Run one step under the torch profiler; write its top kernels and ops by device time to ``path``."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    with torch_profile(activities=activities) as prof:
-        result = step()
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=80) + "\n")
-    return result
-
-
 def run_isolated(
     run: Run,
     mode: Mode,
@@ -354,28 +265,6 @@ def run_isolated(
         flush=True,
     )
     return row
-
-
-def finish_rows(rows: list[dict[str, Any]]) -> None:
-    """Ratio to the seed config of the same model and method; target verdicts for planned rows."""
-    seeds = {(r["model"], r["method"]): r.get("tokensPerSecond") for r in rows if r["config"] == "seed"}
-    for r in rows:
-        seed = seeds.get((r["model"], r["method"]))
-        r["ratioToSeed"] = (
-            round(r["tokensPerSecond"] / seed, 2) if seed and r.get("tokensPerSecond") else None
-        )
-        estimate, measured = r.get("predictedAllocatorGiB"), r.get("peakGiB")
-        if estimate and measured:
-            r["peakVsEstimate"] = round(measured / estimate - 1, 3)
-            r["withinEstimate"] = abs(r["peakVsEstimate"]) <= ESTIMATE_TOLERANCE
-        target = TARGETS.get((r["model"], r["method"], r["capGiB"])) if r["config"] == "planned" else None
-        if target is not None and r.get("mfu") is not None:
-            r["targetMfu"] = target
-            r["meetsTarget"] = r["mfu"] >= target
-            shortfall = (target - r["mfu"]) * 100
-            r["verdict"] = (
-                f"meets {target:.0%}" if r["meetsTarget"] else f"misses {target:.0%} by {shortfall:.1f} pts"
-            )
 
 
 def main(argv: list[str] | None = None) -> int:

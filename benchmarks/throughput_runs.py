@@ -1,0 +1,92 @@
+"""Which configurations the trainer throughput benchmark runs, on which model shapes, in each mode.
+
+Each model and method gets the seed guide's settings (``seed``), plain tuning with and without Liger
+(``plain``, ``plain+liger``) and the planner's plan for A800 at 80 GiB and for A40/L40S under a 46 GiB
+per-process cap (``planned``). Modes set the step counts and sample sizes: ``tiny`` for the CPU (CI),
+``quick`` and ``full`` for a GPU, ``plans`` for the planned rows' 20-step memory check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sftjob.architectures import Architecture, known_architecture
+from sftjob.config import LoraSettings, Method
+
+GLOBAL_BATCH = 32  # the seed guide's 4 x 8
+LORA = LoraSettings(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
+
+
+def _known(model: str) -> Architecture:
+    arch = known_architecture(model)
+    if arch is None:
+        raise LookupError(f"{model} is not in sftjob.architectures' built-in table")
+    return arch
+
+
+# Model shapes: the built-in table's rows for the anchors' models (TinyLlama, Llama-2-7B), and a tiny one.
+SHAPES: dict[str, Architecture] = {
+    "tiny": Architecture(
+        layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128, vocab_size=320
+    ),
+    "1.1B": _known("TinyLlama/TinyLlama-1.1B"),
+    "7B": _known("meta-llama/Llama-2-7b-hf"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    model: str
+    method: Method
+    config: str  # seed | plain | plain+liger | planned
+    cap_gib: float | None = None  # per-process memory cap emulating a smaller card
+    plan_for: str | None = None  # GPU type the planner planned for
+    micro: int = 4
+    accumulation: int = 8
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.method}/{self.config}" + (f"-{self.plan_for}" if self.plan_for else "")
+
+
+def _group(model: str, method: Method, plain: tuple[int, int, float | None], liger: bool) -> list[Run]:
+    micro, accumulation, cap = plain
+    runs = [Run(model, method, "seed"), Run(model, method, "plain", cap, None, micro, accumulation)]
+    if liger:
+        runs.append(Run(model, method, "plain+liger", cap, None, micro, accumulation))
+    return runs + [
+        Run(model, method, "planned", c, g) for g, c in (("A800", 80.0), ("A40", 46.0), ("L40S", 46.0))
+    ]
+
+
+GPU_RUNS = (
+    _group("1.1B", "full", (4, 2, None), liger=True)
+    + _group("7B", "lora", (1, 4, 46.0), liger=True)
+    + _group("7B", "qlora", (1, 4, 46.0), liger=False)
+)
+TINY_RUNS = [
+    *_group("tiny", "full", (4, 2, None), liger=True),
+    Run("tiny", "lora", "seed"),
+    Run("tiny", "qlora", "seed"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    runs: list[Run]
+    steps: int
+    discard: int
+    max_accumulation: int | None
+    seq: int  # longest sample = packed row length
+    median: int
+    samples: int
+    global_batch: int = GLOBAL_BATCH  # what the planned rows ask the planner for
+
+
+MODES = {
+    "tiny": Mode(TINY_RUNS, 2, 1, None, 128, 24, 200),
+    "quick": Mode(GPU_RUNS, 8, 3, 2, 4096, 300, 3000),
+    "full": Mode(GPU_RUNS, 14, 4, None, 4096, 300, 6000),
+    # 20 steps at global batch 8 (so a 7B step is seconds, not tens): micro-batch and memory as at 32.
+    "plans": Mode([r for r in GPU_RUNS if r.config == "planned"], 20, 4, None, 4096, 300, 4000, 8),
+}
