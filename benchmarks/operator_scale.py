@@ -29,7 +29,7 @@ from typing import Any
 
 from kubernetes import client, config
 from scale import REPO_ROOT, apimetrics, procstat, report
-from scale.stage import Settings, run_stage
+from scale.stage import Settings, run_probe, run_stage
 from scale.subjects import Floor, Operator, Subject, component_pids
 from scale.watch import Tracker
 from scale.workload import DATASET, MODEL, demand, gpu_capacity, pools
@@ -52,6 +52,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--jobs", default="100,1000", help="comma-separated live-job counts, one stage each")
     p.add_argument("--rate", type=float, default=100.0, help="creates offered per second")
     p.add_argument("--workers", type=int, default=16, help="concurrent create requests at most")
+    p.add_argument(
+        "--probe",
+        type=int,
+        default=100,
+        help="jobs offered slowly after each stage to measure latency (0: none)",
+    )
+    p.add_argument("--probe-rate", type=float, default=10.0, help="the probe's creates per second")
     p.add_argument("--subject", choices=["operator", "floor", "both"], default="both")
     p.add_argument("--settle-timeout", type=float, default=300.0, help="seconds to wait for pods per stage")
     p.add_argument("--steady-seconds", type=float, default=30.0, help="quiet window after each stage")
@@ -66,13 +73,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--jobs must be comma-separated whole numbers, got {args.jobs!r}")
     if not args.stages or args.stages[0] < 1:
         p.error("--jobs needs at least one stage of >= 1 job")
-    if args.nodes < 3 or args.rate <= 0 or args.workers < 1:
-        p.error("--nodes must be >= 3, --rate > 0 and --workers >= 1")
-    short = [t for t, need in demand(0, args.stages[-1]).items() if need > gpu_capacity(pools(args.nodes))[t]]
+    if args.nodes < 3 or args.rate <= 0 or args.workers < 1 or args.probe < 0 or args.probe_rate <= 0:
+        p.error("--nodes must be >= 3, --rate and --probe-rate > 0, --workers >= 1 and --probe >= 0")
+    total = args.stages[-1] + args.probe * len(args.stages)
+    short = [t for t, need in demand(0, total).items() if need > gpu_capacity(pools(args.nodes))[t]]
     if short:
         p.error(
-            f"{args.stages[-1]} running jobs need more {'/'.join(short)} GPUs than {args.nodes} nodes have "
-            f"({gpu_capacity(pools(args.nodes))}); use --nodes {-(-args.stages[-1] * 5 // 24) + 3} or more"
+            f"{total} running jobs (stages and probes) need more {'/'.join(short)} GPUs than {args.nodes} "
+            f"nodes have ({gpu_capacity(pools(args.nodes))}); use --nodes {-(-total * 5 // 24) + 3} or more"
         )
     return args
 
@@ -117,11 +125,13 @@ def measure(name: str, args: argparse.Namespace, stem: str) -> dict[str, Any]:
         tracker = Tracker(api, NAMESPACE, subject.kind)
         tracker.start()
         pids = {**component_pids(cluster), subject.controller: subject.controller_pid()}
-        settings = Settings(args.rate, args.workers, args.settle_timeout, args.steady_seconds)
+        settings = Settings(
+            args.rate, args.workers, args.settle_timeout, args.steady_seconds, args.probe, args.probe_rate
+        )
         api_metrics = functools.partial(apimetrics.fetch, api)
         first = 0
         for live in args.stages:
-            result = run_stage(subject, tracker, api_metrics, pids, first, live, settings)
+            result = run_stage(subject, tracker, api_metrics, pids, first, max(live, first), settings)
             stages.append(result)
             pc = result["createToPodCreated"]
             print(
@@ -131,7 +141,16 @@ def measure(name: str, args: argparse.Namespace, stem: str) -> dict[str, Any]:
                 f"{result['controller']['rssMiB']} MiB",
                 flush=True,
             )
-            first = live
+            first = max(live, first)
+            if settings.probe:
+                result["probe"] = run_probe(subject, tracker, first, settings)
+                pc = result["probe"]["createToPodCreated"]
+                print(
+                    f"[{name}] probe of {settings.probe} at {settings.probe_rate}/s with {first} live jobs: "
+                    f"to pods created p50 {pc['p50']} p99 {pc['p99']} s ({pc['missing']} missing)",
+                    flush=True,
+                )
+                first += settings.probe
     finally:
         if tracker is not None:
             tracker.stop()
@@ -162,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             "stages": args.stages,
             "rate": args.rate,
             "workers": args.workers,
+            "probe": args.probe,
+            "probeRate": args.probe_rate,
             "steadySeconds": args.steady_seconds,
             "settleTimeout": args.settle_timeout,
             "job": {"model": MODEL, "dataset": DATASET, "method": "lora", "gpus": 1},

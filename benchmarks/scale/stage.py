@@ -5,6 +5,11 @@ of the earlier stages still live: latencies and API requests are per job of that
 controller's at the end of it. A stage ends when every pod runs and every job object says so (the
 controller has caught up); then a quiet window with no creates shows what the controller spends on
 live jobs that need nothing (polling would show up here as requests that grow with the live jobs).
+
+A burst offered faster than the control plane can go measures throughput, and its latencies are mostly
+queueing: the last job waits for every job before it. The latency a user sees on a busy cluster is the
+probe's: after the quiet window, a few more jobs offered at a rate the cluster sustains, measured with
+the stage's jobs live (how clusterloader2 separates its pod-startup SLO from its throughput tests).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class Settings:
     workers: int  # concurrent create requests at most
     settle_timeout: float  # seconds after the last create to wait for every job to run
     steady_seconds: float  # the quiet window after the stage
+    probe: int = 0  # jobs in the probe after each stage's quiet window (0: none)
+    probe_rate: float = 10.0  # the probe's creates per second
 
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
@@ -60,11 +67,7 @@ def run_stage(
     api0, use0, ops0 = apimetrics.parse(fetch_api()), procstat.usages(pids), subject.counters()
     created = create_at_rate(lambda n: subject.create(n, types[n]), names, settings.rate, settings.workers)
     wanted = set(created.sent)
-    deadline = time.monotonic() + settings.settle_timeout
-    while time.monotonic() < deadline and any(
-        tracker.count(m, wanted) < len(wanted) for m in ("podRunning", "ready")
-    ):
-        time.sleep(POLL_SECONDS)
+    _wait_running(tracker, wanted, settings.settle_timeout)
     settled = time.monotonic()
     api1, use1, ops1 = apimetrics.parse(fetch_api()), procstat.usages(pids), subject.counters()
     time.sleep(settings.steady_seconds)
@@ -116,6 +119,35 @@ def run_stage(
         },
         "loadAverage": {"start": load0, "end": procstat.load_average()},
     }
+
+
+def run_probe(subject: Subject, tracker: Tracker, first: int, settings: Settings) -> dict[str, Any]:
+    """Create ``settings.probe`` jobs from index ``first`` at the probe's rate, wait until they run,
+    return their latencies."""
+    names = [job_name(i) for i in range(first, first + settings.probe)]
+    types = {name: gpu_type_for(i) for i, name in enumerate(names, start=first)}
+    created = create_at_rate(
+        lambda n: subject.create(n, types[n]), names, settings.probe_rate, settings.workers
+    )
+    _wait_running(tracker, set(created.sent), settings.settle_timeout)
+    return {
+        "liveJobsBefore": first,
+        "createdJobs": len(created.sent),
+        "createErrors": len(created.errors),
+        "offeredRate": settings.probe_rate,
+        "createToPodCreated": _latencies(created.sent, tracker.times("podCreated")),
+        "createToPodRunning": _latencies(created.sent, tracker.times("podRunning")),
+        "createToReady": _latencies(created.sent, tracker.times("ready")),
+    }
+
+
+def _wait_running(tracker: Tracker, wanted: set[str], timeout: float) -> None:
+    """Until every wanted job's pod runs and the job object says so, or ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(
+        tracker.count(m, wanted) < len(wanted) for m in ("podRunning", "ready")
+    ):
+        time.sleep(POLL_SECONDS)
 
 
 def _latencies(sent: dict[str, float], seen: dict[str, float]) -> dict[str, Any]:

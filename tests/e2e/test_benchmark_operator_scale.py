@@ -18,6 +18,7 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "operator_scale.py"
 STAGES = (10, 20)
+PROBE = 4
 TIMEOUT = 600
 
 
@@ -26,8 +27,8 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("operator-scale")
     argv = [
         sys.executable, str(SCRIPT), "--nodes", "20", "--jobs", ",".join(map(str, STAGES)), "--rate", "20",
-        "--steady-seconds", "2", "--settle-timeout", "90", "--out", str(out), "--name", "ci",
-        "--run-dir", str(out),
+        "--steady-seconds", "2", "--probe", str(PROBE), "--probe-rate", "8", "--settle-timeout", "90",
+        "--out", str(out), "--name", "ci", "--run-dir", str(out),
     ]  # fmt: skip
     run = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
     assert run.returncode == 0, f"the benchmark failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
@@ -45,12 +46,21 @@ def test_result_records_the_machine_versions_and_command(result: dict) -> None:
 def test_every_job_of_every_stage_gets_a_running_pod(result: dict, subject: str) -> None:
     stages = result["subjects"][subject]["stages"]
     assert [s["liveJobs"] for s in stages] == list(STAGES)
-    for stage, created in zip(stages, (10, 10), strict=True):
+    for stage, created in zip(stages, (10, 10 - PROBE), strict=True):
         assert stage["createdJobs"] == created and stage["createErrors"] == 0
         for phase in ("createToPodCreated", "createToPodScheduled", "createToPodRunning", "createToReady"):
             latency = stage[phase]
             assert latency["missing"] == 0 and latency["n"] == created
             assert 0 <= latency["p50"] <= latency["p95"] <= latency["p99"] <= latency["max"]
+
+
+@pytest.mark.parametrize("subject", ["operator", "floor"])
+def test_a_probe_after_each_stage_measures_latency_with_the_stage_live(result: dict, subject: str) -> None:
+    probes = [s["probe"] for s in result["subjects"][subject]["stages"]]
+    assert [p["liveJobsBefore"] for p in probes] == list(STAGES)
+    for probe in probes:
+        assert probe["createdJobs"] == PROBE and probe["offeredRate"] == 8
+        assert probe["createToPodCreated"]["missing"] == 0 and probe["createToReady"]["n"] == PROBE
 
 
 @pytest.mark.parametrize("subject", ["operator", "floor"])
@@ -64,6 +74,6 @@ def test_controller_cost_and_api_requests_are_measured(result: dict, subject: st
 
 def test_operator_counters_targets_and_ratios_are_reported(result: dict) -> None:
     stage = result["subjects"]["operator"]["stages"][-1]
-    assert stage["subjectCounters"]["sftjob_operator_pods_created_total"] == 10
+    assert stage["subjectCounters"]["sftjob_operator_pods_created_total"] == 10 - PROBE
     assert len(result["targets"]) == 5 and all(t["met"] in (True, False, None) for t in result["targets"])
     assert [r["liveJobs"] for r in result["ratios"]] == list(STAGES)
