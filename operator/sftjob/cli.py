@@ -4,9 +4,9 @@
     sftjob plan --model meta-llama/Llama-3.1-8B --method lora --gpu A40 [--gpus 2] [--seq 4096]
     sftjob gpus
 
-``plan`` exits 1 when the job fits on none of the GPU types shown, 2 on bad input. The YAML is read
-as a plain dict (only the fields the planner needs), so this command does not depend on the full
-SFTJob spec model.
+``plan`` exits 1 when the job fits on none of the GPU types shown, 2 on bad input. A YAML file is
+validated as the SFTJob spec and planned by the same function as the operator's (``job_plan``), for
+the GPU types the job allows unless ``--gpu`` names others.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from sftjob.architectures import Architecture, resolve_architecture
-from sftjob.config import LoraSettings, TrainingOverrides
-from sftjob.gpus import ANY_GPU, GPU_TYPES, PROFILES, GpuProfile, profile_for_key
+from sftjob.architectures import resolve_architecture
+from sftjob.config import TrainingOverrides
+from sftjob.gpus import GPU_TYPES, PROFILES, GpuProfile, profile_for_key
+from sftjob.job_plan import plan_job
 from sftjob.plan import Plan
 from sftjob.planner import PlanRequest, plan
+from sftjob.spec import SFTJobSpec, to_plan_request
 
 EXIT_NOTHING_FITS = 1
 EXIT_BAD_INPUT = 2
@@ -35,38 +37,21 @@ class InputError(Exception):
     """Bad command-line or YAML input, with a message naming the field."""
 
 
-def _request_from_yaml(path: str) -> tuple[PlanRequest, list[str], str]:
-    """(request, GPU types the job may use, model label) from an SFTJob YAML file."""
+def _job_from_yaml(path: str) -> SFTJobSpec:
+    """The SFTJob spec in a YAML file (a whole SFTJob or just its spec), validated like admission."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise InputError(f"cannot read {path}: {e}") from e
     if not isinstance(doc, dict):
         raise InputError(f"{path}: expected an SFTJob object")
-    spec = doc.get("spec", doc)
-    model = spec.get("model") or {}
-    gpu = spec.get("gpu") or {}
     try:
-        architecture = resolve_architecture(
-            model.get("name") or model.get("path"),
-            Architecture.model_validate(model["architecture"]) if model.get("architecture") else None,
-            model.get("parameters"),
+        return SFTJobSpec.model_validate(doc.get("spec", doc))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"spec.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()[:5]
         )
-        request = PlanRequest(
-            architecture=architecture,
-            method=spec.get("method", "lora"),
-            lora=LoraSettings.model_validate(spec.get("lora") or {}),
-            max_seq_length=(spec.get("dataset") or {}).get("maxSeqLength", 2048),
-            gpus_per_node=gpu.get("count", 1),
-            nodes=gpu.get("nodes", 1),
-            overrides=TrainingOverrides.model_validate(spec.get("training") or {}),
-            allow_fp8=(spec.get("training") or {}).get("precision") == "fp8",
-        )
-    except (ValidationError, ValueError) as e:
-        raise InputError(f"{path}: {e}") from e
-    kinds = gpu.get("type", ANY_GPU)
-    types = list(GPU_TYPES) if kinds == ANY_GPU else [kinds] if isinstance(kinds, str) else list(kinds)
-    return request, types, str(model.get("name") or model.get("path") or architecture.name)
+        raise InputError(f"{path}: {problems}") from e
 
 
 def _request_from_flags(args: argparse.Namespace) -> tuple[PlanRequest, str]:
@@ -239,11 +224,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan_command(args: argparse.Namespace) -> int:
     if args.file:
-        request, types, model = _request_from_yaml(args.file)
+        spec = _job_from_yaml(args.file)
+        profiles = _profiles(args.gpu or list(spec.gpu.candidates()))
+        try:
+            request = to_plan_request(spec, spec.gpu.count, spec.gpu.nodes)
+            plans = [plan_job(spec, gpu) for gpu in profiles]
+        except ValueError as e:
+            raise InputError(f"{args.file}: {e}") from e
+        model = spec.model.name or spec.model.path or request.architecture.name or "model"
     else:
-        (request, model), types = _request_from_flags(args), list(GPU_TYPES)
-    profiles = _profiles(args.gpu or types)
-    plans = [plan(request, gpu) for gpu in profiles]
+        request, model = _request_from_flags(args)
+        profiles = _profiles(args.gpu or list(GPU_TYPES))
+        plans = [plan(request, gpu) for gpu in profiles]
     if args.output == "json":
         print(
             json.dumps(

@@ -10,7 +10,6 @@ LABEL_JOB = "sftjob.io/job"
 LABEL_ATTEMPT = "sftjob.io/attempt"
 LABEL_ROLE = "sftjob.io/role"
 LABEL_RANK = "sftjob.io/node-rank"
-LABEL_GPU_TYPE = "sftjob.io/gpu-type"
 # Written by the trainer on its own Pod (JSON); read by the operator. The trainer never opens a
 # connection to the operator and the operator never connects to a pod: both go through the API server.
 ANNOTATION_PROGRESS = "sftjob.io/progress"
@@ -57,3 +56,4 @@ CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
 MIN_DRIVER_VERSION = "525.60.11"
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/sftjob/trainer:0.1.0"
+TRAINER_UID = 1000  # the trainer image's USER (trainer/Dockerfile); pods run as it, with it as fsGroup

@@ -380,7 +380,16 @@ def trainer_pod(
         "affinity": {"nodeAffinity": affinity},
         "tolerations": gpu_tolerations()
         + [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations],
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        # Pod Security "restricted": the trainer image's user, and volumes (checkpoints, output) made
+        # writable for its group; ownership is fixed only when the volume's root does not match.
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": c.TRAINER_UID,
+            "runAsGroup": c.TRAINER_UID,
+            "fsGroup": c.TRAINER_UID,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
     }

@@ -47,6 +47,7 @@ class Reason(StrEnum):
     NOT_SUSPENDED = "NotSuspended"
     FINISHED = "Finished"
     CHILD_REJECTED = "ChildRejected"  # the API server refused a pod or other child as invalid
+    FAILED_CREATE = "FailedCreate"  # the API server refused a child for now (quota, Pod Security): retried
 
 
 def set_condition(

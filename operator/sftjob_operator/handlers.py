@@ -37,10 +37,10 @@ from sftjob.config import JobRef
 from sftjob_operator import builders, metrics
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
-from sftjob_operator.kube import Conflict, Kube, Rejected
+from sftjob_operator.kube import Conflict, Forbidden, Kube, Rejected
 from sftjob_operator.observe import JobView, trim_node, trim_pod
 from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
-from sftjob_operator.status import parse_status, reject
+from sftjob_operator.status import failed_create, parse_status, reject
 from sftjob_operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -157,14 +157,23 @@ async def _reconcile(
     except Conflict as stale:
         _wait_for_newer(key, stale.resource_version)
         return
+    except Forbidden as err:  # said in the job's status and events by _apply; retried like an error
+        log.warning("creating a child of %s/%s was refused: %s", *key, err)
+        _back_off(key, result="refused")
+        return
     except Exception:  # an API or programming error: say so, back off, try again
-        backoff = Runtime.backoff.get(key, ERROR_BACKOFF[0])
-        log.exception("reconcile of %s/%s failed; retrying in %.0f s", *key, backoff)
-        metrics.RECONCILES.labels(result="error").inc()
-        Runtime.backoff[key] = min(backoff * 2, ERROR_BACKOFF[1])
-        queue.add_after(key, backoff)
+        log.exception("reconcile of %s/%s failed; retrying in %.0f s", *key, _back_off(key, result="error"))
         return
     queue.add_after(key, delay)
+
+
+def _back_off(key: JobKey, *, result: str) -> float:
+    """Requeue ``key`` after its current backoff, doubled for the next failure; returns the delay."""
+    backoff = Runtime.backoff.get(key, ERROR_BACKOFF[0])
+    metrics.RECONCILES.labels(result=result).inc()
+    Runtime.backoff[key] = min(backoff * 2, ERROR_BACKOFF[1])
+    Runtime.queue.add_after(key, backoff)
+    return backoff
 
 
 def _wait_for_newer(key: JobKey, version: str) -> None:
@@ -237,6 +246,13 @@ async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions) -> None
             await kube.run(kube.write_status, namespace, name, version, actions.status.to_patch(), failed)
             await _post(job, "Warning", Reason.CHILD_REJECTED, str(err))
             return
+        except Forbidden as err:
+            refused = failed_create(actions.status, str(err), generation=job.generation, now=_now())
+            if refused != actions.status:  # said once per new refusal, not on every retry
+                old_status = actions.status.to_patch()
+                await kube.run(kube.write_status, namespace, name, version, old_status, refused)
+                await _post(job, "Warning", Reason.FAILED_CREATE, str(err))
+            raise
         expected.created(key, uid, attempt, manifest)
         if created and manifest["kind"] == "Pod":
             metrics.PODS_CREATED.inc()

@@ -47,6 +47,11 @@ class Rejected(Exception):
     """The API server refused a child as invalid (HTTP 422): retrying the same manifest cannot help."""
 
 
+class Forbidden(Exception):
+    """The API server refused to create a child now (HTTP 403: a ResourceQuota, Pod Security admission,
+    a webhook): the same manifest may be admitted later, so it is retried with a backoff."""
+
+
 def connect() -> client.ApiClient:
     """In a pod: the service account; elsewhere: $KUBECONFIG or ~/.kube/config."""
     try:
@@ -108,6 +113,8 @@ class Kube:
         except ApiException as err:
             if err.status == 422:
                 raise Rejected(f"{kind} {meta['name']}: {_message(err)}") from err
+            if err.status == 403:
+                raise Forbidden(f"{kind} {meta['name']}: {_message(err)}") from err
             if err.status != 409:
                 raise
         if kind in FOLLOWS_ATTEMPT:

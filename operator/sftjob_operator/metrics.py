@@ -26,6 +26,9 @@ RECONCILE_SECONDS = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 JOBS = Gauge("sftjob_jobs", "SFTJobs by phase and the GPU type they run on.", ["phase", "gpu_type"])
+JOBS_FINISHED = Counter(
+    "sftjob_jobs_finished_total", "SFTJobs that ended, by result (Succeeded or Failed).", ["result"]
+)
 PODS_CREATED = Counter("sftjob_operator_pods_created_total", "Trainer pods the operator created.")
 RESTARTS = Counter(
     "sftjob_restarts_total", "Attempts started after a failure, by its class.", ["failure_class"]
@@ -56,17 +59,23 @@ WATCH_EVENTS = Counter(
 )
 BUILD_INFO = Gauge("sftjob_operator_build_info", "The operator's version.", ["version"])
 
+FINISHED_PHASES = ("Succeeded", "Failed")
+
 _job_states: dict[tuple[str, str], tuple[str, str]] = {}  # (namespace, name) -> (phase, GPU type)
 _job_counts: Tally[tuple[str, str]] = Tally()
 
 
 def serve(port: int) -> None:
     BUILD_INFO.labels(version=version("sftjob")).set(1)
+    for result in FINISHED_PHASES:  # present from the start, so increase() sees the first job end
+        JOBS_FINISHED.labels(result=result)
     start_http_server(port)
 
 
 def observe_pass(*, old: SFTJobStatus, new: SFTJobStatus, created: datetime, now: datetime) -> None:
     """Count what changed between a job's status before and after a pass."""
+    if new.phase in FINISHED_PHASES and old.phase not in FINISHED_PHASES:
+        JOBS_FINISHED.labels(result=new.phase).inc()
     if _flipped_true(old, new, "Scheduled") and new.attempt == 1:
         TIME_TO_SCHEDULED.observe((now - created).total_seconds())
     if new.phase == "Running" and old.phase != "Running":

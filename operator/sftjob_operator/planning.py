@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sftjob.gpus import GpuProfile
+from sftjob.job_plan import plan_job
 from sftjob.job_status import PlanStatus
-from sftjob.plan import Plan, PodResources
-from sftjob.spec import SFTJobSpec, to_plan_request
+from sftjob.plan import Plan
+from sftjob.spec import SFTJobSpec
 from sftjob_operator.conditions import Reason
 from sftjob_operator.scheduling import ProductMap, profile_of
 
@@ -57,10 +58,9 @@ class CandidatePlans:
 
 
 def planner_plan(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
-    """The planner's plan for the job on ``profile`` (the production :data:`PlanFn`)."""
-    from sftjob import planner
-
-    return planner.plan(to_plan_request(spec, spec.gpu.count, spec.gpu.nodes), profile)
+    """The planner's plan for the job on ``profile``, the user's resources applied (the production
+    :data:`PlanFn`)."""
+    return plan_job(spec, profile)
 
 
 def plan_candidates(spec: SFTJobSpec, products: ProductMap, plan_fn: PlanFn = planner_plan) -> CandidatePlans:
@@ -74,10 +74,7 @@ def plan_candidates(spec: SFTJobSpec, products: ProductMap, plan_fn: PlanFn = pl
                 continue
             profiles.setdefault(profile.key, profile)
             by_product[product] = profile.key
-    plans = {
-        key: _with_user_resources(spec, _cached_plan(plan_fn, spec, profile))
-        for key, profile in profiles.items()
-    }
+    plans = {key: _cached_plan(plan_fn, spec, profile) for key, profile in profiles.items()}
     found = CandidatePlans(plans, by_product)
     if not found.fitting:
         raise PlanningError(Reason.DOES_NOT_FIT, _no_fit_message(spec, plans))
@@ -109,18 +106,6 @@ def _cached_plan(plan_fn: PlanFn, spec: SFTJobSpec, profile: GpuProfile) -> Plan
 @functools.lru_cache(maxsize=512)
 def _memo(plan_fn: PlanFn, spec_json: str, profile: GpuProfile) -> Plan:
     return plan_fn(SFTJobSpec.model_validate_json(spec_json), profile)
-
-
-def _with_user_resources(spec: SFTJobSpec, plan: Plan) -> Plan:
-    wanted = spec.resources
-    if wanted.cpu is None and wanted.memory is None:
-        return plan
-    resources = PodResources(
-        cpu=wanted.cpu or plan.resources.cpu,
-        memory=wanted.memory or plan.resources.memory,
-        shm_size=plan.resources.shm_size,
-    )
-    return plan.model_copy(update={"resources": resources})
 
 
 def _no_fit_message(spec: SFTJobSpec, plans: dict[str, Plan]) -> str:

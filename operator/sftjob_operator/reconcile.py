@@ -41,6 +41,7 @@ from sftjob_operator.classify import (
 )
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason
+from sftjob_operator.conditions import get as get_condition
 from sftjob_operator.defaults import JobDefaults, effective
 from sftjob_operator.planning import (
     CandidatePlans,
@@ -182,11 +183,10 @@ class _Pass(StatusDraft):
         if decision.not_before is not None and decision.not_before > self.now:
             wait = (decision.not_before - self.now).total_seconds()
             self.requeue.append(wait)
-            self.set_phase(
-                "Restarting",
-                Reason.RESTARTING,
-                f"attempt {decision.attempt} starts in {wait:.0f} s. {decision.message}".strip(),
-            )
+            message = f"attempt {decision.attempt} starts in {wait:.0f} s. {decision.message}".strip()
+            self.cond(T.RUNNING, False, Reason.RESTARTING, message)
+            self.cond(T.SCHEDULED, False, Reason.RESTARTING, "no pods between attempts")
+            self.set_phase("Restarting", Reason.RESTARTING, message)
             return None
         self.start(spec, decision)
 
@@ -216,6 +216,7 @@ class _Pass(StatusDraft):
         self.events.append(Event("Normal", Reason.PODS_CREATED, f"{what}. {decision.message}".strip()))
         # The status the next pass would write while the pods are on their way, written now in one go.
         self.current = [p for p in self.obs.pods if observe.attempt_of(p) == decision.attempt]
+        self.cond(T.SCHEDULED, False, Reason.WAITING_FOR_PODS, "waiting for the scheduler")
         self.observe_running(spec, decision.plans, record)
 
     def under_way(self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord) -> None:
@@ -225,7 +226,10 @@ class _Pass(StatusDraft):
             return self.fail(rendering.reason, rendering.message)
         by_rank = {observe.rank_of(p): p for p in self.current}
         missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
-        grace_over = record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE
+        # A pod whose create the API server refused (FailedCreate) was never there: retry, never judge it.
+        grace_over = not self.failed_create() and (
+            record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE
+        )
         names = {r: builders.pod_name(self.obs.name, record.attempt, r) for r in missing}
         if grace_over:
             self.check = [names[r] for r in missing if names[r] not in self.obs.gone]
@@ -296,6 +300,8 @@ class _Pass(StatusDraft):
         unschedulable = observe.unschedulable_message(pods)
         if everyone and len(nodes) == len(pods):
             self.cond(T.SCHEDULED, True, Reason.BOUND, f"on {', '.join(nodes)}")
+        elif not everyone and self.failed_create():
+            pass  # the refused create's message stays until a create succeeds
         elif unschedulable is not None:
             self.cond(T.SCHEDULED, False, Reason.UNSCHEDULABLE, unschedulable)
         else:
@@ -399,6 +405,11 @@ class _Pass(StatusDraft):
 
     def record(self) -> AttemptRecord | None:
         return self.record_of(self.attempt)
+
+    def failed_create(self) -> bool:
+        """The API server refused to create one of this attempt's children (see ``status.failed_create``)."""
+        scheduled = get_condition(self.status.conditions, T.SCHEDULED)
+        return scheduled is not None and scheduled.reason == Reason.FAILED_CREATE
 
     def actions(self) -> Actions:
         if self.check:

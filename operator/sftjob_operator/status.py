@@ -84,3 +84,14 @@ def reject(status: SFTJobStatus, message: str, *, generation: int, now: datetime
     return status.model_copy(
         update={"conditions": conditions, "phase": "Failed", "completion_time": status.completion_time or now}
     )
+
+
+def failed_create(status: SFTJobStatus, message: str, *, generation: int, now: datetime) -> SFTJobStatus:
+    """The status after the API server refused to create one of the attempt's children for now (HTTP 403:
+    a ResourceQuota, Pod Security admission, a webhook). ``Scheduled`` says why no pod exists; the
+    reconcile keeps that condition and retries the create instead of judging the pod deleted."""
+    conditions = set_condition(
+        status.conditions, type=T.SCHEDULED, status=False, reason=Reason.FAILED_CREATE,
+        message=message[:4096], generation=generation, now=now,
+    )  # fmt: skip
+    return status.model_copy(update={"conditions": conditions})

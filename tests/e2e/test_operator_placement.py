@@ -67,3 +67,36 @@ def test_a_job_asking_for_more_gpus_than_any_node_has_stays_pending_and_says_why
     assert "Insufficient nvidia.com/gpu" in message
     time.sleep(2)
     assert jobs.status("too-big")["phase"] == "Pending"
+
+
+def test_a_namespace_enforcing_the_restricted_pod_security_profile_admits_the_trainer_pods(
+    jobs: Jobs,
+) -> None:
+    jobs.cluster.kubectl(
+        "label", "namespace", jobs.namespace, "pod-security.kubernetes.io/enforce=restricted"
+    )
+    jobs.apply(sftjob("restricted"))
+    (pod,) = jobs.running_pods("restricted")
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_a_pod_a_quota_refuses_is_reported_and_created_once_the_quota_allows_it(jobs: Jobs) -> None:
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-gpus"},
+        "spec": {"hard": {"requests.nvidia.com/gpu": "0"}},
+    }
+    jobs.apply(quota)
+    jobs.apply(sftjob("over-quota"))
+    refused = wait_for(
+        "Scheduled=False FailedCreate",
+        lambda: (c := jobs.condition("over-quota", "Scheduled")).get("reason") == "FailedCreate" and c,
+    )
+    assert "quota" in refused["message"] and refused["status"] == "False"
+    events = jobs.kubectl("get", "events", "--field-selector", "involvedObject.name=over-quota", "-o", "json")
+    assert "FailedCreate" in {e["reason"] for e in json.loads(events.stdout)["items"]}
+    jobs.kubectl("delete", "resourcequota", "no-gpus")
+    jobs.running_pods("over-quota", timeout=60)
+    status = jobs.wait_phase("over-quota", "Running")
+    assert status["attempt"] == 1 and status.get("restarts", 0) == 0

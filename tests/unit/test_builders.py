@@ -97,6 +97,15 @@ def test_a_pod_requests_its_gpus_tolerates_the_gpu_taint_and_never_restarts_itse
     assert term["matchExpressions"][0]["values"] == default_products()["L40S"]
 
 
+def test_a_pod_meets_the_restricted_pod_security_profile_as_the_trainer_images_user() -> None:
+    p = pod(spec())
+    security = p["spec"]["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == security["fsGroup"] == c.TRAINER_UID
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = p["spec"]["containers"][0]["securityContext"]
+    assert container == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def test_a_pod_mounts_its_config_a_memory_backed_shm_and_the_checkpoint_claim() -> None:
     p = pod(spec())
     volumes = {v["name"]: v for v in p["spec"]["volumes"]}

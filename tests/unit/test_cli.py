@@ -12,7 +12,7 @@ kind: SFTJob
 metadata: {name: demo}
 spec:
   model: {name: meta-llama/Llama-3.1-8B-Instruct}
-  dataset: {path: /data/train.jsonl, maxSeqLength: 4096}
+  dataset: {name: HuggingFaceH4/ultrachat_200k, maxSeqLength: 4096}
   method: lora
   lora: {r: 16, alpha: 32, targetModules: [all-linear]}
   gpu: {type: L40S, count: 1}
@@ -153,3 +153,25 @@ def test_gpus_json_is_machine_readable(capsys):
     assert code == 0
     keys = {p["key"] for p in json.loads(out)}
     assert {"A800-SXM4-80GB", "A40", "L40S"} <= keys
+
+
+def test_a_jobs_preferred_gpu_types_are_the_ones_planned(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("gpu: {type: L40S, count: 1}", "gpu: {types: [L40S, A40], count: 1}"))
+    code, out, _ = run(capsys, "plan", "-f", str(job), "-o", "json")
+    assert code == 0 and [p["gpu"] for p in json.loads(out)] == ["L40S", "A40"]
+
+
+def test_a_jobs_packing_length_and_resources_plan_as_the_operator_would(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    training = "training: {globalBatchSize: 16, learningRate: 0.0001, packingLength: 1024}"
+    job.write_text(JOB.replace("training: {globalBatchSize: 16, learningRate: 0.0001}", training))
+    code, out, _ = run(capsys, "plan", "-f", str(job), "-o", "json")
+    assert code == 0 and json.loads(out)[0]["packingLength"] == 1024
+
+
+def test_a_spec_admission_would_refuse_is_an_input_error_naming_the_field(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("name: HuggingFaceH4/ultrachat_200k", "path: /etc/passwd"))
+    code, _, err = run(capsys, "plan", "-f", str(job))
+    assert code == 2 and "spec.dataset.path" in err

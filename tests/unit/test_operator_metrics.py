@@ -17,7 +17,7 @@ CONTRACT = {
     "sftjob_operator_pods_created_total", "sftjob_restarts_total", "sftjob_oom_replans_total",
     "sftjob_job_time_to_scheduled_seconds", "sftjob_job_time_to_training_started_seconds",
     "sftjob_recovery_duration_seconds", "sftjob_restart_lost_steps", "sftjob_operator_watch_events_total",
-    "sftjob_operator_build_info",
+    "sftjob_operator_build_info", "sftjob_jobs_finished_total",
 }  # fmt: skip
 
 
@@ -38,6 +38,14 @@ def test_the_first_running_pass_observes_the_time_to_training() -> None:
     assert sample("sftjob_job_time_to_training_started_seconds_count") == before + 1
     metrics.observe_pass(old=running, new=running, created=NOW, now=NOW)
     assert sample("sftjob_job_time_to_training_started_seconds_count") == before + 1
+
+
+def test_a_job_that_ends_is_counted_once_by_its_result() -> None:
+    before = sample("sftjob_jobs_finished_total", result="Failed")
+    running, failed = SFTJobStatus(phase="Running", attempt=1), SFTJobStatus(phase="Failed", attempt=1)
+    metrics.observe_pass(old=running, new=failed, created=NOW, now=NOW)
+    metrics.observe_pass(old=failed, new=failed, created=NOW, now=NOW)  # a later pass, e.g. after a restart
+    assert sample("sftjob_jobs_finished_total", result="Failed") == before + 1
 
 
 def test_a_restart_is_counted_by_the_class_of_the_failure_before_it() -> None:

@@ -19,6 +19,7 @@ from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.planning import CandidatePlans
 from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
 from sftjob_operator.scheduling import default_products
+from sftjob_operator.status import failed_create
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 PRODUCTS = {"a800-0": "NVIDIA-A800-SXM4-80GB", "l40s-0": "NVIDIA-L40S", "a40-0": "NVIDIA-A40"}
@@ -226,10 +227,14 @@ def test_a_restart_waiting_for_its_backoff_shows_restarting_and_asks_to_be_reque
     ctx = replace(CTX, attempt_policy=restart_after(30))
     obs = observed()
     first = reconcile(obs, ctx)
+    running = reconcile(then(obs, first, pods=[pod()]), ctx)
+    assert condition(running, "Running") == ("True", "Training")
     failed = pod(phase="Failed", status=terminated(16, "Error", "NCCL timeout"))
-    actions = reconcile(then(obs, first, pods=[failed]), ctx)
+    actions = reconcile(then(obs, running, pods=[failed]), ctx)
     assert actions.status.phase == "Restarting" and actions.requeue_after == 30
     assert not actions.children and actions.status.attempt == 1
+    assert condition(actions, "Running") == ("False", "Restarting")
+    assert condition(actions, "Scheduled") == ("False", "Restarting")
 
 
 def test_suspending_deletes_the_pods_and_resuming_starts_a_new_attempt_without_counting_a_restart() -> None:
@@ -294,6 +299,21 @@ def test_a_pod_the_index_lacks_past_its_grace_is_looked_up_not_judged_vanished()
     assert actions.check_pods == ["job-1-0"]
     assert not actions.status_changed and not actions.children and not actions.delete_pods
     assert not actions.events and actions.status.attempt == 1
+
+
+def test_a_pod_whose_create_was_refused_is_created_again_never_judged_deleted() -> None:
+    obs, first = started()
+    refused = failed_create(first.status, "Pod job-1-0: exceeded quota", generation=1, now=NOW)
+    late = replace(
+        obs, status=refused.to_patch(), now=NOW + timedelta(seconds=300), gone=frozenset({"job-1-0"})
+    )
+    actions = reconcile(late, CTX)
+    assert not actions.check_pods and actions.status.attempt == 1 and actions.status.restarts == 0
+    assert actions.status.attempts[0].reason is None
+    assert [m["metadata"]["name"] for m in actions.children if m["kind"] == "Pod"] == ["job-1-0"]
+    assert condition(actions, "Scheduled") == ("False", "FailedCreate") and not actions.status_changed
+    created = reconcile(then(late, actions, pods=[pod(phase="Pending", node=None)]), CTX)
+    assert condition(created, "Scheduled") == ("False", "WaitingForPods")
 
 
 def test_a_pod_found_by_the_direct_read_keeps_its_attempt_going() -> None:
