@@ -1,22 +1,24 @@
 """Model architectures the memory estimator and planner reason about.
 
-An architecture comes from the model's own config.json when the operator can read it
-(:func:`architecture_from_hf_config`), else from the SFTJob's ``spec.model.architecture`` block, else
-from the built-in table of common families below (matched by hub id), else from a Llama-shaped guess
-sized to ``spec.model.parameters`` (:func:`resolve_architecture`).
+The operator never reads the model's files. It plans with the SFTJob's ``spec.model.architecture`` block
+when the spec has one, else the built-in table of common models below (matched by hub id), else a
+Llama-shaped guess sized to ``spec.model.parameters`` (:func:`resolve_architecture`). Only the trainer,
+which loads the model, reads its config.json (:func:`architecture_from_hf_config`, for FLOPs accounting).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-# Families whose HF modelling code Liger kernels patch (RMSNorm, RoPE, SwiGLU/GeGLU, fused linear CE).
-LIGER_FAMILIES = frozenset({"llama", "mistral", "qwen2", "gemma2"})
+# The model families (HF model_type) the planner knows: the built-in table's, each one whose HF
+# modelling code Liger kernels patch (RMSNorm, RoPE, SwiGLU/GeGLU, fused linear CE).
+ModelFamily = Literal["llama", "mistral", "qwen2", "gemma2"]
+LIGER_FAMILIES: frozenset[str] = frozenset(get_args(ModelFamily))
 
 
 class Architecture(BaseModel):

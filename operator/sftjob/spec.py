@@ -4,9 +4,11 @@ The CRD schema (``crds/sftjob.io_sftjobs.yaml``) rejects bad input at admission;
 second line of defence the operator parses every spec with, and the vocabulary the reconcile speaks.
 Blocks the trainer contract already defines are reused as they are: ``spec.training`` is
 :class:`~sftjob.config.TrainingOverrides`, ``spec.lora`` is :class:`~sftjob.config.LoraSettings`,
-``spec.model.architecture`` is :class:`~sftjob.architectures.Architecture`, ``spec.restartPolicy`` is
-:class:`~sftjob.attempts.RestartPolicy`. A unit test keeps the CRD and these models on the same field
-names.
+``spec.model.architecture`` is :class:`~sftjob.architectures.Architecture` (its ``family`` narrowed to the
+CRD's enum), ``spec.restartPolicy`` is :class:`~sftjob.attempts.RestartPolicy`. Tolerations, node labels,
+names and the checkpoint size are checked as the API server checks them in the pods and the claim, so
+an admitted job's children are not refused for them. A unit test keeps the CRD and these models on the
+same field names, enums and patterns.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from sftjob.architectures import Architecture
+from sftjob.architectures import Architecture, ModelFamily
 from sftjob.attempts import OnOOM, RestartPolicy
 from sftjob.config import DatasetFormat, LoraSettings, Method, TrainingOverrides
 
@@ -32,9 +34,29 @@ ANY_ORDER: tuple[GpuType, ...] = ("A800", "L40S", "A40")
 # Job names end up in pod names (`<job>-<attempt>-<rank>`, a 63-character DNS label) and a Service name.
 MAX_JOB_NAME = 40
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# Names of Secrets, claims, StorageClasses and PriorityClasses: DNS-1123 subdomains, as the API server
+# checks them in the children the operator creates.
+_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+DNS_SUBDOMAIN = f"^{_SUBDOMAIN}$"
 QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
+# A quantity above zero (a claim's size: the API server refuses a claim of 0 bytes).
+POSITIVE_QUANTITY = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+SECRET_KEY = r"^\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # not '.', '..' or starting with '..'
+IMAGE = r"^\S+$"  # the API server refuses a pod whose image has leading or trailing whitespace
+# Label keys and values as Kubernetes validates them (a pod's nodeSelector, a toleration's key and value):
+# an optional DNS-1123 subdomain prefix (at most MAX_LABEL_PREFIX characters) and '/', then a name of at
+# most 63 characters. The CRD's CEL rules use the same two patterns.
+LABEL_KEY = f"^({_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
+LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+MAX_LABEL_PREFIX = 253
+LABEL_KEY_RULE = (
+    "an optional DNS subdomain prefix of at most 253 characters and '/', then a name of at most 63"
+    " letters, digits, '-', '_' or '.' that starts and ends with a letter or digit"
+)
+LABEL_VALUE_RULE = (
+    "empty, or at most 63 letters, digits, '-', '_' or '.' that start and end with a letter or digit"
+)
 RESERVED_ENV_PREFIX = "SFTJOB_"
 DEFAULT_CHECKPOINT_MINUTES = 30
 DEFAULT_CHECKPOINT_SIZE = "100Gi"
@@ -70,6 +92,13 @@ class NfsSource(_Spec):
 class HostPathSource(_Spec):
     path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")]
 
+    @field_validator("path")
+    @classmethod
+    def _no_backsteps(cls, path: str) -> str:
+        if ".." in path.split("/"):
+            raise ValueError(f"hostPath.path {path!r} must not contain a '..' segment")
+        return path
+
 
 class VolumeSource(_Spec):
     """Where data lives: exactly one of a PersistentVolumeClaim, an NFS export or a host path."""
@@ -92,9 +121,13 @@ class VolumeSource(_Spec):
 
 class SecretKeyRef(_Spec):
     name: ObjectName
-    key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")] = (
-        "token"
-    )
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)] = "token"
+
+
+class ArchitectureSpec(Architecture):
+    """``spec.model.architecture``: the shape, with ``family`` one the planner knows (or unset)."""
+
+    family: ModelFamily | None = None
 
 
 class ModelSpec(_Spec):
@@ -105,7 +138,7 @@ class ModelSpec(_Spec):
     token_secret_ref: SecretKeyRef | None = None
     trust_remote_code: bool = False
     parameters: int | None = Field(default=None, ge=1_000_000, le=10_000_000_000_000)
-    architecture: Architecture | None = None
+    architecture: ArchitectureSpec | None = None
 
     @field_validator("path")
     @classmethod
@@ -180,7 +213,9 @@ class CheckpointSpec(_Spec):
     volume: VolumeSource | None = None
     # The operator's defaults (sftjob_operator.defaults) fill storageClassName and size when unset.
     storage_class_name: ObjectName | None = None
-    size: Quantity = DEFAULT_CHECKPOINT_SIZE
+    size: Annotated[str, StringConstraints(max_length=32, pattern=POSITIVE_QUANTITY)] = (
+        DEFAULT_CHECKPOINT_SIZE
+    )
     every_steps: int | None = Field(default=None, ge=1, le=1_000_000)
     every_minutes: int | None = Field(default=None, ge=1, le=1440)
     keep: int = Field(default=3, ge=1, le=100)
@@ -220,12 +255,48 @@ class EnvVar(_Spec):
         return name
 
 
+def valid_label_key(key: str) -> bool:
+    """Whether ``key`` is a Kubernetes label key (what a nodeSelector or a toleration's key must be)."""
+    prefix, slash, _ = key.partition("/")
+    return re.fullmatch(LABEL_KEY, key) is not None and (not slash or len(prefix) <= MAX_LABEL_PREFIX)
+
+
+def valid_label_value(value: str) -> bool:
+    return re.fullmatch(LABEL_VALUE, value) is not None
+
+
 class Toleration(_Spec):
+    """One extra toleration of the trainer pods, held to the rules the API server applies to a pod's."""
+
     key: Annotated[str, StringConstraints(max_length=317)] | None = None
     operator: Literal["Exists", "Equal"] = "Equal"
     value: Annotated[str, StringConstraints(max_length=63)] | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = Field(default=None, ge=0, le=31_536_000)
+
+    @field_validator("key")
+    @classmethod
+    def _key_is_a_label_key(cls, key: str | None) -> str | None:
+        if key and not valid_label_key(key):
+            raise ValueError(f"key {key!r} is not a label key: {LABEL_KEY_RULE}")
+        return key
+
+    @field_validator("value")
+    @classmethod
+    def _value_is_a_label_value(cls, value: str | None) -> str | None:
+        if value is not None and not valid_label_value(value):
+            raise ValueError(f"value {value!r} is not a label value: {LABEL_VALUE_RULE}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Toleration:
+        if not self.key and self.operator != "Exists":
+            raise ValueError("operator must be Exists when key is empty (a toleration of every taint)")
+        if self.operator == "Exists" and self.value:
+            raise ValueError("value must be empty when operator is Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
 
 
 class RestartPolicySpec(RestartPolicy):
@@ -245,7 +316,7 @@ class SFTJobSpec(_Spec):
     checkpoints: CheckpointSpec = CheckpointSpec()
     output: OutputSpec = OutputSpec()
     restart_policy: RestartPolicySpec = RestartPolicySpec()
-    image: Annotated[str, StringConstraints(min_length=1, max_length=512)] | None = None
+    image: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=IMAGE)] | None = None
     resources: ResourceSpec = ResourceSpec()
     env: Annotated[list[EnvVar], Field(max_length=64)] = []
     tolerations: Annotated[list[Toleration], Field(max_length=32)] = []
@@ -256,6 +327,16 @@ class SFTJobSpec(_Spec):
     suspend: bool = False
     active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
+
+    @field_validator("node_selector")
+    @classmethod
+    def _node_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if not valid_label_key(key):
+                raise ValueError(f"key {key!r} is not a label key: {LABEL_KEY_RULE}")
+            if not valid_label_value(value):
+                raise ValueError(f"value {value!r} of {key!r} is not a label value: {LABEL_VALUE_RULE}")
+        return labels
 
     @model_validator(mode="after")
     def _qlora_is_single_gpu(self) -> SFTJobSpec:

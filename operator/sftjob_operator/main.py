@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 from pathlib import Path
 
 import kopf
 from pydantic import ValidationError
 
 from sftjob.constants import DEFAULT_TRAINER_IMAGE
+from sftjob.spec import IMAGE
 from sftjob_operator import handlers, metrics
 from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.kube import Kube, connect
@@ -102,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{DEFAULT_FLAGS.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors()
         )
         p.error(f"invalid job default: {problems}")
+    if not re.fullmatch(IMAGE, args.image):
+        p.error(
+            f"--image / SFTJOB_TRAINER_IMAGE must be an image reference without spaces, got {args.image!r}"
+        )
     return args
 
 

@@ -74,6 +74,49 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         spec_with(nodeSelector={f"k{i}": "v" for i in range(40)}),
         "spec.nodeSelector",
     ),
+    # What the API server would refuse in the pods or the claim, after the job's other children exist.
+    "toleration of every key with operator Equal": (
+        spec_with(tolerations=[{"value": "x"}]),
+        "spec.tolerations[0].operator",
+    ),
+    "toleration with operator Exists and a value": (
+        spec_with(tolerations=[{"key": "pool", "operator": "Exists", "value": "x"}]),
+        "spec.tolerations[0].value",
+    ),
+    "tolerationSeconds without effect NoExecute": (
+        spec_with(tolerations=[{"key": "pool", "effect": "NoSchedule", "tolerationSeconds": 60}]),
+        "spec.tolerations[0].tolerationSeconds",
+    ),
+    "toleration key not a label key": (
+        spec_with(tolerations=[{"key": "my pool", "operator": "Exists"}]),
+        "spec.tolerations[0].key",
+    ),
+    "node selector key not a label key": (
+        spec_with(nodeSelector={"zone": "a", "Example.com/pool": "a"}),
+        "key Example.com/pool is not a label key",
+    ),
+    "node selector value not a label value": (
+        spec_with(nodeSelector={"pool": "a b"}),
+        "spec.nodeSelector[pool]",
+    ),
+    "checkpoint claim of zero bytes": (spec_with(checkpoints={"size": "0Gi"}), "spec.checkpoints.size"),
+    "unknown architecture family": (
+        spec_with(
+            model={
+                "name": "acme/model",
+                "architecture": {
+                    "layers": 2,
+                    "hiddenSize": 64,
+                    "heads": 4,
+                    "kvHeads": 4,
+                    "intermediateSize": 128,
+                    "vocabSize": 1000,
+                    "family": "phi3",
+                },
+            }
+        ),
+        "spec.model.architecture.family",
+    ),
 }
 
 
@@ -103,3 +146,11 @@ def test_the_spec_is_immutable_except_suspend_deadline_and_ttl(jobs: Jobs) -> No
     for patch in ('{"spec":{"suspend":false}}', '{"spec":{"activeDeadlineSeconds":60}}',
                   '{"spec":{"ttlSecondsAfterFinished":60}}'):  # fmt: skip
         jobs.kubectl("patch", "sft", "settled", "--type=merge", "-p", patch)
+
+
+def test_the_wide_listing_shows_every_printer_column_with_the_reason(jobs: Jobs) -> None:
+    jobs.apply(sftjob("listed", suspend=True))
+    jobs.wait_phase("listed", "Suspended")
+    header, row = jobs.kubectl("get", "sft", "listed", "-o", "wide").stdout.splitlines()
+    assert header.split() == ["NAME", "GPU", "PHASE", "PROGRESS", "LOSS", "RESTARTS", "AGE", "PLAN", "REASON"]
+    assert row.split()[-1] == "SuspendedBySpec"

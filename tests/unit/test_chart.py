@@ -327,7 +327,7 @@ def test_pod_monitor_scrapes_the_rank_zero_trainer_pod_on_its_metrics_port() -> 
     assert monitor["selector"]["matchLabels"] == {c.LABEL_ROLE: "trainer", c.LABEL_RANK: "0"}
     assert monitor["podMetricsEndpoints"][0]["port"] == "metrics"
     assert monitor["namespaceSelector"] == {"any": True}
-    assert set(monitor["podTargetLabels"]) == {c.LABEL_ATTEMPT, c.LABEL_GPU_TYPE}
+    assert monitor["podTargetLabels"] == [c.LABEL_ATTEMPT]  # the trainer labels its metrics with the GPU
 
 
 def test_service_monitor_scrapes_the_operator_metrics_service() -> None:

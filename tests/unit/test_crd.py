@@ -3,24 +3,26 @@ and the CRD meets the bar users see in `kubectl explain` and at admission (descr
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, StringConstraints
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from sftjob import constants as c
 from sftjob.job_status import SFTJobStatus
-from sftjob.spec import SFTJobSpec
+from sftjob.spec import LABEL_KEY, LABEL_KEY_RULE, LABEL_VALUE, LABEL_VALUE_RULE, SFTJobSpec
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
 # Model fields the API does not expose: filled in by the operator, never by users.
-INTERNAL = {"spec.model.architecture": {"family", "name"}}
+INTERNAL = {"spec.model.architecture": {"name"}}
 Schema = dict[str, Any]
 
 
@@ -47,6 +49,17 @@ def _strip(annotation: Any) -> Any:
             annotation = models[0] if models else args[0]
         else:
             return annotation
+
+
+def _pattern(field: FieldInfo) -> str | None:
+    """The regex of a field's StringConstraints (pydantic keeps an Optional field's inside its annotation)."""
+    optional = [
+        a.__metadata__ for a in typing.get_args(field.annotation) if typing.get_origin(a) is Annotated
+    ]
+    for meta in [*field.metadata, *(m for metadata in optional for m in metadata)]:
+        if isinstance(meta, StringConstraints) and meta.pattern is not None:
+            return str(meta.pattern)
+    return None
 
 
 def _is_model(annotation: Any) -> bool:
@@ -110,6 +123,35 @@ def test_the_crd_and_the_models_agree_on_enums_and_defaults(schema: Schema) -> N
                 assert prop["default"] == field.default or prop["default"] == {}, f"{where}.{name}"
 
 
+def test_the_crd_and_the_models_agree_on_string_patterns(schema: Schema) -> None:
+    compared = 0
+    for where, m, node in _pairs(SFTJobSpec, schema["properties"]["spec"], "spec"):
+        for name, field in m.model_fields.items():
+            prop = node.get("properties", {}).get(field.alias or name, {})
+            pattern = _pattern(field)
+            if pattern is not None:
+                assert prop.get("pattern") == pattern, f"{where}.{name}"
+                compared += 1
+    assert compared >= 8
+
+
+def test_label_keys_and_values_are_checked_with_the_models_patterns_and_words(schema: Schema) -> None:
+    """The toleration and nodeSelector CEL rules hold the regexes and wording of sftjob.spec."""
+    spec = schema["properties"]["spec"]["properties"]
+    toleration = spec["tolerations"]["items"]["properties"]
+    rules = [
+        *toleration["key"]["x-kubernetes-validations"],
+        *toleration["value"]["x-kubernetes-validations"],
+        *spec["nodeSelector"]["x-kubernetes-validations"][1:],
+        *spec["nodeSelector"]["additionalProperties"]["x-kubernetes-validations"],
+    ]
+    regexes = {r for rule in rules for r in re.findall(r"matches\('([^']*)'\)", rule["rule"])}
+    assert regexes == {LABEL_KEY, LABEL_VALUE}
+    words = " ".join(rule.get("message", rule.get("messageExpression", "")) for rule in rules)
+    words = words.replace("\\'", "'")
+    assert words.count(LABEL_KEY_RULE) == 2 and words.count(LABEL_VALUE_RULE) == 2
+
+
 def test_every_field_has_a_description(schema: Schema) -> None:
     missing = [
         w for w, node in _walk(schema, "") if "description" not in node and not w.endswith(("[]", "{}"))
@@ -140,6 +182,15 @@ def test_the_printer_columns_show_gpu_phase_progress_loss_restarts_and_age(
         for part in path:
             node = node["properties"][part]
         assert node["type"] in ("string", "number", "integer"), name
+
+
+def test_printer_columns_use_only_jsonpath_the_api_server_evaluates(crd: Schema) -> None:
+    """client-go's jsonpath has no && or || in filters: the API server drops a column using them."""
+    columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+    for column in columns:
+        assert "&&" not in column["jsonPath"] and "||" not in column["jsonPath"], column["name"]
+    reason = next(col for col in columns if col["name"] == "Reason")
+    assert reason["jsonPath"] == '.status.conditions[?(@.type=="Running")].reason'
 
 
 def test_conditions_are_a_map_keyed_by_type(schema: Schema) -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from pydantic import ValidationError
 
+from sftjob.architectures import KNOWN_ARCHITECTURES, ModelFamily
 from sftjob.job_status import SFTJobStatus
 from sftjob.spec import SFTJobSpec, to_plan_request, valid_job_name
 
@@ -51,6 +52,11 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
         {"env": [{"name": "SFTJOB_CONFIG", "value": "x"}]},
         {"model": {"path": "m", "volume": {**PVC, "hostPath": {"path": "/m"}}}},
         {"restartPolicy": {"onOOM": "Ignore"}},
+        {"image": " trainer:1"},
+        {"checkpoints": {"size": "0Gi"}},
+        {"checkpoints": {"storageClassName": "fast..ssd"}},
+        {"model": {"name": "a/b", "tokenSecretRef": {"name": "hf", "key": ".."}}},
+        {"dataset": {"path": "d", "volume": {"hostPath": {"path": "/data/../etc"}}}},
         {"gpus": 2},
     ],
 )
@@ -124,3 +130,73 @@ def test_a_backoff_above_its_cap_is_rejected_only_when_the_user_set_it() -> None
     with pytest.raises(ValidationError, match="backoffSeconds 30 exceeds"):
         spec(restartPolicy={"backoffSeconds": 30, "maxBackoffSeconds": 20})
     assert spec(restartPolicy={"maxBackoffSeconds": 5}).restart_policy.max_backoff_seconds == 5
+
+
+@pytest.mark.parametrize(
+    "toleration",
+    [
+        {"value": "x"},  # an empty key tolerates every taint: only with operator Exists
+        {"key": "k", "operator": "Exists", "value": "v"},
+        {"key": "k", "tolerationSeconds": 60},
+        {"key": "k", "effect": "NoSchedule", "tolerationSeconds": 60},
+        {"key": "a b"},
+        {"key": "a/b/c"},
+        {"key": f"{'a' * 254}/k"},
+        {"key": "k", "value": "-v"},
+    ],
+)
+def test_a_toleration_the_api_server_would_refuse_in_a_pod_is_rejected(toleration: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match=r"tolerations\.0"):
+        spec(tolerations=[toleration])
+
+
+def test_tolerations_a_pod_may_carry_are_accepted() -> None:
+    tolerations = [
+        {"operator": "Exists"},
+        {"key": "example.com/pool", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "value": "ml", "effect": "NoExecute", "tolerationSeconds": 300},
+    ]
+    assert len(spec(tolerations=tolerations).tolerations) == 3
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "valid"),
+    [
+        ("kubernetes.io/hostname", "node-1", True),
+        ("example.com/Pool_2", "", True),
+        (f"{'a' * 253}/x", "v", True),
+        ("a" * 63, "a" * 63, True),
+        (f"{'a' * 254}/x", "v", False),
+        ("a" * 64, "v", False),
+        ("Example.com/x", "v", False),
+        ("a..b/x", "v", False),
+        ("/x", "v", False),
+        ("x/", "v", False),
+        ("-x", "v", False),
+        ("x", "-v", False),
+        ("x", "a b", False),
+    ],
+)
+def test_node_selector_takes_label_keys_and_values_only(key: str, value: str, valid: bool) -> None:
+    if valid:
+        assert spec(nodeSelector={key: value}).node_selector == {key: value}
+    else:
+        with pytest.raises(ValidationError, match="nodeSelector"):
+            spec(nodeSelector={key: value})
+
+
+SHAPE = {"layers": 2, "hiddenSize": 64, "heads": 4, "kvHeads": 4, "intermediateSize": 128, "vocabSize": 1000}
+
+
+def test_an_architecture_of_a_family_the_planner_knows_plans_with_liger_kernels() -> None:
+    def liger(architecture: dict[str, Any]) -> bool:
+        job = spec(model={"name": "someone/mystery", "architecture": architecture})
+        return to_plan_request(job, gpus_per_node=1, nodes=1).architecture.liger_supported
+
+    assert liger({**SHAPE, "family": "qwen2"}) and not liger(SHAPE)
+    with pytest.raises(ValidationError, match="family"):
+        liger({**SHAPE, "family": "phi3"})
+
+
+def test_every_family_of_the_built_in_table_is_one_a_spec_can_name() -> None:
+    assert {arch.family for _, _, arch in KNOWN_ARCHITECTURES} == set(get_args(ModelFamily))

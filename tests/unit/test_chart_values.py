@@ -1,0 +1,80 @@
+"""The chart's values.schema.json lets through exactly the job defaults the operator starts with.
+
+The chart hands `defaults.*` to the operator as SFTJOB_* variables, which it checks at start with the
+spec models; a value the schema accepted and the operator refused would crash it (exit 2,
+CrashLoopBackOff) after the install succeeded. Each case renders the chart with the real `helm template`
+and runs the operator's own flag parsing on the environment the Deployment would give it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from helmchart import CHART, helm, template_args
+
+from sftjob.spec import DNS_SUBDOMAIN, IMAGE, POSITIVE_QUANTITY
+from sftjob_operator.main import parse_args
+
+# The chart value behind each variable the operator checks at start.
+VARIABLES = {
+    "defaults.checkpoints.storageClassName": "SFTJOB_CHECKPOINT_STORAGE_CLASS",
+    "defaults.checkpoints.size": "SFTJOB_CHECKPOINT_SIZE",
+    "defaults.restartPolicy.maxRestarts": "SFTJOB_MAX_RESTARTS",
+    "defaults.restartPolicy.backoffSeconds": "SFTJOB_BACKOFF_SECONDS",
+    "defaults.restartPolicy.onOOM": "SFTJOB_ON_OOM",
+    "defaults.trainerImage": "SFTJOB_TRAINER_IMAGE",
+}
+# (--set value, whether the operator starts with it)
+CASES = [
+    ("defaults.checkpoints.size=1.5Ti", True),
+    ("defaults.checkpoints.size=1Ei", False),
+    ("defaults.checkpoints.size=2E", False),
+    ("defaults.checkpoints.size=0Gi", False),
+    ("defaults.checkpoints.storageClassName=", True),
+    ("defaults.checkpoints.storageClassName=fast-ssd.example.com", True),
+    ("defaults.checkpoints.storageClassName=Fast_SSD", False),
+    ("defaults.checkpoints.storageClassName=fast..ssd", False),
+    ("defaults.restartPolicy.maxRestarts=100", True),
+    ("defaults.restartPolicy.maxRestarts=101", False),
+    ("defaults.restartPolicy.backoffSeconds=null", False),  # helm drops the key; the template renders ""
+    ("defaults.restartPolicy.onOOM=null", False),
+    ("defaults.trainerImage=registry.example.com/sftjob/trainer:0.2.0", True),
+    ("defaults.trainerImage=my trainer", False),
+]
+
+
+def operator_starts(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> bool:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        parse_args([])
+    except SystemExit:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("setting", "starts"), CASES)
+def test_the_chart_accepts_a_job_default_exactly_when_the_operator_starts_with_it(
+    setting: str, starts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, value = setting.split("=", 1)
+    result = helm(*template_args(sets=(setting,)), check=False)
+    if starts:
+        assert result.returncode == 0, result.stderr
+        deployment = next(d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"] if e["name"].startswith("SFTJOB_")}
+        assert operator_starts(env, monkeypatch)
+    else:
+        assert result.returncode != 0 and path.rsplit(".", 1)[1] in result.stderr, result.stderr
+        assert not operator_starts({VARIABLES[path]: "" if value == "null" else value}, monkeypatch)
+
+
+def test_the_schema_holds_the_spec_models_patterns() -> None:
+    defaults = json.loads((CHART / "values.schema.json").read_text())["properties"]["defaults"]["properties"]
+    checkpoints = defaults["checkpoints"]["properties"]
+    assert checkpoints["size"]["pattern"] == POSITIVE_QUANTITY
+    assert checkpoints["storageClassName"]["pattern"] == f"^$|{DNS_SUBDOMAIN}"
+    assert defaults["trainerImage"]["pattern"] == IMAGE
