@@ -46,6 +46,10 @@ MODEL_MOUNT = "/model"
 DATASET_MOUNT = "/data"
 TERMINATION_LOG = "/dev/termination-log"
 TRAINER_METRICS_PORT = 9401
+# The longest gap between the trainer's progress reports while steps complete: well under the smallest
+# spec.restartPolicy.stallTimeoutSeconds (60), so only a step or setup phase that itself takes longer
+# than the stall timeout can look stalled.
+PROGRESS_REPORT_INTERVAL_SECONDS = 30.0
 TORCHRUN_PORT = 29500
 
 # Checkpoint layout: a checkpoint is complete only when its marker file exists.

@@ -44,7 +44,7 @@ class PodResources(BaseModel):
 class Plan(BaseModel):
     """A training configuration for one job on one GPU type, with the numbers behind it."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
 
     gpu: str  # GPU profile key, e.g. "A800-SXM4-80GB"
     fits: bool
@@ -52,6 +52,9 @@ class Plan(BaseModel):
     distributed: DistributedSettings
     env: dict[str, str] = Field(default_factory=dict)  # PYTORCH_CUDA_ALLOC_CONF, NCCL_*, OMP_NUM_THREADS
     resources: PodResources
+    # One complete checkpoint on disk (trainable weights + optimizer state); the claim holds keep + 1
+    # of them while a save rotates, beside the Hugging Face cache.
+    checkpoint_gib: float = Field(default=0.0, alias="checkpointGiB")
     memory: MemoryEstimate
     predicted_tokens_per_second: float  # real (non-padding) tokens/s for the whole job
     predicted_mfu: float  # 0..1

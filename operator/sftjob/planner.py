@@ -23,13 +23,14 @@ from sftjob.candidates import (
     fixed_choices,
     search,
 )
-from sftjob.config import DistributedSettings, Method, TrainingSettings
+from sftjob.config import DistributedSettings, Method, Optimizer, TrainingSettings
 from sftjob.gpus import GPU_TYPES, GpuProfile, profile_for_type
 from sftjob.plan import Plan
-from sftjob.resources import pod_environment, pod_resources, workers_per_process
+from sftjob.resources import checkpoint_gib, pod_environment, pod_resources, workers_per_process
 
 __all__ = ["PlanRequest", "plan", "plan_all", "replan_after_oom"]
 
+OPTIMIZER: Optimizer = "adamw_torch_fused"
 LEARNING_RATE: dict[Method, float] = {"full": 2e-5, "lora": 2e-4, "qlora": 2e-4}
 CHEAPER_METHODS: dict[Method, tuple[Method, ...]] = {
     "full": ("lora", "qlora"),
@@ -56,7 +57,7 @@ def _training(request: PlanRequest, fixed: Fixed, c: Candidate, cpus_per_gpu: in
         packing_length=c.sequence if fixed.packing else None,
         liger_kernels=fixed.liger,
         attention="sdpa",
-        optimizer="adamw_torch_fused",
+        optimizer=OPTIMIZER,
         dataloader_workers=workers_per_process(cpus_per_gpu),
     )
 
@@ -72,7 +73,14 @@ def _assemble(
     suggestions: list[str],
     ladder: list[str],
 ) -> Plan:
-    resources, cpus_per_gpu = pod_resources(request.architecture, request.method, request.gpus_per_node)
+    resources, cpus_per_gpu = pod_resources(
+        request.architecture,
+        request.method,
+        request.gpus_per_node,
+        lora=request.lora,
+        optimizer=OPTIMIZER,
+        sharding=c.sharding,
+    )
     return Plan(
         gpu=gpu.key,
         fits=fits,
@@ -82,6 +90,9 @@ def _assemble(
         ),
         env=pod_environment(gpu, request.gpus_per_node, request.nodes, cpus_per_gpu),
         resources=resources,
+        checkpoint_gib=round(
+            checkpoint_gib(request.architecture, request.method, request.lora, OPTIMIZER), 2
+        ),
         memory=c.memory,
         predicted_tokens_per_second=round(c.speed.tokens_per_second, 1),
         predicted_mfu=round(c.speed.mfu, 4),

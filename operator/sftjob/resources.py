@@ -1,9 +1,11 @@
 """Host-side needs of a trainer pod: CPU, memory, /dev/shm, and the environment the plan sets.
 
 The GPU plan decides the training configuration; this module sizes what surrounds it on the node:
-CPUs for the dataloader workers and the process, host memory to load the checkpoint shards, a
-memory-backed /dev/shm for the workers and NCCL's shared-memory transport (Docker's 64 MB default
-breaks both: NVIDIA/nccl #290, #342, #525), and environment variables by interconnect.
+CPUs for the dataloader workers and the process, host memory to load the model and to gather a
+checkpoint, a memory-backed /dev/shm for the workers and NCCL's shared-memory transport (Docker's
+64 MB default breaks both: NVIDIA/nccl #290, #342, #525), and environment variables by interconnect.
+The byte counts per parameter are the memory estimator's (:mod:`sftjob.memory`), applied to what the
+trainer actually holds on the host (trainer/sftjob_trainer/model.py, checkpoints.py).
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from __future__ import annotations
 import math
 
 from sftjob.architectures import Architecture
-from sftjob.config import Method
+from sftjob.config import LoraSettings, Method, Optimizer, Sharding
 from sftjob.gpus import GpuProfile
+from sftjob.memory import ADAPTER_STATE_BYTES, BF16_BYTES, FULL_STATE_BYTES, GIB, OPTIMIZER_BYTES
 from sftjob.plan import PodResources
 
 CPUS_PER_GPU = 8
 MAX_CPUS_PER_POD = 64
 MAX_WORKERS = 4
 HOST_MEMORY_FLOOR_GIB = 32
-LOAD_HEADROOM = 1.5  # host memory while loading the shards, as a multiple of the loaded model
+LOAD_HEADROOM = 1.5  # host memory while loading shared shards, as a multiple of the loaded model
 HOST_GIB_PER_PROCESS = 3  # Python, CUDA host allocations, pinned buffers, dataloader workers
 SHM_GIB_PER_GPU = 4
 SHM_FLOOR_GIB = 8
@@ -34,13 +37,56 @@ def _round_up(gib: float, step: int = 8) -> int:
     return step * math.ceil(gib / step)
 
 
-def pod_resources(architecture: Architecture, method: Method, gpus_per_node: int) -> tuple[PodResources, int]:
-    """Requests for one node's pod, and the CPUs each GPU's process gets."""
+def checkpoint_gib(
+    architecture: Architecture, method: Method, lora: LoraSettings, optimizer: Optimizer
+) -> float:
+    """One checkpoint: what rank 0 gathers into its CPU memory to save it, and what it takes on disk.
+
+    ``checkpoints.save`` gathers full, unsharded tensors of the trainable parameters only
+    (``ignore_frozen_params``): every fp32 master weight for full fine-tuning, the fp32 LoRA adapters
+    otherwise (``model.pt``), and the optimizer state of the same parameters (``optimizer.pt``: AdamW's
+    fp32 m and v, 8 B/param; 8-bit AdamW about 2), both in memory at once. The scheduler, scaler, step
+    counters and RNG states are kilobytes.
+    """
+    if method == "full":
+        params, weight_bytes = architecture.parameters, FULL_STATE_BYTES["weights"]
+    else:
+        params = architecture.lora_parameters(lora.r, lora.target_modules)
+        weight_bytes = ADAPTER_STATE_BYTES["weights"]
+    return params * (weight_bytes + OPTIMIZER_BYTES[optimizer]) / GIB
+
+
+def pod_resources(
+    architecture: Architecture,
+    method: Method,
+    gpus_per_node: int,
+    *,
+    lora: LoraSettings,
+    optimizer: Optimizer,
+    sharding: Sharding,
+) -> tuple[PodResources, int]:
+    """Requests for one node's pod, and the CPUs each GPU's process gets.
+
+    Host memory is the largest of the transient needs below, plus what the pod holds all along:
+
+    - loading the model, as loaded (fp32 for full fine-tuning, bf16 otherwise): placed straight on
+      its GPU, the node's processes share the page cache of the mmapped safetensors shards (one copy,
+      times ``LOAD_HEADROOM``); under FSDP each process first builds the whole model in its own CPU
+      memory before it moves to the GPU and is sharded (one copy per GPU, all at once);
+    - saving a checkpoint: rank 0 gathers the full trainable weights and optimizer state
+      (:func:`checkpoint_gib`). Resuming memory-maps the files (page cache, shared and reclaimable);
+    - ``HOST_MEMORY_FLOOR_GIB``, for small models;
+    - all along: ``HOST_GIB_PER_PROCESS`` per training process, and the memory-backed /dev/shm,
+      which counts against the pod's memory limit.
+
+    Every pod of a job gets the same requests, so whichever holds rank 0 can save a checkpoint.
+    """
     cpus = min(CPUS_PER_GPU * gpus_per_node, MAX_CPUS_PER_POD)
-    loaded = architecture.parameters * (4 if method == "full" else 2) / 1024**3
-    # Processes on a node share the page cache of the mmapped safetensors shards: one copy plus headroom.
+    loaded = architecture.parameters * (FULL_STATE_BYTES["weights"] if method == "full" else BF16_BYTES) / GIB
+    load = gpus_per_node * loaded if sharding == "fsdp" else LOAD_HEADROOM * loaded
+    gather = checkpoint_gib(architecture, method, lora, optimizer)
     shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
-    host = max(HOST_MEMORY_FLOOR_GIB, LOAD_HEADROOM * loaded) + HOST_GIB_PER_PROCESS * gpus_per_node + shm
+    host = max(HOST_MEMORY_FLOOR_GIB, load, gather) + HOST_GIB_PER_PROCESS * gpus_per_node + shm
     return PodResources(
         cpu=str(cpus), memory=f"{_round_up(host)}Gi", shm_size=f"{shm}Gi"
     ), cpus // gpus_per_node

@@ -81,6 +81,12 @@ def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+def newest_complete_step(root: Path) -> int:
+    """The step of the newest checkpoint that looks complete, without loading it: where a restart will
+    most likely resume (0 for a fresh start)."""
+    return next((step for step, path in checkpoint_dirs(root) if problem(path) is None), 0)
+
+
 def problem(path: Path) -> str | None:
     """Why this checkpoint cannot be used, or None when it looks complete."""
     if not (path / CHECKPOINT_COMPLETE_MARKER).is_file():
@@ -205,10 +211,13 @@ def _first_loadable(root: Path) -> tuple[Path, dict[str, Any]] | None:
 
 
 def _load_files(path: Path) -> dict[str, Any]:
+    """Every rank reads the whole checkpoint, memory-mapped: the tensors live in the node's page cache,
+    one copy shared by its processes and reclaimable, and go to the GPU a tensor at a time. Read into
+    private memory instead, a node would need one full copy per GPU (4 x 85 GiB for a 7B full run)."""
     files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
     names = [*REQUIRED_FILES[1:], *([SCALER_FILE] if (path / SCALER_FILE).is_file() else [])]
     for name in names:
-        files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
+        files[name] = torch.load(path / name, map_location="cpu", weights_only=True, mmap=True)
     return files
 
 

@@ -1,18 +1,25 @@
 """Rank 0's view of a run: the human log line, the metrics, the train log and the progress reports.
 
-Everything here is fed once per optimizer step by the loop in train.py; rates (tokens/s, MFU) are over
-the window since the previous logging step.
+Everything here is fed once per optimizer step by the loop in train.py, plus once per setup phase
+(data, model, resume) before the first step. A report goes out at every ``logging_every_steps`` step
+and also at any step that ends ``PROGRESS_REPORT_INTERVAL_SECONDS`` after the previous report, so
+slow steps never look stalled to the operator; rates (tokens/s, MFU) are over the window since the
+previous report. Reports are sent from the training thread on purpose: a hung rank goes silent and
+the operator's stall detection (``restartPolicy.stallTimeoutSeconds``) ends the attempt.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from sftjob.config import TrainerConfig
+from sftjob.constants import PROGRESS_REPORT_INTERVAL_SECONDS
 from sftjob_trainer.batching import Schedule
 from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.distributed import DistContext
@@ -23,7 +30,7 @@ from sftjob_trainer.report import ProgressReporter
 
 log = logging.getLogger("sftjob_trainer")
 
-TRAIN_LOG_FILE = "train_log.jsonl"  # one JSON line per logging step (rank 0), appended across attempts
+TRAIN_LOG_FILE = "train_log.jsonl"  # one JSON line per reported step (rank 0), appended across attempts
 
 
 class Observer:
@@ -37,8 +44,10 @@ class Observer:
         peak: float | None,
         total: int,
         schedule: Schedule,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ctx, self.peak, self.total, self.schedule = ctx, peak, total, schedule
+        self.clock = clock
         self.every = config.training.logging_every_steps
         self.metrics = TrainerMetrics(
             config.job.name,
@@ -56,6 +65,28 @@ class Observer:
         self.reporter = ProgressReporter(config.report)
         self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
         self._window: list[tuple[StepResult, float, float]] = []  # (result, seconds, flops)
+        self._reported = clock()  # when the last progress report was sent
+
+    def phase(self, name: str, step: int, loss: float | None = None) -> None:
+        """A setup phase is done: report it, so the stall clock restarts after a long download or load
+        instead of running from container start to the first logging step."""
+        log.info("%s (step %d of %d)", name, step, self.total)
+        record: dict[str, Any] = {
+            "step": step,
+            "totalSteps": self.total,
+            "epoch": round(self.schedule.epoch_of(step), 4),
+            "phase": name,
+        }
+        self._progress(record if loss is None else record | {"loss": loss})
+
+    def _progress(self, record: dict[str, Any]) -> None:
+        self.reporter.progress(record)
+        self._reported = self.clock()
+
+    def _due(self, step: int) -> bool:
+        """A logging step, the last step, or the first step to end an interval after the last report."""
+        overdue = self.clock() - self._reported >= PROGRESS_REPORT_INTERVAL_SECONDS
+        return step % self.every == 0 or step == self.total or overdue
 
     def step(self, state: TrainState, result: StepResult, seconds: float, waited: float, flops: Any) -> None:
         epoch = self.schedule.epoch_of(state.step)
@@ -71,7 +102,7 @@ class Observer:
             dataloader_wait=waited,
         )
         self._window.append((result, seconds, flops.step_flops(result.tokens, result.attention_pairs)))
-        if state.step % self.every and state.step != self.total:
+        if not self._due(state.step):
             return
         elapsed = sum(s for _, s, _ in self._window) or 1e-9
         rates = WindowRates(
@@ -104,7 +135,7 @@ class Observer:
             "tokensPerSecond": round(rates.tokens_per_second, 1),
             "etaSeconds": round(eta, 1),
         }
-        self.reporter.progress(record)
+        self._progress(record)
         with self.train_log.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(record | {"gradNorm": result.grad_norm, "tokens": state.tokens}) + "\n")
 

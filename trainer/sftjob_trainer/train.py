@@ -26,7 +26,7 @@ from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
 from sftjob_trainer import checkpoints
 from sftjob_trainer.attention import FLATTENED
-from sftjob_trainer.batching import Layout, Schedule, StepBatches, make_units
+from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.data import load_examples
 from sftjob_trainer.distributed import DistContext, init_distributed, unwrap, wrap_model
@@ -167,6 +167,40 @@ class Training:
             total,
         )
 
+        # Observability (rank 0) from here on: each setup phase below is a progress report, so the
+        # operator's stall clock restarts after a long download, load or resume.
+        root = Path(config.checkpoints.dir)
+        device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
+        gpu_label, peak = peak_flops(device_name, ctx.world_size)
+        observer = Observer(config, ctx, gpu_label, peak, total, schedule) if ctx.is_main else None
+        try:
+            if observer is not None:
+                observer.metrics.bad_rows.inc(stats.bad_rows)
+                observer.phase("data ready", checkpoints.newest_complete_step(root))
+            summary = self.train(tokenizer, units, schedule, layout, attention, total, observer)
+            summary |= {"format": fmt, "badRows": stats.bad_rows}
+            if ctx.is_main:
+                _write_json(Path(config.output_dir) / SUMMARY_FILE, summary)
+                log.info("done: %s", json.dumps(summary))
+            return summary
+        finally:
+            if observer is not None:
+                observer.close()
+
+    def train(
+        self,
+        tokenizer: Any,
+        units: list[Unit],
+        schedule: Schedule,
+        layout: Layout,
+        attention: str,
+        total: int,
+        observer: Observer | None,
+    ) -> dict[str, Any]:
+        """Model, optimizer, resume, the loop and the output; returns this attempt's summary."""
+        config, ctx, t = self.config, self.ctx, self.t
+        root = Path(config.checkpoints.dir)
+
         # Model.
         plan = precision_plan(config.method, t.precision)
         base = load_model(config, ctx.device, attention)
@@ -186,9 +220,10 @@ class Training:
         parts = Trainables(
             model, optimizer, build_scheduler(optimizer, t, total), make_scaler(plan, ctx.device)
         )
+        if observer is not None:
+            observer.phase("model loaded", checkpoints.newest_complete_step(root))
 
         # Resume.
-        root = Path(config.checkpoints.dir)
         fingerprint = {
             "units": len(units),
             "perStep": schedule.per_step,
@@ -208,46 +243,32 @@ class Training:
                 state.step,
             )
         state.fingerprint = fingerprint
-
-        # Observability (rank 0).
-        device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
-        gpu_label, peak = peak_flops(device_name, ctx.world_size)
-        observer = Observer(config, ctx, gpu_label, peak, total, schedule) if ctx.is_main else None
         if observer is not None:
-            observer.metrics.bad_rows.inc(stats.bad_rows)
             if resumed:
                 observer.checkpoint_saved(state.step, str(resumed[1]), 0.0)
-        try:
-            seconds, tokens = self.loop(
-                parts,
-                plan,
-                StepBatches(units, schedule, layout, ctx.rank, state.step, total),
-                state,
-                total,
-                observer,
-                flops,
-            )
-            self.save_outputs(model, tokenizer)
-            summary = {
-                "finalLoss": state.loss,
-                "steps": state.step,
-                "totalSteps": total,
-                "tokens": state.tokens,
-                "samples": state.samples,
-                "seconds": round(seconds, 3),
-                "tokensPerSecond": tokens / seconds if seconds > 0 else 0.0,
-                "resumedFromStep": resumed_from,
-                "method": config.method,
-                "format": fmt,
-                "badRows": stats.bad_rows,
-            }
-            if ctx.is_main:
-                _write_json(Path(config.output_dir) / SUMMARY_FILE, summary)
-                log.info("done: %s", json.dumps(summary))
-            return summary
-        finally:
-            if observer is not None:
-                observer.close()
+            observer.phase("resumed" if resumed else "starting", state.step, state.loss)
+
+        seconds, tokens = self.loop(
+            parts,
+            plan,
+            StepBatches(units, schedule, layout, ctx.rank, state.step, total),
+            state,
+            total,
+            observer,
+            flops,
+        )
+        self.save_outputs(model, tokenizer)
+        return {
+            "finalLoss": state.loss,
+            "steps": state.step,
+            "totalSteps": total,
+            "tokens": state.tokens,
+            "samples": state.samples,
+            "seconds": round(seconds, 3),
+            "tokensPerSecond": tokens / seconds if seconds > 0 else 0.0,
+            "resumedFromStep": resumed_from,
+            "method": config.method,
+        }
 
     def loop(
         self,

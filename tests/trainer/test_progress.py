@@ -1,0 +1,158 @@
+"""When rank 0 reports progress: at logging steps, after a report interval of slow steps, and once per
+setup phase, so the operator's stall clock (restartPolicy.stallTimeoutSeconds) only fires on a hang."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sftjob.config import TrainerConfig
+from sftjob.constants import PROGRESS_REPORT_INTERVAL_SECONDS
+from sftjob.failures import ExitCode
+from sftjob_trainer import observer as observer_module
+from sftjob_trainer.batching import Schedule
+from sftjob_trainer.checkpoints import TrainState
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.flops import FlopsModel
+from sftjob_trainer.loop import StepResult
+from sftjob_trainer.observer import Observer
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig, train_log
+
+pytestmark = pytest.mark.trainer
+
+TOKENS_PER_STEP = 1000
+
+
+class Recorder:
+    """Stands in for ProgressReporter: keeps every progress record in the order it was sent."""
+
+    def __init__(self) -> None:
+        self.progress_records: list[dict[str, Any]] = []
+
+    def progress(self, record: dict[str, Any]) -> None:
+        self.progress_records.append(record)
+
+    def checkpoint(self, step: int, path: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    recorder = Recorder()
+    monkeypatch.setattr(observer_module, "ProgressReporter", lambda settings: recorder)
+    return recorder
+
+
+def _observer(tmp_path: Path, clock: Clock, every: int = 10, total: int = 100) -> Observer:
+    config = TrainerConfig.model_validate(
+        {
+            "model": {"path": str(tmp_path / "model")},
+            "dataset": {"path": str(tmp_path / "data.jsonl")},
+            "training": {"loggingEverySteps": every, "globalBatchSize": 1},
+            "outputDir": str(tmp_path),
+            "report": {"metricsPort": None},
+        }
+    )
+    ctx = DistContext(0, 1, 0, 1, torch.device("cpu"))
+    schedule = Schedule(units=1000, micro_batch_size=1, accumulation=1, world_size=1, seed=0)
+    return Observer(config, ctx, "cpu", None, total, schedule, clock=clock)
+
+
+def _step(observer: Observer, clock: Clock, step: int, seconds: float) -> None:
+    clock.now += seconds
+    result = StepResult(
+        loss=1.0, grad_norm=0.5, learning_rate=1e-4, tokens=TOKENS_PER_STEP, samples=4, attention_pairs=0
+    )
+    observer.step(TrainState(step=step), result, seconds, 0.0, FlopsModel(6.0, 0.0))
+
+
+def test_a_slow_step_is_reported_once_the_report_interval_has_passed_even_between_logging_steps(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10)
+    slow = PROGRESS_REPORT_INTERVAL_SECONDS * 0.6
+    for step in (1, 2, 3):
+        _step(observer, clock, step, slow)
+    # Steps end 0.6, 1.2 and 1.8 intervals after the start: step 2 is reported, step 3 waits.
+    assert [r["step"] for r in recorder.progress_records] == [2]
+    assert [r["step"] for r in map(json.loads, (tmp_path / "train_log.jsonl").read_text().splitlines())] == [
+        2
+    ]
+
+
+def test_fast_steps_are_reported_only_at_logging_steps(tmp_path: Path, recorder: Recorder) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10, total=25)
+    for step in range(1, 26):
+        _step(observer, clock, step, 0.1)
+    assert [r["step"] for r in recorder.progress_records] == [10, 20, 25]
+
+
+def test_the_rates_of_a_time_based_report_cover_every_step_since_the_previous_report(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10)
+    _step(observer, clock, 1, 1.0)  # fast: not reported
+    _step(observer, clock, 2, PROGRESS_REPORT_INTERVAL_SECONDS)  # slow: reported with step 1 in its window
+    _step(observer, clock, 3, PROGRESS_REPORT_INTERVAL_SECONDS)  # a window of its own
+    first, second = recorder.progress_records
+    assert first["tokensPerSecond"] == round(
+        2 * TOKENS_PER_STEP / (1.0 + PROGRESS_REPORT_INTERVAL_SECONDS), 1
+    )
+    assert second["tokensPerSecond"] == round(TOKENS_PER_STEP / PROGRESS_REPORT_INTERVAL_SECONDS, 1)
+
+
+def test_a_setup_phase_restarts_the_report_interval(tmp_path: Path, recorder: Recorder) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10)
+    clock.now += 10 * PROGRESS_REPORT_INTERVAL_SECONDS  # a long model load
+    observer.phase("model loaded", 0)
+    _step(observer, clock, 1, PROGRESS_REPORT_INTERVAL_SECONDS / 2)
+    assert recorder.progress_records == [
+        {"step": 0, "totalSteps": 100, "epoch": 0.0, "phase": "model loaded"}
+    ]
+
+
+def test_setup_phases_are_reported_before_the_first_step(
+    trainer_config: MakeConfig, recorder: Recorder
+) -> None:
+    config = trainer_config("messages", training={"maxSteps": 6, "loggingEverySteps": 100})
+    assert run(str(config)) == ExitCode.OK
+    phases = [(r["phase"], r["step"]) for r in recorder.progress_records if "phase" in r]
+    assert phases == [("data ready", 0), ("model loaded", 0), ("starting", 0)]
+    assert recorder.progress_records[3:] == [r for r in recorder.progress_records if "phase" not in r]
+    assert [r["step"] for r in recorder.progress_records[3:]] == [6]  # fast steps: the last one only
+    assert list(train_log(config)) == [6]
+
+
+def test_a_restart_reports_the_step_it_resumes_from_while_it_loads(
+    trainer_config: MakeConfig, recorder: Recorder
+) -> None:
+    config = trainer_config("text", training={"maxSteps": 5}, checkpoints={"everySteps": 2})
+    assert run(str(config)) == ExitCode.OK  # checkpoints at steps 2 and 4
+    recorder.progress_records.clear()
+    settings = json.loads(config.read_text())
+    settings["training"]["maxSteps"] = 6
+    config.write_text(json.dumps(settings))
+    assert run(str(config)) == ExitCode.OK
+    phases = [(r["phase"], r["step"]) for r in recorder.progress_records if "phase" in r]
+    assert phases == [("data ready", 4), ("model loaded", 4), ("resumed", 4)]
+    assert recorder.progress_records[2]["loss"] > 0

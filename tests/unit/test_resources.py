@@ -1,0 +1,61 @@
+"""Host-side sizing of trainer pods: checkpoint size, and memory for loading and checkpointing."""
+
+from sftjob.architectures import resolve_architecture
+from sftjob.config import LoraSettings
+from sftjob.memory import GIB
+from sftjob.resources import (
+    HOST_GIB_PER_PROCESS,
+    HOST_MEMORY_FLOOR_GIB,
+    checkpoint_gib,
+    pod_resources,
+)
+
+QWEN_7B = resolve_architecture("Qwen/Qwen2.5-7B-Instruct")
+LLAMA_1B = resolve_architecture("meta-llama/Llama-3.2-1B")
+LORA = LoraSettings()
+
+
+def _memory_gib(method: str, gpus: int, sharding: str = "none", architecture=QWEN_7B) -> int:
+    resources, _ = pod_resources(
+        architecture, method, gpus, lora=LORA, optimizer="adamw_torch_fused", sharding=sharding
+    )
+    return int(resources.memory.removesuffix("Gi"))
+
+
+def _shm_gib(gpus: int) -> int:
+    resources, _ = pod_resources(
+        QWEN_7B, "lora", gpus, lora=LORA, optimizer="adamw_torch_fused", sharding="none"
+    )
+    return int(resources.shm_size.removesuffix("Gi"))
+
+
+def test_a_full_fine_tuning_checkpoint_holds_fp32_weights_and_both_adamw_moments():
+    expected = QWEN_7B.parameters * (4 + 4 + 4) / GIB
+    assert checkpoint_gib(QWEN_7B, "full", LORA, "adamw_torch_fused") == expected
+    assert 84 < expected < 86  # 7.62B parameters
+
+
+def test_a_lora_checkpoint_holds_only_the_adapters_and_their_optimizer_state():
+    adapters = QWEN_7B.lora_parameters(LORA.r, LORA.target_modules)
+    assert checkpoint_gib(QWEN_7B, "lora", LORA, "adamw_torch_fused") == adapters * 12 / GIB
+    assert checkpoint_gib(QWEN_7B, "qlora", LORA, "adamw_torch_fused") < 1
+
+
+def test_an_8bit_optimizer_makes_a_smaller_checkpoint():
+    assert checkpoint_gib(QWEN_7B, "full", LORA, "adamw_8bit") == QWEN_7B.parameters * (4 + 2) / GIB
+
+
+def test_the_pod_holding_rank_0_can_hold_the_checkpoint_gather_on_top_of_what_it_holds_all_along():
+    gather = checkpoint_gib(QWEN_7B, "full", LORA, "adamw_torch_fused")
+    assert _memory_gib("full", 1) >= gather + HOST_GIB_PER_PROCESS + _shm_gib(1)
+
+
+def test_under_fsdp_every_process_loads_its_own_fp32_copy_of_the_model():
+    fp32_model = QWEN_7B.parameters * 4 / GIB
+    assert _memory_gib("full", 4, "fsdp") >= 4 * fp32_model + 4 * HOST_GIB_PER_PROCESS + _shm_gib(4)
+    assert _memory_gib("full", 8, "fsdp") > _memory_gib("full", 4, "fsdp")
+
+
+def test_lora_on_a_small_model_keeps_the_memory_floor():
+    floor = HOST_MEMORY_FLOOR_GIB + HOST_GIB_PER_PROCESS + _shm_gib(1)  # 43 GiB, rounded up to 48
+    assert floor <= _memory_gib("lora", 1, architecture=LLAMA_1B) < floor + 8
