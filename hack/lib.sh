@@ -9,9 +9,14 @@ install_python_deps() {
   local py=${PYTHON:-python3}
   "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || { echo "error: Python >= 3.11 is required" >&2; exit 2; }
-  if [ ! -x .venv/bin/python ]; then
+  if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then  # absent, or left half-made by a failed run
     step "creating .venv"
-    "$py" -m venv .venv
+    rm -rf .venv
+    "$py" -m venv .venv || {
+      echo "error: '$py -m venv' failed; on Debian/Ubuntu install python3-venv (apt-get install python3-venv)" >&2
+      rm -rf .venv
+      exit 2
+    }
   fi
   if [ ! -x .venv/bin/uv ]; then
     .venv/bin/pip install --quiet --disable-pip-version-check uv==0.13.8

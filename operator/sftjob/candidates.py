@@ -37,7 +37,6 @@ class PlanRequest(BaseModel):
     gpus_per_node: int = Field(default=1, ge=1, le=MAX_GPUS_PER_NODE)
     nodes: int = Field(default=1, ge=1)
     overrides: TrainingOverrides = TrainingOverrides()
-    allow_fp8: bool = False
     safety_fraction: float = Field(default=0.9, gt=0, le=1)
     # Packed-row length the user fixed; None: max_seq_length, and the OOM ladder may shorten it.
     packing_length: int | None = Field(default=None, ge=16)
@@ -83,23 +82,9 @@ def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[st
     if o.precision is not None:
         precision: Precision = o.precision
         reasons.append(f"precision {precision}: set by spec.training.precision")
-        if precision == "fp8" and not gpu.has_fp8:
-            problem = f"spec.training.precision fp8 needs FP8 tensor cores (sm_89+); {gpu.key} has none"
-    elif request.allow_fp8 and gpu.has_fp8 and request.method == "full":
-        precision = "fp8"
-        reasons.append(f"precision fp8: allowed by the job and {gpu.key} has FP8 tensor cores")
     else:
         precision = "bf16"
-        why = (
-            ""
-            if not request.allow_fp8
-            else (
-                f" (fp8 allowed, but {gpu.key} has no FP8 tensor cores)"
-                if not gpu.has_fp8
-                else " (fp8 allowed, but it only pays for full fine-tuning)"
-            )
-        )
-        reasons.append(f"precision bf16: full tensor-core rate, no loss scaling{why}")
+        reasons.append("precision bf16: full tensor-core rate, no loss scaling")
     packing = o.packing if o.packing is not None else True
     sequence = min(request.packing_length or request.max_seq_length, request.max_seq_length)
     if packing:

@@ -65,7 +65,6 @@ def _request_from_flags(args: argparse.Namespace) -> tuple[PlanRequest, str]:
             max_seq_length=args.seq,
             gpus_per_node=args.gpus,
             nodes=args.nodes,
-            allow_fp8=args.allow_fp8,
             overrides=TrainingOverrides(global_batch_size=args.global_batch),
         )
     except (ValidationError, ValueError) as e:
@@ -215,7 +214,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048, help="max sequence length (tokens)")
     p.add_argument("--global-batch", type=int, help="global batch size in rows (default: ~128k tokens)")
-    p.add_argument("--allow-fp8", action="store_true", help="use FP8 where the card supports it")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     g = sub.add_parser("gpus", help="list the GPU profile table")
     g.add_argument("-o", "--output", choices=["table", "json"], default="table")

@@ -15,8 +15,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from sftjob.constants import MIN_DRIVER_VERSION
+
 Method = Literal["lora", "qlora", "full"]
-Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+# No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
+Precision = Literal["bf16", "fp16", "fp32"]
 DatasetFormat = Literal["auto", "messages", "alpaca", "text"]
 Attention = Literal["sdpa", "flash_attention_2", "eager"]
 Optimizer = Literal["adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"]
@@ -149,7 +152,7 @@ class GpuExpectation(_Strict):
     required: bool = True
     product: str | None = None  # e.g. "NVIDIA A800-SXM4-80GB" as the driver names it
     memory_gib: float | None = None  # free memory the plan needs per GPU
-    min_driver: str = "525.60.11"
+    min_driver: str = MIN_DRIVER_VERSION
 
 
 class ReportSettings(_Strict):

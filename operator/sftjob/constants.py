@@ -57,7 +57,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
 
 # The seed guide's minimum NVIDIA driver.
-MIN_DRIVER_VERSION = "525.60.11"
+MIN_DRIVER_VERSION = "580.65.06"  # CUDA 13.0's minimum: the default trainer image is CUDA 13.2
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/sftjob/trainer:0.1.0"
 TRAINER_UID = 1000  # the trainer image's USER (trainer/Dockerfile); pods run as it, with it as fsGroup

@@ -387,6 +387,5 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
         gpus_per_node=gpus_per_node,
         nodes=nodes,
         overrides=spec.training,
-        allow_fp8=spec.training.precision == "fp8",
         packing_length=spec.training.packing_length,
     )

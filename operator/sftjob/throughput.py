@@ -37,7 +37,6 @@ LORA_DROPOUT_TRAFFIC_BYTES = 24  # per adapter input element: one dropout per ta
 LAUNCH_SECONDS_PER_LAYER = 0.0005  # kernel launches + Python per layer per micro-batch (fwd + bwd)
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW reads p, g, m, v and writes p, m, v (fp32)
 NF4_DEQUANT_BYTES = 16  # effective bytes per 4-bit weight per pass: dequantise + GEMM on the copy
-FP8_EFFICIENCY = 0.6  # fraction of the fp8 peak reachable on top of MATMUL_EFFICIENCY (casts, scaling)
 COMM_OVERLAP = 0.7  # fraction of compute time that can hide communication
 INTER_NODE_GBS = 12.5  # between nodes: assume 100 Gb/s Ethernet/RoCE per node
 PACKED_MEAN_CONTEXT = 512  # tokens: assumed mean sample length inside packed rows (attention span)
@@ -104,8 +103,6 @@ class Prediction:
 
 def _peak_flops(t: ThroughputInputs) -> float:
     g = t.gpu
-    if t.precision == "fp8" and g.fp8_tflops:
-        return g.fp8_tflops * 1e12 * FP8_EFFICIENCY
     if t.precision == "fp32":
         return g.tf32_tflops * 1e12
     return (g.fp16_tflops if t.precision == "fp16" else g.bf16_tflops) * 1e12

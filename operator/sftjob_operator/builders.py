@@ -12,6 +12,7 @@ Every child has a deterministic name and an ownerReference to the SFTJob, so cre
 
 from __future__ import annotations
 
+import math
 import posixpath
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +40,13 @@ TRAINER_MODULE = "sftjob_trainer.train"
 MANAGED_BY = "sftjob-operator"
 EVENT_MESSAGE_MAX = 1024
 ROLE_TRAINER = "trainer"
-# The trainer finishes its step and saves a checkpoint on SIGTERM; give it time to.
+# The trainer finishes its step and saves a checkpoint on SIGTERM; give it time to: a base for the step
+# and the process exit, plus the checkpoint's write at an assumed 0.5 GiB/s to the checkpoint volume.
 TERMINATION_GRACE_SECONDS = 120
+SAVE_SECONDS_PER_GIB = 2.0
+# torchrun SIGKILLs its workers this long after forwarding SIGTERM (its default is 30 s): just inside the
+# pod's grace, so the save can finish and torchrun still exits before the kubelet's SIGKILL.
+TORCHRUN_SHUTDOWN_MARGIN_SECONDS = 10
 # How often the trainer annotates its pod with progress (the operator shows it within this).
 PROGRESS_INTERVAL_SECONDS = 10.0
 HF_HOME = posixpath.join(c.CHECKPOINT_MOUNT, ".cache", "huggingface")  # downloads survive restarts
@@ -269,10 +275,16 @@ def attempt_children(
 # --- the trainer pod ---------------------------------------------------------------------------------
 
 
-def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int) -> list[str]:
+def grace_seconds(plan: Plan) -> int:
+    """The pod's terminationGracePeriodSeconds: long enough for a step and one checkpoint of this plan."""
+    return TERMINATION_GRACE_SECONDS + math.ceil(plan.checkpoint_gib * SAVE_SECONDS_PER_GIB)
+
+
+def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int, *, grace: int) -> list[str]:
     procs = f"--nproc-per-node={spec.gpu.count}"
+    shutdown = f"--shutdown-timeout={grace - TORCHRUN_SHUTDOWN_MARGIN_SECONDS}"
     if spec.gpu.nodes == 1:
-        return ["torchrun", "--standalone", procs, "-m", TRAINER_MODULE]
+        return ["torchrun", "--standalone", procs, shutdown, "-m", TRAINER_MODULE]
     master = f"{pod_name(job.name, job.attempt, 0)}.{job.name}"
     return [
         "torchrun",
@@ -281,6 +293,7 @@ def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int) -> list[str]:
         f"--node-rank={rank}",
         f"--master-addr={master}",
         f"--master-port={c.TORCHRUN_PORT}",
+        shutdown,
         "-m",
         TRAINER_MODULE,
     ]
@@ -358,7 +371,7 @@ def trainer_pod(
     container: Manifest = {
         "name": CONTAINER,
         "image": image,
-        "command": torchrun_command(job, spec, rank),
+        "command": torchrun_command(job, spec, rank, grace=grace_seconds(plan)),
         "env": _env(job, spec, plan),
         "ports": ports,
         "resources": {
@@ -376,7 +389,7 @@ def trainer_pod(
         "serviceAccountName": trainer_account_name(job.name),
         "automountServiceAccountToken": True,  # progress reports go through the API server
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "terminationGracePeriodSeconds": grace_seconds(plan),
         "affinity": {"nodeAffinity": affinity},
         "tolerations": gpu_tolerations()
         + [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations],

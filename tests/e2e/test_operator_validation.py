@@ -52,6 +52,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "LoRA dropout of one": (spec_with(lora={"dropout": 1.0}), "spec.lora.dropout"),
     "zero learning rate": (spec_with(training={"learningRate": 0}), "spec.training.learningRate"),
     "unknown precision": (spec_with(training={"precision": "int4"}), "spec.training.precision"),
+    "fp8 (no FP8 training yet)": (spec_with(training={"precision": "fp8"}), "spec.training.precision"),
     "checkpoints by steps and minutes": (
         spec_with(checkpoints={"everySteps": 10, "everyMinutes": 5}),
         "spec.checkpoints",

@@ -6,7 +6,7 @@ from typing import Any
 
 from sftjob import constants as c
 from sftjob.config import DistributedSettings, JobRef, TrainerConfig, TrainingSettings
-from sftjob.gpus import GpuProfile
+from sftjob.gpus import GpuProfile, profile_for_type
 from sftjob.plan import MemoryEstimate, Plan, PodResources
 from sftjob.spec import SFTJobSpec
 from sftjob_operator import builders
@@ -69,10 +69,19 @@ def test_a_single_node_pod_runs_torchrun_standalone_with_one_process_per_gpu() -
         "torchrun",
         "--standalone",
         "--nproc-per-node=8",
+        "--shutdown-timeout=110",
         "-m",
         "sftjob_trainer.train",
     ]
     assert "hostname" not in p["spec"]
+
+
+def test_the_grace_period_covers_a_checkpoint_save_and_torchrun_stops_its_workers_inside_it() -> None:
+    s = spec(gpu={"type": "A800", "count": 8})
+    plan = fake_plan(s, profile_for_type("A800")).model_copy(update={"checkpoint_gib": 85.1})
+    p = builders.trainer_pod(JOB, s, plan, rank=0, affinity={}, image="trainer:test")
+    assert p["spec"]["terminationGracePeriodSeconds"] == 120 + 171
+    assert "--shutdown-timeout=281" in p["spec"]["containers"][0]["command"]
 
 
 def test_multi_node_pods_meet_at_rank_zero_through_the_headless_service() -> None:

@@ -1,6 +1,7 @@
 """The planner: fit verdicts per GPU, method and size, overrides, batch exactness, fp8, the OOM ladder."""
 
 import pytest
+from pydantic import ValidationError
 
 from sftjob.architectures import resolve_architecture
 from sftjob.config import LoraSettings, TrainingOverrides
@@ -157,18 +158,14 @@ def test_liger_is_off_for_a_guessed_architecture():
     assert any("logits" in t.name and t.gib > 0.5 for t in p.memory.terms)
 
 
-def test_fp8_only_where_the_chip_has_it_and_the_job_allows_it():
-    assert plan(request("1B", "full", allow_fp8=True), L40S).training.precision == "fp8"
-    assert plan(request("1B", "full", allow_fp8=True), A800).training.precision == "bf16"
-    assert plan(request("1B", "full", allow_fp8=True), A40).training.precision == "bf16"
-    assert plan(request("1B", "full"), L40S).training.precision == "bf16"
-    assert plan(request("1B", "lora", allow_fp8=True), L40S).training.precision == "bf16"
+def test_every_card_trains_in_bf16_even_those_with_fp8_tensor_cores():
+    for gpu in (L40S, A800, A40):
+        assert plan(request("1B", "full"), gpu).training.precision == "bf16"
 
 
-def test_fp8_override_on_an_ampere_card_does_not_fit():
-    p = plan(request("1B", "full", overrides=TrainingOverrides(precision="fp8")), A40)
-    assert not p.fits
-    assert "FP8" in p.verdict
+def test_fp8_is_refused_until_the_trainer_can_train_in_it():
+    with pytest.raises(ValidationError, match="precision"):
+        TrainingOverrides.model_validate({"precision": "fp8"})
 
 
 def test_env_has_the_fragmentation_fix_and_nccl_settings_by_interconnect():
