@@ -124,9 +124,10 @@ def _states(m: MemoryInputs) -> list[MemoryTerm]:
                 )
         return terms
     if m.method == "qlora":
+        # peft's prepare_model_for_kbit_training casts every parameter it does not quantise to fp32.
         kept = n - a.linear_parameters
-        weights = a.linear_parameters * NF4_BYTES_PER_PARAM + kept * BF16_BYTES
-        note = "decoder linears in NF4 (~0.52 B/param), embeddings/head/norms in bf16"
+        weights = a.linear_parameters * NF4_BYTES_PER_PARAM + kept * FULL_STATE_BYTES["weights"]
+        note = "decoder linears in NF4 (~0.52 B/param), embeddings/head/norms in fp32 (peft's k-bit prep)"
     else:
         weights = n * BF16_BYTES
         note = f"{n / 1e9:.2f}B frozen params x 2 B (bf16)"
