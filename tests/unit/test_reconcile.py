@@ -5,109 +5,29 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sftjob import constants as c
 from sftjob.attempts import AttemptRecord
-from sftjob.config import DistributedSettings, TrainingSettings
 from sftjob.gpus import GpuProfile
-from sftjob.plan import MemoryEstimate, Plan, PodResources
+from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
-from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.planning import CandidatePlans
-from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
-from sftjob_operator.scheduling import default_products
-from sftjob_operator.status import failed_create
-
-NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-PRODUCTS = {"a800-0": "NVIDIA-A800-SXM4-80GB", "l40s-0": "NVIDIA-L40S", "a40-0": "NVIDIA-A40"}
-NODES = {
-    name: {
-        "metadata": {"name": name, "labels": {c.GFD_PRODUCT: product}},
-        "status": {"allocatable": {"memory": "512Gi"}, "conditions": [{"type": "Ready", "status": "True"}]},
-    }
-    for name, product in PRODUCTS.items()
-}
-
-
-def fake_plan(spec: SFTJobSpec, profile: GpuProfile, fits: bool = True) -> Plan:
-    world = spec.gpu.count * spec.gpu.nodes
-    return Plan(
-        gpu=profile.key,
-        fits=fits,
-        training=TrainingSettings(
-            global_batch_size=4 * world, micro_batch_size=4, gradient_accumulation_steps=1
-        ),
-        distributed=DistributedSettings(nnodes=spec.gpu.nodes, nproc_per_node=spec.gpu.count),
-        resources=PodResources(cpu="8", memory="64Gi", shm_size="16Gi"),
-        memory=MemoryEstimate(terms=[], total_gib=90.0 if not fits else 30.0, budget_gib=40.0),
-        predicted_tokens_per_second=1000.0,
-        predicted_mfu=0.4,
-        reasons=["does not fit: needs ~90 GiB"] if not fits else [],
-    )
-
-
-CTX = Context(products=default_products(), image="trainer:test", plan_fn=fake_plan)
-SPEC = {
-    "model": {"name": "meta-llama/Llama-3.1-8B-Instruct"},
-    "dataset": {"name": "org/chats"},
-    "gpu": {"type": "L40S"},
-}
-
-
-def pod(
-    attempt: int = 1, rank: int = 0, phase: str = "Running", node: str | None = "l40s-0", **extra: Any
-) -> dict[str, Any]:
-    status: dict[str, Any] = {"phase": phase}
-    if phase == "Running":
-        status["containerStatuses"] = [
-            {"name": "trainer", "state": {"running": {"startedAt": "2026-01-01T11:59:00Z"}}}
-        ]
-    status.update(extra.pop("status", {}))
-    return {
-        "metadata": {
-            "name": f"job-{attempt}-{rank}",
-            "labels": {c.LABEL_JOB: "job", c.LABEL_ATTEMPT: str(attempt), c.LABEL_RANK: str(rank)},
-            "annotations": extra.pop("annotations", {}),
-        },
-        "spec": {"nodeName": node},
-        "status": status,
-    }
-
-
-def terminated(code: int, reason: str, message: str = "") -> dict[str, Any]:
-    state = {"terminated": {"exitCode": code, "reason": reason, "message": message}}
-    return {"containerStatuses": [{"name": "trainer", "state": state}]}
-
-
-def observed(
-    spec: Mapping[str, Any] = SPEC,
-    status: Mapping[str, Any] | None = None,
-    pods: Sequence[dict[str, Any]] = (),
-    now: datetime = NOW,
-    generation: int = 1,
-) -> Observed:
-    return Observed(
-        name="job", namespace="team", uid="uid-1", generation=generation, spec=spec, status=status or {},
-        pods=list(pods), nodes=NODES, now=now,
-    )  # fmt: skip
-
-
-def then(obs: Observed, actions: Actions, **changes: Any) -> Observed:
-    """The next observation: the status the pass wrote, plus ``changes``."""
-    return replace(obs, status=actions.status.to_patch(), **changes)
-
-
-def condition(actions: Actions, type: str) -> tuple[str, str]:
-    found = next(x for x in actions.status.conditions if x.type == type)
-    return found.status, found.reason
-
-
-def started() -> tuple[Observed, Actions]:
-    obs = observed()
-    return obs, reconcile(obs, CTX)
+from sftjob_operator.reconcile import reconcile
+from tests.unit.reconcile_cases import (
+    CTX,
+    NOW,
+    SPEC,
+    condition,
+    fake_plan,
+    observed,
+    pod,
+    started,
+    terminated,
+    then,
+)
 
 
 def test_a_new_job_records_attempt_one_before_creating_its_children_in_order() -> None:
@@ -130,13 +50,6 @@ def test_a_pass_over_unchanged_state_changes_nothing() -> None:
     second = reconcile(running, CTX)
     third = reconcile(then(running, second), CTX)
     assert not third.status_changed and not third.children and not third.delete_pods and not third.events
-
-
-def test_after_a_crash_between_creating_pods_and_writing_status_the_same_pods_are_kept() -> None:
-    actions = reconcile(observed(pods=[pod()]), CTX)
-    assert actions.status.attempt == 1
-    assert {m["metadata"]["name"] for m in actions.children if m["kind"] == "Pod"} <= {"job-1-0"}
-    assert not actions.delete_pods
 
 
 def test_running_pods_make_the_job_running_on_the_gpu_they_landed_on() -> None:
@@ -283,48 +196,6 @@ def test_a_spec_the_model_rejects_fails_as_invalid_naming_the_field() -> None:
     assert "spec.gpu.count" in next(x for x in actions.status.conditions if x.type == "Failed").message
 
 
-def test_a_missing_pod_is_recreated_soon_after_the_start_and_judged_vanished_once_the_api_says_404() -> None:
-    obs, first = started()
-    soon = reconcile(then(obs, first, now=NOW + timedelta(seconds=5)), CTX)
-    assert [m["metadata"]["name"] for m in soon.children if m["kind"] == "Pod"] == ["job-1-0"]
-    later = reconcile(then(obs, first, now=NOW + timedelta(seconds=120), gone=frozenset({"job-1-0"})), CTX)
-    assert later.status.attempts[0].reason == "Preempted"
-    assert [m["metadata"]["name"] for m in later.children if m["kind"] == "Pod"] == ["job-2-0"]
-
-
-def test_a_pod_the_index_lacks_past_its_grace_is_looked_up_not_judged_vanished() -> None:
-    obs, first = started()
-    late = then(obs, first, now=NOW + timedelta(seconds=300))
-    actions = reconcile(late, CTX)
-    assert actions.check_pods == ["job-1-0"]
-    assert not actions.status_changed and not actions.children and not actions.delete_pods
-    assert not actions.events and actions.status.attempt == 1
-
-
-def test_a_pod_whose_create_was_refused_is_created_again_never_judged_deleted() -> None:
-    obs, first = started()
-    refused = failed_create(first.status, "Pod job-1-0: exceeded quota", generation=1, now=NOW)
-    late = replace(
-        obs, status=refused.to_patch(), now=NOW + timedelta(seconds=300), gone=frozenset({"job-1-0"})
-    )
-    actions = reconcile(late, CTX)
-    assert not actions.check_pods and actions.status.attempt == 1 and actions.status.restarts == 0
-    assert actions.status.attempts[0].reason is None
-    assert [m["metadata"]["name"] for m in actions.children if m["kind"] == "Pod"] == ["job-1-0"]
-    assert condition(actions, "Scheduled") == ("False", "FailedCreate") and not actions.status_changed
-    created = reconcile(then(late, actions, pods=[pod(phase="Pending", node=None)]), CTX)
-    assert condition(created, "Scheduled") == ("False", "WaitingForPods")
-
-
-def test_a_pod_found_by_the_direct_read_keeps_its_attempt_going() -> None:
-    obs, first = started()
-    late = then(obs, first, now=NOW + timedelta(seconds=300), pods=[pod(phase="Pending", node=None)])
-    actions = reconcile(late, CTX)
-    assert not actions.check_pods and actions.status.attempt == 1 and actions.status.restarts == 0
-    assert actions.status.attempts[0].reason is None and not actions.children
-    assert actions.status.phase == "Pending"
-
-
 def test_progress_and_checkpoint_annotations_are_folded_into_status() -> None:
     obs, first = started()
     progress = {"step": 50, "totalSteps": 200, "epoch": 0.25, "loss": 1.5, "updated": "2026-01-01T11:59:30Z"}
@@ -352,74 +223,6 @@ def test_a_multi_node_attempt_fails_together_when_one_pod_fails() -> None:
     ]
     actions = reconcile(then(obs, first, pods=pods), CTX)
     assert actions.status.phase == "Restarting" and actions.delete_pods == ["job-1-0"]
-
-
-def test_a_pod_not_yet_in_the_index_right_after_the_start_is_waited_for_not_recreated() -> None:
-    obs, first = started()
-    actions = reconcile(then(obs, first, now=NOW + timedelta(seconds=1)), CTX)
-    assert not actions.children and actions.requeue_after == 2
-
-
-def test_the_pass_after_the_start_writes_no_status_until_the_pods_show_something_new() -> None:
-    obs, first = started()
-    waiting = reconcile(then(obs, first, now=NOW + timedelta(seconds=1)), CTX)
-    created = reconcile(then(obs, first, pods=[pod(phase="Pending", node=None)]), CTX)
-    assert not waiting.status_changed and not created.status_changed
-    assert condition(first, "Scheduled") == ("False", "WaitingForPods")
-
-
-# --- the operator's defaults ---------------------------------------------------------------------------
-
-SITE = JobDefaults.of(
-    storage_class_name="fast", size="7Gi", max_restarts=0, backoff_seconds=30, on_oom="Fail"
-)
-
-
-def test_unset_claim_and_restart_settings_take_the_operators_defaults_and_show_in_status() -> None:
-    actions = reconcile(observed(), replace(CTX, defaults=SITE))
-    (claim,) = [m for m in actions.children if m["kind"] == "PersistentVolumeClaim"]
-    assert claim["spec"]["storageClassName"] == "fast"
-    assert claim["spec"]["resources"]["requests"]["storage"] == "7Gi"
-    shown = actions.status.to_patch()["effective"]
-    assert shown == {
-        "checkpoints": {"storageClassName": "fast", "size": "7Gi"},
-        "restartPolicy": {"maxRestarts": 0, "backoffSeconds": 30, "onOOM": "Fail"},
-    }
-
-
-def test_settings_the_spec_gives_win_over_the_operators_defaults() -> None:
-    spec = {**SPEC, "checkpoints": {"size": "1Ti"}, "restartPolicy": {"maxRestarts": 5, "onOOM": "Retry"}}
-    actions = reconcile(observed(spec=spec), replace(CTX, defaults=SITE))
-    effective = actions.status.effective
-    assert effective is not None
-    assert (effective.checkpoints.size, effective.checkpoints.storage_class_name) == ("1Ti", "fast")
-    policy = effective.restart_policy
-    assert (policy.max_restarts, policy.backoff_seconds, policy.on_oom) == (5, 30, "Retry")
-
-
-def test_a_default_backoff_above_the_jobs_own_cap_is_capped_there() -> None:
-    spec = {**SPEC, "restartPolicy": {"maxBackoffSeconds": 5}}
-    effective = reconcile(observed(spec=spec), replace(CTX, defaults=SITE)).status.effective
-    assert effective is not None and effective.restart_policy.backoff_seconds == 5
-
-
-def test_new_operator_defaults_do_not_change_a_job_admitted_under_the_old_ones() -> None:
-    obs, first = started()  # the built-in defaults: 100Gi, maxRestarts 3
-    failed = pod(phase="Failed", status=terminated(1, "Error", "boom"))
-    actions = reconcile(then(obs, first, pods=[failed]), replace(CTX, defaults=SITE))
-    assert actions.status.effective == first.status.effective
-    assert actions.status.phase == "Restarting", "maxRestarts 3 still applies, not the new default 0"
-
-
-def test_the_operators_default_restart_budget_decides_the_restart() -> None:
-    obs = observed()
-    first = reconcile(obs, replace(CTX, defaults=SITE))
-    failed = pod(phase="Failed", status=terminated(1, "Error", "boom"))
-    actions = reconcile(then(obs, first, pods=[failed]), replace(CTX, defaults=SITE))
-    assert actions.status.phase == "Failed" and condition(actions, "Failed") == (
-        "True",
-        "RestartLimitExceeded",
-    )
 
 
 def test_an_attempt_records_the_ladder_step_of_the_card_it_landed_on() -> None:
