@@ -1,4 +1,4 @@
-"""The Helm chart, its dashboards and alerts, and kind-config.yaml, checked with the real tools.
+"""The Helm chart, checked with the real tools (its monitoring: test_chart_monitoring.py).
 
 `helm lint` and `helm template` run the chart with its default values and the two value sets in
 charts/sftjob-operator/ci/. What they render is validated against the Kubernetes 1.36 schemas
@@ -10,15 +10,12 @@ real local cluster (tests/e2e/test_chart_install.py) and scrape its metrics with
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -40,7 +37,6 @@ from sftjob import constants as c
 from sftjob.attempts import RestartPolicy
 from sftjob.spec import CheckpointSpec
 from sftjob_dev import binaries
-from sftjob_dev.nodes import NODE_TYPES
 from sftjob_operator.scheduling import default_products, parse_products
 
 SCHEMA_VERSION = "1.36.0"
@@ -313,174 +309,3 @@ def test_user_roles_aggregate_into_the_built_in_edit_and_view_roles() -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # Monitoring: monitors, alerts, dashboards
-
-
-def test_monitors_and_rules_carry_the_labels_kube_prometheus_stack_selects_on() -> None:
-    docs = render("monitoring")
-    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
-        assert one(docs, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    assert not [d for d in render() if d["kind"] in ("ServiceMonitor", "PodMonitor", "PrometheusRule")]
-
-
-def test_pod_monitor_scrapes_the_rank_zero_trainer_pod_on_its_metrics_port() -> None:
-    monitor = one(render("monitoring"), "PodMonitor")["spec"]
-    assert monitor["selector"]["matchLabels"] == {c.LABEL_ROLE: "trainer", c.LABEL_RANK: "0"}
-    assert monitor["podMetricsEndpoints"][0]["port"] == "metrics"
-    assert monitor["namespaceSelector"] == {"any": True}
-    assert monitor["podTargetLabels"] == [c.LABEL_ATTEMPT]  # the trainer labels its metrics with the GPU
-
-
-def test_service_monitor_scrapes_the_operator_metrics_service() -> None:
-    docs = render("monitoring")
-    monitor = one(docs, "ServiceMonitor")["spec"]
-    service = one(docs, "Service")
-    assert monitor["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    assert monitor["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"] == "metrics"
-
-
-def runbook_anchors() -> set[str]:
-    text = (ROOT / "docs" / "runbooks.md").read_text()
-    return {
-        re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
-        for h in re.findall(r"^#+ (.+)$", text, re.M)
-    }
-
-
-def test_every_alert_has_severity_summary_description_and_a_runbook_section() -> None:
-    rule = one(render("monitoring"), "PrometheusRule")
-    alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
-    assert {a["alert"] for a in alerts} >= {
-        "SFTJobFailed",
-        "SFTJobRestartsClimbing",
-        "SFTJobOOMReplans",
-        "SFTJobTrainingStalled",
-        "SFTJobCheckpointTooOld",
-        "SFTJobThroughputDropped",
-        "SFTJobGPUMemoryNearlyFull",
-    }
-    anchors = runbook_anchors()
-    for alert in alerts:
-        assert alert["labels"]["severity"] in {"critical", "warning", "info"}
-        assert alert["annotations"]["summary"] and alert["annotations"]["description"]
-        url = alert["annotations"]["runbook_url"]
-        assert url.startswith("https://") and url.split("#")[1] in anchors, url
-    stalled = next(a for a in alerts if a["alert"] == "SFTJobTrainingStalled")
-    assert "[30m]" in stalled["expr"], "alerts.thresholds must reach the rules"
-
-
-DASHBOARD_UIDS = {"fleet-overview.json": "sftjob-fleet", "training-job.json": "sftjob-training"}
-
-
-def load_dashboards() -> dict[str, dict[str, Any]]:
-    return {p.name: json.loads(p.read_text()) for p in sorted((CHART / "dashboards").glob("*.json"))}
-
-
-def test_dashboards_have_fixed_uids_and_query_through_the_datasource_variable() -> None:
-    dashboards = load_dashboards()
-    assert {name: d["uid"] for name, d in dashboards.items()} == DASHBOARD_UIDS
-    for dashboard in dashboards.values():
-        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-        assert variables["datasource"]["type"] == "datasource"
-        assert variables["datasource"]["query"] == "prometheus"
-        for panel in dashboard["panels"]:
-            for target in panel.get("targets", []):
-                assert target["datasource"]["uid"] == "${datasource}", panel["title"]
-                assert target["expr"].strip()
-
-
-def test_panel_ids_and_positions_do_not_collide() -> None:
-    for name, dashboard in load_dashboards().items():
-        ids = [p["id"] for p in dashboard["panels"]]
-        assert len(ids) == len(set(ids)), name
-        cells: set[tuple[int, int]] = set()
-        for p in dashboard["panels"]:
-            g = p["gridPos"]
-            assert g["x"] + g["w"] <= 24, (name, p["title"])
-            area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
-            assert cells.isdisjoint(area), (name, p["title"])
-            cells |= area
-
-
-def test_dashboards_ship_as_configmaps_the_grafana_sidecar_loads() -> None:
-    maps = [
-        d for d in render("monitoring") if d["kind"] == "ConfigMap" and "-dashboard-" in d["metadata"]["name"]
-    ]
-    assert len(maps) == len(DASHBOARD_UIDS)
-    for cm in maps:
-        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
-        assert cm["metadata"]["namespace"] == "monitoring"
-        assert cm["metadata"]["annotations"] == {"grafana_folder": "Training"}
-        ((key, body),) = cm["data"].items()
-        assert json.loads(body)["uid"] == DASHBOARD_UIDS[key.removeprefix("sftjob-")]
-
-
-# ---------------------------------------------------------------------------------------------------
-# kind-config.yaml
-
-
-def _kind_schema() -> dict[str, Any]:
-    """kind's v1alpha4 Cluster and Node types (sigs.k8s.io/kind pkg/apis/config/v1alpha4), which kind
-    decodes strictly: an unknown field is an error there too."""
-    strings = {"type": "array", "items": {"type": "string"}}
-    node = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "role": {"enum": ["control-plane", "worker"]},
-            "image": {"type": "string"},
-            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-            "extraMounts": {"type": "array"},
-            "extraPortMappings": {"type": "array"},
-            "gpus": {"type": "string"},
-            "kubeadmConfigPatches": strings,
-            "kubeadmConfigPatchesJSON6902": {"type": "array"},
-        },
-    }
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["kind", "apiVersion"],
-        "properties": {
-            "kind": {"const": "Cluster"},
-            "apiVersion": {"const": "kind.x-k8s.io/v1alpha4"},
-            "name": {"type": "string"},
-            "nodes": {"type": "array", "items": node, "minItems": 1},
-            "networking": {"type": "object"},
-            "featureGates": {"type": "object", "additionalProperties": {"type": "boolean"}},
-            "runtimeConfig": {"type": "object", "additionalProperties": {"type": "string"}},
-            "kubeadmConfigPatches": strings,
-            "kubeadmConfigPatchesJSON6902": {"type": "array"},
-            "containerdConfigPatches": strings,
-            "containerdConfigPatchesJSON6902": strings,
-        },
-    }
-
-
-def kind_config() -> dict[str, Any]:
-    config: dict[str, Any] = yaml.safe_load((ROOT / "kind-config.yaml").read_text())
-    return config
-
-
-def test_kind_config_is_a_valid_kind_v1alpha4_cluster() -> None:
-    config = kind_config()
-    jsonschema.validate(config, _kind_schema())
-    roles = [n["role"] for n in config["nodes"]]
-    assert roles.count("control-plane") == 1
-    assert any(n["role"] == "worker" and not n.get("labels") for n in config["nodes"]), (
-        "a worker for the operator"
-    )
-
-
-def test_kind_gpu_workers_carry_the_same_labels_and_taint_as_the_kwok_nodes() -> None:
-    gpu_types = {t.product: t for t in NODE_TYPES.values() if t.gpus}
-    gpu_workers = {
-        n["labels"][c.GFD_PRODUCT]: n for n in kind_config()["nodes"] if c.GFD_PRODUCT in n.get("labels", {})
-    }
-    assert gpu_workers.keys() == gpu_types.keys()
-    for product, node in gpu_workers.items():
-        kwok_labels = gpu_types[product].labels("x")
-        assert node["labels"] == {k: v for k, v in kwok_labels.items() if k.startswith("nvidia.com/")}
-        (patch,) = node["kubeadmConfigPatches"]
-        join = yaml.safe_load(patch)
-        assert join["kind"] == "JoinConfiguration"
-        assert join["nodeRegistration"]["taints"] == gpu_types[product].taints()
