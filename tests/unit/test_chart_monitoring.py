@@ -7,12 +7,7 @@ import json
 import re
 from typing import Any
 
-from helmchart import (
-    CHART,
-    ROOT,
-    one,
-    render,
-)
+from helmchart import CHART, ROOT, one, render
 
 from sftjob import constants as c
 

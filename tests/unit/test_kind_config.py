@@ -6,9 +6,7 @@ from typing import Any
 
 import jsonschema
 import yaml
-from helmchart import (
-    ROOT,
-)
+from helmchart import ROOT
 
 from sftjob import constants as c
 from sftjob_dev.nodes import NODE_TYPES
