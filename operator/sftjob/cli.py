@@ -4,7 +4,8 @@
     sftjob plan --model meta-llama/Llama-3.1-8B --method lora --gpu A40 [--gpus 2] [--seq 4096]
     sftjob gpus
 
-``plan`` exits 1 when the job fits on none of the GPU types shown, 2 on bad input. A YAML file is
+``plan`` exits 1 when the job fits on none of the GPU types shown or its checkpoint claim is too small
+for it, 2 on bad input. A YAML file is
 validated as the SFTJob spec and planned by the same function as the operator's (``job_plan``), for
 the GPU types the job allows unless ``--gpu`` names others.
 """
@@ -28,6 +29,7 @@ from sftjob.job_plan import plan_job
 from sftjob.plan import Plan
 from sftjob.planner import PlanRequest, plan
 from sftjob.spec import SFTJobSpec, to_plan_request
+from sftjob.storage import too_small
 
 EXIT_NOTHING_FITS = 1
 EXIT_BAD_INPUT = 2
@@ -101,6 +103,7 @@ def plan_json(p: Plan, method: str, capacity_gib: float) -> dict[str, Any]:
         "worldSize": p.distributed.world_size,
         "predictedTokensPerSecond": p.predicted_tokens_per_second,
         "predictedMfu": p.predicted_mfu,
+        "checkpointGiB": round(p.checkpoint_gib, 2),
         "memory": {term.name: term.gib for term in p.memory.terms},
         "suggestions": p.suggestions,
         "summary": p.summary(),
@@ -160,6 +163,12 @@ def render_plans(plans: list[Plan], request: PlanRequest, model: str) -> str:
                 each(lambda p, n=name: next((f"{t.gib:.2f}" for t in p.memory.terms if t.name == n), "-")),
             )
         )
+    rows.append(
+        (
+            "checkpoint GiB (one)",
+            each(lambda p: f"{p.checkpoint_gib:.1f}"),
+        )
+    )
     rows.append(
         (
             "pod cpu / memory / shm",
@@ -230,10 +239,12 @@ def _plan_command(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise InputError(f"{args.file}: {e}") from e
         model = spec.model.name or spec.model.path or request.architecture.name or "model"
+        volume = too_small(spec, plans[0])
     else:
         request, model = _request_from_flags(args)
         profiles = _profiles(args.gpu or list(GPU_TYPES))
         plans = [plan(request, gpu) for gpu in profiles]
+        volume = None
     if args.output == "json":
         print(
             json.dumps(
@@ -243,6 +254,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     else:
         print(render_plans(plans, request, model))
+    if volume is not None:  # the operator would fail the job at admission for it
+        print(f"sftjob: {volume}", file=sys.stderr)
+        return EXIT_NOTHING_FITS
     return 0 if any(p.fits for p in plans) else EXIT_NOTHING_FITS
 
 

@@ -31,6 +31,7 @@ class Reason(StrEnum):
     PLAN_FITS = "PlanFits"
     DOES_NOT_FIT = "DoesNotFit"
     UNKNOWN_MODEL_SIZE = "UnknownModelSize"
+    CHECKPOINT_VOLUME_TOO_SMALL = "CheckpointVolumeTooSmall"
     UNKNOWN_GPU_PRODUCT = "UnknownGpuProduct"
     PODS_CREATED = "PodsCreated"
     WAITING_FOR_PODS = "WaitingForPods"

@@ -18,6 +18,7 @@ from sftjob.job_plan import plan_job
 from sftjob.job_status import PlanStatus
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
+from sftjob.storage import too_small
 from sftjob_operator.conditions import Reason
 from sftjob_operator.scheduling import ProductMap, profile_of
 
@@ -78,6 +79,12 @@ def plan_candidates(spec: SFTJobSpec, products: ProductMap, plan_fn: PlanFn = pl
     found = CandidatePlans(plans, by_product)
     if not found.fitting:
         raise PlanningError(Reason.DOES_NOT_FIT, _no_fit_message(spec, plans))
+    try:
+        problem = too_small(spec, found.first)  # checkpoint sizes do not depend on the card
+    except ValueError:  # a model the planner could not size has failed above; a stand-in plan_fn's
+        problem = None
+    if problem is not None:
+        raise PlanningError(Reason.CHECKPOINT_VOLUME_TOO_SMALL, problem)
     return found
 
 

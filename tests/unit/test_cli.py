@@ -175,3 +175,12 @@ def test_a_spec_admission_would_refuse_is_an_input_error_naming_the_field(tmp_pa
     job.write_text(JOB.replace("name: HuggingFaceH4/ultrachat_200k", "path: /etc/passwd"))
     code, _, err = run(capsys, "plan", "-f", str(job))
     assert code == 2 and "spec.dataset.path" in err
+
+
+def test_a_checkpoint_claim_too_small_for_the_run_exits_1_with_the_size_to_ask_for(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    full = "spec: {model: {name: Qwen/Qwen2.5-7B-Instruct}, dataset: {name: org/chats}, method: full,"
+    job.write_text(full + " gpu: {type: A800, count: 8}}")
+    code, out, err = run(capsys, "plan", "-f", str(job))
+    assert code == 1 and "checkpoint GiB (one)" in out
+    assert "spec.checkpoints.size 100Gi cannot hold the run" in err and "Gi or more" in err

@@ -14,7 +14,7 @@ from sftjob.gpus import GpuProfile
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
-from sftjob_operator.planning import CandidatePlans
+from sftjob_operator.planning import CandidatePlans, planner_plan
 from sftjob_operator.reconcile import reconcile
 from tests.unit.reconcile_cases import (
     CTX,
@@ -188,6 +188,17 @@ def test_a_plan_that_fits_nowhere_fails_the_job_with_the_planners_reason() -> No
     assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "DoesNotFit")
     assert condition(actions, "Planned") == ("False", "DoesNotFit") and not actions.children
     assert "90" in next(x for x in actions.status.conditions if x.type == "Failed").message
+
+
+def test_a_checkpoint_claim_too_small_for_the_run_fails_the_job_before_any_child_exists() -> None:
+    model, gpu = {"name": "Qwen/Qwen2.5-7B-Instruct"}, {"type": "A800", "count": 8}
+    spec = {**SPEC, "model": model, "method": "full", "gpu": gpu}
+    actions = reconcile(observed(spec=spec), replace(CTX, plan_fn=planner_plan))
+    assert condition(actions, "Planned") == ("False", "CheckpointVolumeTooSmall") and not actions.children
+    assert (
+        "spec.checkpoints.size 100Gi"
+        in next(x for x in actions.status.conditions if x.type == "Failed").message
+    )
 
 
 def test_a_spec_the_model_rejects_fails_as_invalid_naming_the_field() -> None:

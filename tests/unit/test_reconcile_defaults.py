@@ -18,7 +18,7 @@ from tests.unit.reconcile_cases import (
 )
 
 SITE = JobDefaults.of(
-    storage_class_name="fast", size="7Gi", max_restarts=0, backoff_seconds=30, on_oom="Fail"
+    storage_class_name="fast", size="70Gi", max_restarts=0, backoff_seconds=30, on_oom="Fail"
 )
 
 
@@ -26,10 +26,10 @@ def test_unset_claim_and_restart_settings_take_the_operators_defaults_and_show_i
     actions = reconcile(observed(), replace(CTX, defaults=SITE))
     (claim,) = [m for m in actions.children if m["kind"] == "PersistentVolumeClaim"]
     assert claim["spec"]["storageClassName"] == "fast"
-    assert claim["spec"]["resources"]["requests"]["storage"] == "7Gi"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "70Gi"
     shown = actions.status.to_patch()["effective"]
     assert shown == {
-        "checkpoints": {"storageClassName": "fast", "size": "7Gi"},
+        "checkpoints": {"storageClassName": "fast", "size": "70Gi"},
         "restartPolicy": {"maxRestarts": 0, "backoffSeconds": 30, "onOOM": "Fail"},
     }
 

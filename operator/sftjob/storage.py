@@ -1,0 +1,80 @@
+"""What a job's checkpoint volume must hold at its fullest, so a claim too small fails at admission time
+instead of at the first save that fills it, hours into the run.
+
+The volume holds ``spec.checkpoints.keep`` complete checkpoints plus the one being written (a save
+writes a temporary folder before the oldest is deleted), the final model when ``spec.output`` has no
+volume of its own, and the hub download of the model (``HF_HOME`` lives on it, so a restart does not
+download again). Checkpoint sizes are the plan's (:attr:`~sftjob.plan.Plan.checkpoint_gib`, what the
+trainer writes); the dataset's cache is not counted, so the figure is a floor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from sftjob.memory import BF16_BYTES, FULL_STATE_BYTES, GIB
+from sftjob.plan import Plan
+from sftjob.spec import SFTJobSpec, to_plan_request
+
+# Memory quantity suffixes the spec's pattern admits, in bytes.
+QUANTITY_SCALE = {
+    "": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VolumeNeed:
+    checkpoints_gib: float  # keep + 1 checkpoints
+    final_model_gib: float  # 0 when spec.output has its own volume
+    download_gib: float  # the model from the hub (0 for a model on a volume)
+
+    @property
+    def total_gib(self) -> float:
+        return self.checkpoints_gib + self.final_model_gib + self.download_gib
+
+    def describe(self, keep: int, checkpoint_gib: float) -> str:
+        parts = [f"{keep} + 1 checkpoints of {checkpoint_gib:.1f} GiB"]
+        if self.final_model_gib:
+            parts.append(f"the final model {self.final_model_gib:.1f} GiB")
+        if self.download_gib:
+            parts.append(f"the model download {self.download_gib:.1f} GiB")
+        return ", ".join(parts)
+
+
+def volume_need(spec: SFTJobSpec, plan: Plan) -> VolumeNeed:
+    architecture = to_plan_request(spec, spec.gpu.count, spec.gpu.nodes).architecture
+    n = architecture.parameters
+    if spec.output.volume is not None:
+        final = 0.0
+    elif spec.method == "full":
+        final = n * FULL_STATE_BYTES["weights"] / GIB  # save_pretrained keeps the fp32 master weights
+    else:
+        lora = spec.lora
+        final = architecture.lora_parameters(lora.r, lora.target_modules) * FULL_STATE_BYTES["weights"] / GIB
+    download = n * BF16_BYTES / GIB if spec.model.name else 0.0  # hub checkpoints ship in bf16
+    return VolumeNeed((spec.checkpoints.keep + 1) * plan.checkpoint_gib, final, download)
+
+
+def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:
+    """Why the claim the operator will make (``spec.checkpoints.size``) cannot hold the run, or None
+    (also when the spec brings its own volume, whose size the operator cannot know)."""
+    if spec.checkpoints.volume is not None:
+        return None
+    need = volume_need(spec, plan)
+    size = quantity_gib(spec.checkpoints.size)
+    if size >= need.total_gib:
+        return None
+    suggest = 10 * math.ceil(need.total_gib * 1.1 / 10)
+    return (
+        f"spec.checkpoints.size {spec.checkpoints.size} cannot hold the run: it needs about"
+        f" {need.total_gib:.0f} GiB ({need.describe(spec.checkpoints.keep, plan.checkpoint_gib)});"
+        f" set spec.checkpoints.size to {suggest}Gi or more, or keep fewer checkpoints"
+    )
+
+
+def quantity_gib(quantity: str) -> float:
+    """A memory quantity (``100Gi``, ``1.5Ti``, ``500G``) in GiB."""
+    number = quantity.rstrip("mkMGTPi")
+    return float(number) * QUANTITY_SCALE[quantity[len(number) :]] / GIB

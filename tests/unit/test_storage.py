@@ -1,0 +1,54 @@
+"""The checkpoint volume a job needs: refused at planning when the claim the operator makes is too small."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from sftjob.gpus import profile_for_type
+from sftjob.job_plan import plan_job
+from sftjob.spec import SFTJobSpec
+from sftjob.storage import quantity_gib, too_small, volume_need
+
+FULL_7B: dict[str, Any] = {
+    "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+    "dataset": {"name": "HuggingFaceH4/ultrachat_200k"},
+    "method": "full",
+    "gpu": {"type": "A800", "count": 8},
+}
+
+
+def job(**changes: Any) -> tuple[SFTJobSpec, Any]:
+    spec = SFTJobSpec.model_validate({**FULL_7B, **changes})
+    return spec, plan_job(spec, profile_for_type("A800"))
+
+
+@pytest.mark.parametrize(("quantity", "gib"), [("100Gi", 100), ("1.5Ti", 1536), ("500M", 500e6 / 2**30)])
+def test_memory_quantities_read_as_gib(quantity: str, gib: float) -> None:
+    assert quantity_gib(quantity) == pytest.approx(gib)
+
+
+def test_a_full_run_needs_its_checkpoints_plus_one_the_final_model_and_the_download() -> None:
+    spec, plan = job()
+    need = volume_need(spec, plan)
+    assert need.checkpoints_gib == pytest.approx(4 * plan.checkpoint_gib)
+    assert need.final_model_gib == pytest.approx(need.download_gib * 2)  # fp32 out, bf16 in
+    assert need.total_gib > 300
+
+
+def test_the_default_claim_is_refused_for_a_7b_full_run_with_the_size_to_ask_for() -> None:
+    spec, plan = job()
+    problem = too_small(spec, plan)
+    assert problem is not None and "spec.checkpoints.size 100Gi" in problem and "4 + 1" not in problem
+    assert "3 + 1 checkpoints" in problem and "Gi or more" in problem
+
+
+def test_a_claim_big_enough_or_a_volume_of_the_users_own_is_not_questioned() -> None:
+    assert too_small(*job(checkpoints={"size": "500Gi"})) is None
+    assert too_small(*job(checkpoints={"volume": {"persistentVolumeClaim": {"claimName": "ckpt"}}})) is None
+
+
+def test_an_output_volume_of_its_own_takes_the_final_model_off_the_checkpoint_volume() -> None:
+    spec, plan = job(output={"volume": {"persistentVolumeClaim": {"claimName": "out"}}})
+    assert volume_need(spec, plan).final_model_gib == 0
