@@ -252,26 +252,30 @@ async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions) -> None
     version = job.resource_version
     if actions.status_changed:
         version = await kube.run(kube.write_status, namespace, name, version, old, actions.status)
-    for manifest in actions.children:
-        if expected.pending(key, uid, attempt, manifest):
-            continue  # this process created it moments ago; the watch has not shown it yet
-        try:
-            created = await kube.run(kube.ensure, manifest)
-        except Rejected as err:
-            failed = reject(actions.status, str(err), generation=job.generation, now=_now())
+    children = [m for m in actions.children if not expected.pending(key, uid, attempt, m)]
+    # What the pods refer to (ServiceAccount, Role, RoleBinding, ConfigMap, claim, Service) is created
+    # together, then the pods: admission needs their ServiceAccount to exist.
+    for batch in ([m for m in children if m["kind"] != "Pod"], [m for m in children if m["kind"] == "Pod"]):
+        results = await asyncio.gather(*(kube.run(kube.ensure, m) for m in batch), return_exceptions=True)
+        for manifest, result in zip(batch, results, strict=True):
+            if isinstance(result, bool):
+                expected.created(key, uid, attempt, manifest)
+                if result and manifest["kind"] == "Pod":
+                    metrics.PODS_CREATED.inc()
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if isinstance(error, Rejected):
+            failed = reject(actions.status, str(error), generation=job.generation, now=_now())
             await kube.run(kube.write_status, namespace, name, version, actions.status.to_patch(), failed)
-            await _post(job, "Warning", Reason.CHILD_REJECTED, str(err))
+            await _post(job, "Warning", Reason.CHILD_REJECTED, str(error))
             return
-        except Forbidden as err:
-            refused = failed_create(actions.status, str(err), generation=job.generation, now=_now())
+        if isinstance(error, Forbidden):
+            refused = failed_create(actions.status, str(error), generation=job.generation, now=_now())
             if refused != actions.status:  # said once per new refusal, not on every retry
                 old_status = actions.status.to_patch()
                 await kube.run(kube.write_status, namespace, name, version, old_status, refused)
-                await _post(job, "Warning", Reason.FAILED_CREATE, str(err))
-            raise
-        expected.created(key, uid, attempt, manifest)
-        if created and manifest["kind"] == "Pod":
-            metrics.PODS_CREATED.inc()
+                await _post(job, "Warning", Reason.FAILED_CREATE, str(error))
+        if error is not None:
+            raise error
     for pod in actions.delete_pods:
         await kube.run(kube.delete_pod, namespace, pod)
     for event in actions.events:
