@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     CUDA_OOM = 15
     COMMUNICATION_ERROR = 16
     STORAGE_ERROR = 17
+    NETWORK_ERROR = 18  # the hub or the network failed while downloading the model or the dataset
     PREEMPTED = 20  # SIGTERM received, current step finished, checkpoint saved
 
 
@@ -35,6 +36,7 @@ class FailureClass(StrEnum):
     DATA_ERROR = "DataError"
     MODEL_LOAD_ERROR = "ModelLoadError"
     STORAGE_ERROR = "StorageError"
+    NETWORK_ERROR = "NetworkError"
     GPU_UNAVAILABLE = "GpuUnavailable"
     DRIVER_MISMATCH = "DriverMismatch"
     STALLED = "Stalled"
@@ -52,6 +54,7 @@ EXIT_CODE_CLASS: dict[int, FailureClass] = {
     ExitCode.CUDA_OOM: FailureClass.CUDA_OOM,
     ExitCode.COMMUNICATION_ERROR: FailureClass.COMMUNICATION_ERROR,
     ExitCode.STORAGE_ERROR: FailureClass.STORAGE_ERROR,
+    ExitCode.NETWORK_ERROR: FailureClass.NETWORK_ERROR,
     ExitCode.PREEMPTED: FailureClass.PREEMPTED,
 }
 

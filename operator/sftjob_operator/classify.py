@@ -38,13 +38,18 @@ NODE_GONE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), cls)
     for pattern, cls in (
-        (r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED", FailureClass.CUDA_OOM),
+        (
+            r"CUDA out of memory|CUDA error: out of memory|Cuda failure 'out of memory'|OutOfMemoryError"
+            r"|CUBLAS_STATUS_ALLOC_FAILED",
+            FailureClass.CUDA_OOM,
+        ),
         (r"DataLoader worker .* killed by signal: Killed|Cannot allocate memory", FailureClass.HOST_OOM),
         (r"driver version is insufficient|CUDA driver .* too old", FailureClass.DRIVER_MISMATCH),
         (
             r"no CUDA-capable device|busy or unavailable|uncorrectable ECC|\bXid\b",
             FailureClass.GPU_UNAVAILABLE,
         ),
+        (r"hub or network unavailable", FailureClass.NETWORK_ERROR),  # the trainer's download failures
         (r"NCCL|ProcessGroupGloo|DistNetworkError|rendezvous", FailureClass.COMMUNICATION_ERROR),
         (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
     )
@@ -145,6 +150,7 @@ ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
     FailureClass.HOST_OOM,
     FailureClass.CUDA_OOM,
     FailureClass.STORAGE_ERROR,
+    FailureClass.NETWORK_ERROR,
     FailureClass.PREEMPTED,
     FailureClass.STALLED,
     FailureClass.COMMUNICATION_ERROR,

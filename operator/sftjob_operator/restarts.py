@@ -50,6 +50,7 @@ ADVICE: dict[FailureClass, str] = {
     FailureClass.DEADLINE_EXCEEDED: "raise spec.activeDeadlineSeconds or shorten the training",
     FailureClass.CUDA_OOM: "lower training.microBatchSize or dataset.maxSeqLength, or use a larger GPU",
     FailureClass.HOST_OOM: "lower dataloader memory (workers, in-memory data) or use bigger nodes",
+    FailureClass.NETWORK_ERROR: "check the egress to the hub (HF_ENDPOINT), or put the model on a volume",
 }
 
 

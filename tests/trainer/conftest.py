@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from sftjob_trainer.tiny import make_tiny_model, write_dataset  # noqa: E402
+from sftjob_trainer.tiny import make_tiny_model, make_tokenizer, write_dataset  # noqa: E402
 from tests.trainer.runs import MakeConfig  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -39,6 +39,35 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Gemma 2: attention logits soft-capped, every other layer in an 8-token sliding window."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-gemma2") / "model"
+    tokenizer = make_tokenizer()
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=1.0,  # with the larger initial weights, it changes the logits
+        initializer_range=0.2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Helpers for the trainer tests: reading a run's per-step losses, starting the trainer as a process."""
+"""Helpers for the trainer tests: reading a run's per-step losses, starting the trainer as a process or
+under torchrun."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 MakeConfig = Callable[..., Path]
+
+RANKS = 2  # torchrun's processes in the multi-rank tests: a one-node, two-GPU pod
+LAUNCH_TIMEOUT_SECONDS = 180
 
 
 def train_log(config_path: Path) -> dict[int, float]:
@@ -37,6 +41,37 @@ def start_trainer(config_path: Path, termination_log: Path) -> subprocess.Popen[
     return subprocess.Popen(
         [sys.executable, "-m", "sftjob_trainer.train"], env=env, stdout=out, stderr=subprocess.STDOUT
     )
+
+
+def start_torchrun(
+    config_path: Path, termination_log: Path, entry: list[str] | None = None
+) -> subprocess.Popen[bytes]:
+    """The trainer as a one-node multi-GPU pod runs it, with gloo over loopback instead of NCCL."""
+    env = os.environ | {
+        "SFTJOB_CONFIG": str(config_path),
+        "SFTJOB_TERMINATION_LOG": str(termination_log),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
+    with (config_path.parent / "trainer.log").open("ab") as out:
+        return subprocess.Popen(
+            [*launcher, *(entry or ["-m", "sftjob_trainer.train"])],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def torchrun(config_path: Path, termination_log: Path, entry: list[str] | None = None) -> int:
+    """Launch and wait; torchrun exits 0 when every rank did, else 1 (each rank's code is in the log)."""
+    proc = start_torchrun(config_path, termination_log, entry)
+    try:
+        return proc.wait(timeout=LAUNCH_TIMEOUT_SECONDS)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def wait_for_step(config_path: Path, proc: subprocess.Popen[bytes], step: int, timeout: float = 120) -> None:

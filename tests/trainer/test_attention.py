@@ -1,4 +1,5 @@
-"""Varlen attention for packed rows: the same logits, loss and gradients as SDPA with a block mask."""
+"""Varlen attention for packed rows: the same logits, loss and gradients as SDPA with a block mask; and
+eager attention for models whose attention neither computes exactly (Gemma 2's soft-capping)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from sftjob.failures import ExitCode
 from sftjob_trainer import attention
-from sftjob_trainer.batching import Layout, collate, make_units
+from sftjob_trainer.batching import Layout, Unit, collate, make_units
 from sftjob_trainer.data import IGNORE_INDEX, Example
 from sftjob_trainer.loop import model_inputs
 from sftjob_trainer.model import resolve_attention
@@ -118,3 +119,75 @@ def test_the_benchmark_self_check_compares_varlen_with_a_masked_sdpa(monkeypatch
     check = importlib.import_module("throughput_workload").attention_check(CPU)
     assert check["backend"].startswith("per-example sdpa")
     assert check["maxAbsDiffOutput"] < 1e-5 and check["maxAbsDiffGrad"] < 1e-5
+
+
+def test_attention_sdpa_cannot_compute_exactly_loads_eager_instead(caplog: pytest.LogCaptureFixture) -> None:
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+
+    gemma2 = Gemma2Config(sliding_window=8)  # soft-caps attention logits at 50
+    with caplog.at_level(logging.WARNING):
+        assert resolve_attention("sdpa", CPU, True, gemma2, 6) == "eager"
+    assert "gemma2 soft-caps its attention logits" in caplog.text and "using eager attention" in caplog.text
+    assert resolve_attention("sdpa", CPU, False, gemma2, 6) == "eager"  # transformers refuses sdpa for it
+
+    mistral = MistralConfig(sliding_window=16)  # every layer windowed
+    assert resolve_attention("sdpa", CPU, True, mistral, 17) == "eager"  # an example longer than the window
+    assert resolve_attention("sdpa", CPU, True, mistral, 16) == attention.VARLEN  # the window changes nothing
+    assert resolve_attention("sdpa", CPU, False, mistral, 17) == "sdpa"  # sdpa gets the window as a mask
+    qwen2 = Qwen2Config(sliding_window=16, use_sliding_window=False)
+    assert resolve_attention("sdpa", CPU, True, qwen2, 64) == attention.VARLEN
+
+
+def _gemma2_unit() -> Unit:
+    """One packed row of three examples, each longer than the tiny Gemma 2's sliding window."""
+    (unit,) = make_units([e for e in _examples() if len(e.input_ids) > 8][:3], packing_length=64)
+    return unit
+
+
+def test_packed_gemma2_examples_under_eager_attention_get_the_logits_they_have_alone(
+    tiny_gemma2: Path,
+) -> None:
+    model = _load(tiny_gemma2, "eager").eval()
+    unit = _gemma2_unit()
+    batch = collate([unit], Layout(packing=True, flatten=False, pad_id=0))  # eager's layout
+    with torch.no_grad():
+        packed = model(**model_inputs(batch, CPU), use_cache=False).logits[0]
+        bounds = [0, *itertools.accumulate(unit.lengths)]
+        for start, end in itertools.pairwise(bounds):
+            alone = model(input_ids=torch.tensor([unit.input_ids[start:end]])).logits[0]
+            assert torch.allclose(packed[start:end], alone, atol=1e-5)
+
+        for layer in model.model.layers:  # what dropping the soft-capping would compute
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = model(**model_inputs(batch, CPU), use_cache=False).logits[0]
+    assert not torch.allclose(uncapped, packed, atol=1e-3)
+
+
+def test_varlen_attention_refuses_soft_capping_and_examples_longer_than_the_window(tiny_gemma2: Path) -> None:
+    model = _load(tiny_gemma2, attention.VARLEN)
+    batch = collate([_gemma2_unit()], Layout(packing=True, flatten=True, pad_id=0))
+    with pytest.raises(ValueError, match="soft-capping"):
+        model(**model_inputs(batch, CPU), use_cache=False)
+
+    q = torch.zeros(1, 2, 12, 4)
+    bounds = torch.tensor([0, 4, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="sliding window"):
+        attention.varlen_attention_forward(
+            model, q, q, q, None, cu_seq_lens_q=bounds, max_length_q=8, sliding_window=7
+        )
+    out, _ = attention.varlen_attention_forward(
+        model, q, q, q, None, cu_seq_lens_q=bounds, max_length_q=8, sliding_window=8
+    )  # no example longer than the window: causal attention is the windowed one
+    assert out.shape == (1, 12, 2, 4)
+
+
+def test_the_trainer_trains_packed_gemma2_rows_with_eager_attention(
+    trainer_config: MakeConfig, tiny_gemma2: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = trainer_config(
+        "messages", model={"path": str(tiny_gemma2)}, method="full", training={"maxSteps": 2}
+    )
+    with caplog.at_level(logging.INFO):
+        assert run(str(config)) == ExitCode.OK
+    assert "soft-caps its attention logits" in caplog.text and "using eager attention" in caplog.text
+    assert f"attention {attention.VARLEN}" not in caplog.text

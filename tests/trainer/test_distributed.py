@@ -11,11 +11,8 @@ FSDP2 (``fully_shard``) runs on the CPU with gloo in torch 2.15, so it is tested
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +24,20 @@ from sftjob.failures import ExitCode
 from sftjob_trainer.checkpoints import REQUIRED_FILES, checkpoint_dirs, problem, rng_file
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.train import run
-from tests.trainer.runs import MakeConfig, train_log, trainer_output, wait_for_step
+from tests.trainer.runs import (
+    LAUNCH_TIMEOUT_SECONDS,
+    RANKS,
+    MakeConfig,
+    start_torchrun,
+    torchrun,
+    train_log,
+    trainer_output,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.trainer
 
-RANKS = 2
 STEPS = 6
-LAUNCH_TIMEOUT_SECONDS = 180
 REL = 1e-4
 
 
@@ -60,37 +64,6 @@ def _checkpoint_root(config: Path) -> Path:
 
 def _summary(config: Path) -> dict[str, Any]:
     return dict(json.loads((_output(config) / "summary.json").read_text()))
-
-
-def start_torchrun(
-    config: Path, termination_log: Path, entry: list[str] | None = None
-) -> subprocess.Popen[bytes]:
-    """The trainer as a one-node multi-GPU pod runs it, with gloo over loopback instead of NCCL."""
-    env = os.environ | {
-        "SFTJOB_CONFIG": str(config),
-        "SFTJOB_TERMINATION_LOG": str(termination_log),
-        "GLOO_SOCKET_IFNAME": "lo",
-        "CUDA_VISIBLE_DEVICES": "",
-    }
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
-    with (config.parent / "trainer.log").open("ab") as out:
-        return subprocess.Popen(
-            [*launcher, *(entry or ["-m", "sftjob_trainer.train"])],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def torchrun(config: Path, termination_log: Path, entry: list[str] | None = None) -> int:
-    """Launch and wait; torchrun exits 0 when every rank did, else 1 (each rank's code is in the log)."""
-    proc = start_torchrun(config, termination_log, entry)
-    try:
-        return proc.wait(timeout=LAUNCH_TIMEOUT_SECONDS)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def _grad_norms(config: Path) -> dict[int, float]:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.failures import classify
@@ -101,6 +102,15 @@ def test_an_invalid_config_exits_config_error(tmp_path: Path, termination_log: P
     ("exc", "code"),
     [
         (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ExitCode.CUDA_OOM),
+        (torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be"), ExitCode.CUDA_OOM),
+        (
+            torch.distributed.DistBackendError(
+                "NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error, NCCL version 2.27.3\n"
+                "ncclUnhandledCudaError: Call to CUDA function failed.\n"
+                "Last error:\nCuda failure 'out of memory'"
+            ),
+            ExitCode.CUDA_OOM,  # not the communication error its NCCL wording suggests
+        ),
         (
             RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
             ExitCode.COMMUNICATION_ERROR,

@@ -10,6 +10,7 @@ import pytest
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import ExitCode, FailureClass
 from sftjob_operator.classify import (
+    ROOT_CAUSE_ORDER,
     Classification,
     Outcome,
     classify_attempt,
@@ -96,6 +97,7 @@ def classify(p: dict[str, Any] | None, n: dict[str, Any] | None = None, **kw: An
         (ExitCode.CUDA_OOM, FailureClass.CUDA_OOM),
         (ExitCode.COMMUNICATION_ERROR, FailureClass.COMMUNICATION_ERROR),
         (ExitCode.STORAGE_ERROR, FailureClass.STORAGE_ERROR),
+        (ExitCode.NETWORK_ERROR, FailureClass.NETWORK_ERROR),
         (ExitCode.PREEMPTED, FailureClass.PREEMPTED),
     ],
 )
@@ -145,6 +147,27 @@ def test_exit_code_one_is_read_from_the_termination_message() -> None:
     assert classify(pod("Failed", state=exited(1, message=disk))).failure_class is FailureClass.STORAGE_ERROR
     worker = "RuntimeError: DataLoader worker (pid 4242) is killed by signal: Killed."
     assert classify(pod("Failed", state=exited(1, message=worker))).failure_class is FailureClass.HOST_OOM
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "torch.AcceleratorError: CUDA error: out of memory",
+        "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error;"
+        " ncclUnhandledCudaError: Call to CUDA function failed. Last error: Cuda failure 'out of memory'",
+    ],
+)
+def test_cuda_out_of_memory_outside_the_caching_allocator_is_cuda_oom_even_in_nccl(message: str) -> None:
+    assert classify(pod("Failed", state=exited(1, message=message))).failure_class is FailureClass.CUDA_OOM
+
+
+def test_a_download_failure_behind_torchruns_exit_code_one_is_a_network_error() -> None:
+    message = (
+        "hub or network unavailable while loading the model from org/model: There was a specific connection"
+        " error when trying to load org/model: 503 Server Error (HfHubHTTPError: 503 Server Error)"
+    )
+    result = classify(pod("Failed", state=exited(1, message=message)))
+    assert result.failure_class is FailureClass.NETWORK_ERROR
 
 
 def test_sigterm_with_a_scheduler_preemption_is_preempted() -> None:
@@ -349,3 +372,7 @@ def test_a_failed_attempt_is_described_in_one_line_for_its_event() -> None:
         f"attempt 3 on {NODE} failed with CudaOOM (exit code 15): CUDA out of memory;"
         " 30 step(s) since the last checkpoint"
     )
+
+
+def test_every_failure_class_has_a_place_in_the_root_cause_order() -> None:
+    assert set(ROOT_CAUSE_ORDER) == set(FailureClass) and len(ROOT_CAUSE_ORDER) == len(FailureClass)

@@ -136,6 +136,7 @@ def test_permanent_failures_fail_the_job_at_once_with_advice(cls: FailureClass) 
         FailureClass.STALLED,
         FailureClass.STORAGE_ERROR,
         FailureClass.COMMUNICATION_ERROR,
+        FailureClass.NETWORK_ERROR,
     ],
 )
 def test_transient_failures_restart_after_the_backoff(cls: FailureClass) -> None:

@@ -8,7 +8,9 @@ trainer computed once per micro-batch (``cu_seq_lens_q``/``max_length_q``, trans
 FlashAttentionKwargs, passed through ``model(**inputs)``) and calls PyTorch's own flash varlen kernel,
 ``torch.nn.attention.varlen.varlen_attn``, causal within each example. Where that kernel cannot run
 (no CUDA, fp32 tensors, an older PyTorch) the same function computes exact causal SDPA per example,
-so results mean the same everywhere.
+so results mean the same everywhere. Neither path has attention logit soft-capping or a sliding window
+(Gemma 2 has both): :func:`sdpa_gap` tells the trainer to load such models with eager attention instead,
+and the function refuses the arguments rather than drop them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,28 @@ def register() -> None:
 
     AttentionInterface.register(VARLEN, varlen_attention_forward)
     AttentionMaskInterface.register(VARLEN, no_mask)
+
+
+def sdpa_gap(model_config: Any, longest_example: int | None) -> str | None:
+    """What of this model's attention SDPA (and so ``sftjob_varlen``) would not compute, if anything.
+
+    Neither has logit soft-capping (transformers refuses SDPA for Gemma 2 for that reason). Only packed
+    runs (``longest_example``: the longest example in a row; None without packing) use ``sftjob_varlen``,
+    which has no sliding window: exact while no example is longer than the window.
+    """
+    softcap = getattr(model_config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        return f"{model_config.model_type} soft-caps its attention logits (at {softcap})"
+    window: int | None = getattr(model_config, "sliding_window", None)
+    layer_types = getattr(model_config, "layer_types", None)  # None: every layer has the window (Mistral)
+    if window is None or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    if longest_example is not None and longest_example > window:
+        return (
+            f"{model_config.model_type} attends within a sliding window of {window} tokens and packed"
+            f" examples are up to {longest_example} tokens long"
+        )
+    return None
 
 
 def no_mask(attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
@@ -81,6 +105,8 @@ def varlen_attention_forward(
     scaling: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: (batch, heads, seq, dim) in, (batch, seq, heads, dim) out.
@@ -90,7 +116,15 @@ def varlen_attention_forward(
     """
     if dropout:
         raise ValueError(f"attention {VARLEN} does not implement attention dropout")
+    if softcap is not None:
+        raise ValueError(f"attention {VARLEN} has no logit soft-capping; load the model with eager")
     batch, heads, length, dim = query.shape
+    longest = int(max_length_q) if cu_seq_lens_q is not None and max_length_q is not None else length
+    if sliding_window is not None and longest > sliding_window:
+        raise ValueError(
+            f"attention {VARLEN} has no sliding window and a sequence of {longest} tokens is longer than the"
+            f" model's {sliding_window}; load the model with eager"
+        )
     scale = scaling if scaling is not None else dim**-0.5
     if cu_seq_lens_q is None:
         out = F.scaled_dot_product_attention(
@@ -98,7 +132,6 @@ def varlen_attention_forward(
         )
         return out.transpose(1, 2).contiguous(), None
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
-    longest = int(max_length_q) if max_length_q is not None else length
     if _kernel_applies(q):
         out = _flash_varlen(q, k, v, cu_seq_lens_q, longest, scale)
     else:

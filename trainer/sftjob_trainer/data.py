@@ -18,6 +18,7 @@ from typing import Any
 
 from sftjob.config import DatasetSource
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.failures import load_failure
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ def _read_files(files: list[Path]) -> Iterator[tuple[str, Any]]:
             else:
                 yield from _read_jsonl(file)
         except OSError as exc:
-            raise TrainerError(ExitCode.DATA_ERROR, f"dataset file {file} is unreadable: {exc}") from exc
+            unreadable = TrainerError(ExitCode.DATA_ERROR, f"dataset file {file} is unreadable: {exc}")
+            raise load_failure(exc, f"dataset file {file}") or unreadable from exc  # a failing disk: retried
 
 
 def _read_jsonl(file: Path) -> Iterator[tuple[str, Any]]:
@@ -189,12 +191,12 @@ def _read_parquet(file: Path) -> Iterator[tuple[str, Any]]:
 def _read_hub(source: DatasetSource) -> Iterator[tuple[str, Any]]:
     import datasets
 
+    what = f"hub dataset {source.name} split {source.split}"
     try:
         dataset = datasets.load_dataset(source.name, split=source.split)
     except Exception as exc:
-        raise TrainerError(
-            ExitCode.DATA_ERROR, f"could not load hub dataset {source.name} split {source.split}: {exc}"
-        ) from exc
+        unusable = TrainerError(ExitCode.DATA_ERROR, f"could not load {what}: {exc}")
+        raise load_failure(exc, what) or unusable from exc
     for number, row in enumerate(dataset):
         yield f"{source.name}[{number}]", row
 

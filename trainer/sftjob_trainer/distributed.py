@@ -90,13 +90,27 @@ def init_distributed(config: TrainerConfig) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, device)
 
 
+def shards(config: TrainerConfig, ctx: DistContext) -> bool:
+    """The model is sharded with FSDP2 (rather than replicated with DDP, or alone on one process)."""
+    return ctx.active and config.distributed.sharding == "fsdp"
+
+
 def wrap_model(
     model: nn.Module, config: TrainerConfig, ctx: DistContext, compute_dtype: torch.dtype
 ) -> nn.Module:
+    """Put the model on this rank's device and wrap it for data parallelism.
+
+    Under FSDP the model stays where it was loaded (the CPU): ``fully_shard`` moves each decoder layer to
+    the device as it shards it (torch's ``_move_states_to_device``), then the embeddings and the head, so
+    a GPU holds its shards plus one unsharded piece at a time, never the whole fp32 model. QLoRA models
+    were loaded onto the device already.
+    """
+    if shards(config, ctx):
+        return _fully_shard(model, compute_dtype)
+    if config.method != "qlora" and next(model.parameters()).device != ctx.device:
+        model = model.to(ctx.device)
     if not ctx.active:
         return model
-    if config.distributed.sharding == "fsdp":
-        return _fully_shard(model, compute_dtype)
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
@@ -124,22 +138,13 @@ def unwrap(model: nn.Module) -> Any:
 
 
 def no_sync(model: nn.Module, last_micro_batch: bool) -> Any:
-    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
-    if last_micro_batch:
-        return contextlib.nullcontext()
-    if isinstance(model, nn.parallel.DistributedDataParallel):
+    """DDP: skip the gradient all-reduce on all but the last micro-batch of an accumulation.
+
+    FSDP2 reduce-scatters after every micro-batch instead. Skipping it
+    (``set_requires_gradient_sync(False)``) would keep each parameter's whole, unsharded gradient on every
+    GPU in fp32 (the reduce dtype) until the last micro-batch: the memory sharding exists to save, and
+    the planner counts gradients as sharded. One reduce-scatter per micro-batch is the price.
+    """
+    if not last_micro_batch and isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        return _fsdp_no_sync(model)
     return contextlib.nullcontext()
-
-
-class _fsdp_no_sync(contextlib.AbstractContextManager[None]):
-    def __init__(self, model: Any) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        self.model.set_requires_gradient_sync(False)
-
-    def __exit__(self, *exc: object) -> None:
-        self.model.set_requires_gradient_sync(True)

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import re
+from collections.abc import Iterator
 
 from pydantic import ValidationError
 
@@ -26,7 +27,12 @@ TERMINATION_LOG_ENV = "SFTJOB_TERMINATION_LOG"
 # Kubernetes keeps at most 4096 bytes of the message; one line of this length is plenty.
 _MAX_REASON_CHARS = 1000
 
-_OOM_PATTERNS = ("CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+_OOM_PATTERNS = (
+    "CUDA out of memory",  # the caching allocator
+    "CUDA error: out of memory",  # a CUDA call outside it (cuBLAS workspace, kernels, context)
+    "Cuda failure 'out of memory'",  # NCCL allocating its buffers
+    "CUBLAS_STATUS_ALLOC_FAILED",
+)
 _COMMUNICATION_PATTERNS = (
     "NCCL",
     "ProcessGroup",
@@ -39,6 +45,26 @@ _COMMUNICATION_PATTERNS = (
     "Watchdog caught collective operation timeout",
 )
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EIO, errno.EPERM})
+# Exceptions (top-level package.class, anywhere in the class's MRO) that mean the connection to the hub
+# failed on the way: builtins covers socket errors (ECONNRESET, ETIMEDOUT...), requests is what datasets
+# uses, httpx2 (httpx before huggingface_hub 2) what huggingface_hub uses, aiohttp what fsspec uses.
+_NETWORK_ERRORS = frozenset(
+    {
+        "builtins.ConnectionError",
+        "builtins.TimeoutError",
+        "requests.ConnectionError",
+        "requests.Timeout",
+        "requests.ChunkedEncodingError",
+        "httpx.TransportError",
+        "httpx2.TransportError",
+        "aiohttp.ClientConnectionError",
+        "aiohttp.ClientPayloadError",
+    }
+)
+# HTTP answers that mean "not now" rather than "no": request timeout, rate limit (and every 5xx).
+_RETRYABLE_HTTP_STATUS = frozenset({408, 429})
+# The operator reads this from the termination message when torchrun's exit code 1 hides ours.
+NETWORK_REASON = "hub or network unavailable"
 
 
 def one_line(text: str) -> str:
@@ -61,6 +87,42 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
     if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
         return ExitCode.STORAGE_ERROR, one_line(f"storage error: {message}")
     return ExitCode.UNKNOWN, one_line(f"unexpected error: {message}")
+
+
+def load_failure(exc: BaseException, what: str) -> TrainerError | None:
+    """The error to end with when loading ``what`` failed for a reason a restart may fix: the network or the
+    hub on the way (NETWORK_ERROR), a full or failing disk (STORAGE_ERROR) or CUDA OOM, wherever it sits in
+    the chain of exceptions libraries wrap it in. None when the source itself is at fault (not found,
+    gated, malformed): the caller ends with its permanent error."""
+    for cause in causes(exc):
+        if is_network_error(cause):
+            detail = f"{exc}" if cause is exc else f"{exc} ({type(cause).__name__}: {cause})"
+            return TrainerError(ExitCode.NETWORK_ERROR, f"{NETWORK_REASON} while loading {what}: {detail}")
+        code, reason = classify(cause)
+        if code in (ExitCode.STORAGE_ERROR, ExitCode.CUDA_OOM):
+            return TrainerError(code, f"{reason} (loading {what})")
+    return None
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it was raised from or while handling, down to the root cause."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """A connection that failed or timed out, or an HTTP answer worth retrying (408, 429, 5xx)."""
+    names = {f"{cls.__module__.partition('.')[0]}.{cls.__name__}" for cls in type(exc).__mro__}
+    if "huggingface_hub.OfflineModeIsEnabled" in names:  # a ConnectionError, but HF_HUB_OFFLINE is a setting
+        return False
+    if names & _NETWORK_ERRORS:
+        return True
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return isinstance(status, int) and (status in _RETRYABLE_HTTP_STATUS or status >= 500)
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -69,8 +69,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingSettings
     )
 
 
-def make_scaler(plan: PrecisionPlan, device: torch.device) -> torch.amp.GradScaler | None:
-    return torch.amp.GradScaler(device.type) if plan.grad_scaler else None
+def make_scaler(
+    plan: PrecisionPlan, device: torch.device, sharded: bool = False
+) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler. Sharded, each rank checks only its own gradient shards for inf/NaN: the
+    ShardedGradScaler all-reduces what they found, so every rank skips (or takes) the same steps and
+    keeps the same scale."""
+    if not plan.grad_scaler:
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
 
 
 def model_inputs(micro_batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import attention
-from sftjob_trainer.failures import classify
+from sftjob_trainer.failures import load_failure
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +37,38 @@ class PrecisionPlan:
 
 
 def precision_plan(method: Method, precision: Precision) -> PrecisionPlan:
-    if precision == "fp8":
-        log.warning("precision fp8 is not implemented by this trainer: training in bf16 instead")
-        precision = "bf16"
     compute = _DTYPES[precision]
     half = compute != torch.float32
     load = torch.float32 if method == "full" else compute
     return PrecisionPlan(compute, load, autocast=half, grad_scaler=precision == "fp16")
 
 
-def resolve_attention(requested: str, device: torch.device, packing: bool) -> str:
-    """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask)."""
+def resolve_attention(
+    requested: str,
+    device: torch.device,
+    packing: bool,
+    model_config: Any = None,
+    longest_example: int | None = None,
+) -> str:
+    """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask), and
+    a model whose attention SDPA does not compute exactly (``model_config``, a transformers config) eager.
+    """
     if requested == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
 
         if device.type != "cuda" or not is_flash_attn_2_available():
             log.warning("attention flash_attention_2 planned but not available here: using sdpa")
             requested = "sdpa"
+    if requested == "sdpa" and model_config is not None:
+        gap = attention.sdpa_gap(model_config, longest_example if packing else None)
+        if gap is not None:
+            log.warning(
+                "attention sdpa planned, but %s, which %s does not implement: using eager attention%s",
+                gap,
+                attention.VARLEN if packing else "sdpa",
+                " (packed examples kept apart by a block-diagonal mask)" if packing else "",
+            )
+            return "eager"
     if packing and requested == "sdpa":
         attention.register()
         log.info(
@@ -77,12 +92,20 @@ def _model_ref(source: ModelSource) -> str:
     return source.path or source.name or ""
 
 
-def _load_error(what: str, source: ModelSource, exc: Exception) -> Exception:
-    if classify(exc)[0] == ExitCode.CUDA_OOM:
-        return exc
-    return TrainerError(
-        ExitCode.MODEL_LOAD_ERROR, f"could not load the {what} from {_model_ref(source)}: {exc}"
-    )
+def _load_error(what: str, source: ModelSource, exc: Exception) -> TrainerError:
+    """A network, hub, disk or memory failure keeps its retryable class; anything else is the model's."""
+    what = f"the {what} from {_model_ref(source)}"
+    return load_failure(exc, what) or TrainerError(ExitCode.MODEL_LOAD_ERROR, f"could not load {what}: {exc}")
+
+
+def load_model_config(source: ModelSource) -> Any:
+    """The model's transformers config (its ``config.json``), read before the weights."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(_model_ref(source), **_hub_kwargs(source))
+    except Exception as exc:
+        raise _load_error("model config", source, exc) from exc
 
 
 def load_tokenizer(source: ModelSource) -> Any:
@@ -158,8 +181,6 @@ def prepare_for_training(
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, adapters)
-    if method != "qlora" and device.type == "cuda" and next(model.parameters()).device != device:
-        model = model.to(device)
     return model
 
 

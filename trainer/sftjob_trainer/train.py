@@ -29,13 +29,14 @@ from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.data import load_examples
-from sftjob_trainer.distributed import DistContext, init_distributed, unwrap, wrap_model
+from sftjob_trainer.distributed import DistContext, init_distributed, shards, unwrap, wrap_model
 from sftjob_trainer.failures import classify, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
 from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
 from sftjob_trainer.model import (
     count_parameters,
     load_model,
+    load_model_config,
     load_tokenizer,
     precision_plan,
     prepare_for_training,
@@ -157,7 +158,10 @@ class Training:
         )
         schedule.validate()
         total = schedule.total_steps(t.epochs, t.max_steps)
-        attention = resolve_attention(t.attention, ctx.device, t.packing)
+        longest = max(n for unit in units for n in unit.lengths)
+        attention = resolve_attention(
+            t.attention, ctx.device, t.packing, load_model_config(config.model), longest
+        )
         layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=tokenizer.pad_token_id)
         log.info(
             "%d training units (%s), %d steps per epoch, %d steps in all",
@@ -218,7 +222,10 @@ class Training:
         model = wrap_model(model, config, ctx, plan.compute_dtype)
         optimizer = build_optimizer(model, t, ctx.device)
         parts = Trainables(
-            model, optimizer, build_scheduler(optimizer, t, total), make_scaler(plan, ctx.device)
+            model,
+            optimizer,
+            build_scheduler(optimizer, t, total),
+            make_scaler(plan, ctx.device, shards(config, ctx)),
         )
         if observer is not None:
             observer.phase("model loaded", checkpoints.newest_complete_step(root))

@@ -1,0 +1,221 @@
+"""Loading the model or the data: a hub outage or a failing disk restarts the job, a bad source fails it.
+
+Each loader is monkeypatched to raise what transformers, huggingface_hub and datasets raise (the same
+chains of wrapped exceptions), so no test touches the network.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from sftjob.config import DatasetSource, TrainerConfig
+from sftjob.failures import EXIT_CODE_CLASS, PERMANENT, ExitCode, FailureClass, TrainerError
+from sftjob_operator.classify import classify_pod
+from sftjob_trainer import data, model
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig
+
+pytestmark = pytest.mark.trainer
+
+HUB = "https://huggingface.co/api/models/org/model"
+
+
+def _chain(*exceptions: BaseException) -> BaseException:
+    """The first exception, raised from the second, raised from the third..."""
+    for outer, inner in itertools.pairwise(exceptions):
+        outer.__cause__ = inner
+    return exceptions[0]
+
+
+def _http(cls: type[BaseException], status: int) -> BaseException:
+    from huggingface_hub.utils import httpx
+
+    response = httpx.Response(status, request=httpx.Request("GET", HUB))
+    return cls(f"{status} Client Error for url: {HUB}", response=response)
+
+
+def connection_refused() -> BaseException:
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.utils import httpx
+
+    return _chain(
+        OSError("We couldn't connect to 'https://huggingface.co' to load the files"),
+        LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub"),
+        httpx.ConnectError("[Errno 111] Connection refused"),
+        ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"),
+    )
+
+
+def read_timeout() -> BaseException:
+    import requests
+
+    return requests.exceptions.ReadTimeout("HTTPSConnectionPool(host='huggingface.co'): Read timed out.")
+
+
+def hub_unavailable() -> BaseException:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return _chain(
+        OSError("There was a specific connection error when trying to load org/model"),
+        _http(HfHubHTTPError, 503),
+    )
+
+
+def rate_limited() -> BaseException:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return _http(HfHubHTTPError, 429)
+
+
+def disk_full() -> BaseException:
+    return OSError(errno.ENOSPC, "No space left on device", "/root/.cache/huggingface/hub/blob.incomplete")
+
+
+def disk_failing() -> BaseException:
+    return OSError(errno.EIO, "Input/output error", "/models/org/model/model.safetensors")
+
+
+def repo_not_found() -> BaseException:
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    return _chain(
+        OSError("org/model is not a local folder and is not a valid model identifier"),
+        _http(RepositoryNotFoundError, 404),
+    )
+
+
+def gated() -> BaseException:
+    from huggingface_hub.errors import GatedRepoError
+
+    return _chain(OSError("You are trying to access a gated repo."), _http(GatedRepoError, 403))
+
+
+def offline_and_not_cached() -> BaseException:
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    return _chain(
+        OSError("We couldn't connect to 'https://huggingface.co' to load the files"),
+        LocalEntryNotFoundError("Cannot find the requested files in the disk cache"),
+        OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled."),
+    )
+
+
+def bad_config() -> BaseException:
+    return ValueError("Unrecognized model in org/model. Should have a `model_type` key in its config.json")
+
+
+def out_of_memory() -> BaseException:
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+# Each failure with the exit code a restart may fix, or None: the source itself is at fault and the loader
+# ends with its own permanent code (MODEL_LOAD_ERROR, DATA_ERROR).
+FAILURES: list[tuple[Callable[[], BaseException], ExitCode | None]] = [
+    (connection_refused, ExitCode.NETWORK_ERROR),
+    (read_timeout, ExitCode.NETWORK_ERROR),
+    (hub_unavailable, ExitCode.NETWORK_ERROR),
+    (rate_limited, ExitCode.NETWORK_ERROR),
+    (disk_full, ExitCode.STORAGE_ERROR),
+    (disk_failing, ExitCode.STORAGE_ERROR),
+    (out_of_memory, ExitCode.CUDA_OOM),
+    (repo_not_found, None),
+    (gated, None),
+    (offline_and_not_cached, None),
+    (bad_config, None),
+]
+
+
+def _raising(exc: BaseException) -> Callable[..., None]:
+    def load(*args: object, **kwargs: object) -> None:
+        raise exc
+
+    return load
+
+
+def _model_loaders(config: TrainerConfig) -> dict[str, tuple[str, Callable[[], object]]]:
+    """Each loader of the model, with the transformers class whose from_pretrained it calls."""
+    return {
+        "tokenizer": ("AutoTokenizer", lambda: model.load_tokenizer(config.model)),
+        "model config": ("AutoConfig", lambda: model.load_model_config(config.model)),
+        "model": ("AutoModelForCausalLM", lambda: model.load_model(config, torch.device("cpu"), "sdpa")),
+    }
+
+
+@pytest.mark.parametrize("loader", ["tokenizer", "model config", "model"])
+@pytest.mark.parametrize(("failure", "expected"), FAILURES, ids=[f.__name__ for f, _ in FAILURES])
+def test_model_loads_that_a_restart_may_fix_keep_their_retryable_exit_code(
+    trainer_config: MakeConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    loader: str,
+    failure: Callable[[], BaseException],
+    expected: ExitCode | None,
+) -> None:
+    import transformers
+
+    config = TrainerConfig.load(str(trainer_config()))
+    cls, load = _model_loaders(config)[loader]
+    monkeypatch.setattr(getattr(transformers, cls), "from_pretrained", _raising(failure()))
+    with pytest.raises(TrainerError) as raised:
+        load()
+    assert raised.value.code == (expected or ExitCode.MODEL_LOAD_ERROR)
+    assert config.model.path is not None and config.model.path in raised.value.reason
+
+
+@pytest.mark.parametrize(("failure", "expected"), FAILURES, ids=[f.__name__ for f, _ in FAILURES])
+def test_hub_dataset_loads_that_a_restart_may_fix_keep_their_retryable_exit_code(
+    monkeypatch: pytest.MonkeyPatch, failure: Callable[[], BaseException], expected: ExitCode | None
+) -> None:
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", _raising(failure()))
+    with pytest.raises(TrainerError) as raised:
+        next(data.read_rows(DatasetSource(name="org/data", split="train")))
+    assert raised.value.code == (expected or ExitCode.DATA_ERROR)
+    assert "org/data" in raised.value.reason
+
+
+def test_a_failing_disk_under_a_dataset_file_is_a_storage_error_not_bad_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "train.jsonl"
+    file.write_text('{"text": "hello"}\n')
+    monkeypatch.setattr(Path, "open", _raising(disk_failing()))
+    with pytest.raises(TrainerError) as raised:
+        next(data.read_rows(DatasetSource(path=str(file))))
+    assert raised.value.code == ExitCode.STORAGE_ERROR and str(file) in raised.value.reason
+
+
+def test_a_hub_outage_ends_the_attempt_with_network_error_which_the_operator_retries(
+    trainer_config: MakeConfig, termination_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _raising(hub_unavailable()))
+    assert run(str(trainer_config())) == ExitCode.NETWORK_ERROR
+    message = termination_log.read_text().strip()
+    assert message.startswith("hub or network unavailable while loading the model from") and "503" in message
+
+    # The operator's view: the exit code, or the message alone when torchrun exits 1 for the pod.
+    assert EXIT_CODE_CLASS[ExitCode.NETWORK_ERROR] is FailureClass.NETWORK_ERROR
+    assert FailureClass.NETWORK_ERROR not in PERMANENT
+    assert _operator_class(ExitCode.UNKNOWN, message) is FailureClass.NETWORK_ERROR
+
+
+def _operator_class(code: int, message: str) -> FailureClass | None:
+    from datetime import UTC, datetime
+
+    state = {"terminated": {"exitCode": code, "reason": "Error", "message": message}}
+    pod = {
+        "metadata": {"name": "job-1-0"},
+        "spec": {"nodeName": "gpu-0"},
+        "status": {"phase": "Failed", "containerStatuses": [{"name": "trainer", "state": state}]},
+    }
+    ready = {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    node = {"metadata": {"name": "gpu-0"}, "status": {"conditions": [ready]}}
+    return classify_pod(pod, node, now=datetime.now(UTC)).failure_class
