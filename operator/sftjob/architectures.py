@@ -19,6 +19,9 @@ from pydantic.alias_generators import to_camel
 # modelling code Liger kernels patch (RMSNorm, RoPE, SwiGLU/GeGLU, fused linear CE).
 ModelFamily = Literal["llama", "mistral", "qwen2", "gemma2"]
 LIGER_FAMILIES: frozenset[str] = frozenset(get_args(ModelFamily))
+# Families whose attention soft-caps its logits, which PyTorch's SDPA and varlen kernels cannot: the
+# trainer runs them with eager attention, whose score matrix grows with the square of the row length.
+EAGER_ATTENTION_FAMILIES = frozenset({"gemma2"})
 
 
 class Architecture(BaseModel):
@@ -121,6 +124,10 @@ class Architecture(BaseModel):
     @property
     def liger_supported(self) -> bool:
         return self.family in LIGER_FAMILIES
+
+    @property
+    def needs_eager_attention(self) -> bool:
+        return self.family in EAGER_ATTENTION_FAMILIES
 
     def lora_widths(self, target_modules: list[str] | str = "all-linear") -> tuple[int, int]:
         """Summed (input, output) widths of the targeted projections: the per-token traffic of the

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from sftjob.architectures import Architecture
-from sftjob.config import LoraSettings, Method, Precision, Sharding, TrainingOverrides
+from sftjob.config import Attention, LoraSettings, Method, Precision, Sharding, TrainingOverrides
 from sftjob.gpus import GpuProfile
 from sftjob.memory import MemoryInputs, estimate_memory
 from sftjob.plan import MemoryEstimate
@@ -67,6 +67,7 @@ class Fixed:
     packing: bool
     sequence: int  # tokens per row
     liger: bool
+    attention: Attention
     global_batch: int
     problem: str | None  # why no configuration can be valid (reported, never silently fixed)
 
@@ -100,6 +101,12 @@ def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[st
         if liger
         else "Liger kernels off: the model family is unknown or not supported by Liger"
     )
+    attention: Attention = "eager" if request.architecture.needs_eager_attention else "sdpa"
+    if attention == "eager":
+        reasons.append(
+            "attention eager: the model soft-caps its attention logits, which SDPA cannot; its score"
+            " matrix is counted in the activations"
+        )
     world = request.world_size
     if o.global_batch_size is not None:
         global_batch = o.global_batch_size
@@ -116,7 +123,7 @@ def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[st
             f"spec.training.microBatchSize {o.micro_batch_size} does not divide the per-GPU batch"
             f" {global_batch // world} (global {global_batch} / {world} GPUs)"
         )
-    return Fixed(precision, packing, sequence, liger, global_batch, problem), reasons
+    return Fixed(precision, packing, sequence, liger, attention, global_batch, problem), reasons
 
 
 def evaluate(
@@ -143,6 +150,7 @@ def evaluate(
             "adamw_torch_fused",
             sharding,
             request.world_size,
+            fixed.attention,
         ),
         gpu.memory_gib,
         request.safety_fraction,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sftjob.architectures import Architecture
-from sftjob.config import LoraSettings, Method, Optimizer, Precision, Sharding
+from sftjob.config import Attention, LoraSettings, Method, Optimizer, Precision, Sharding
 from sftjob.plan import MemoryEstimate, MemoryTerm
 
 GIB = 1024**3
@@ -49,6 +49,9 @@ ACT_HIDDEN_COEF_LIGER = 18  # the same with Liger's RMSNorm/RoPE kernels
 ACT_MLP_COEF = 8  # bytes per MLP unit per token per layer (gate, up, act, act*up in bf16)
 CHECKPOINT_BYTES_PER_HIDDEN = 2  # a checkpointed layer keeps its bf16 input
 LORA_DROPOUT_BYTES = 1  # per adapter input element: the dropout mask (measured on an H200, see below)
+# Eager attention keeps, per head and (query, key) pair of a row, what its backward needs: the bf16
+# soft-capped scores, the fp32 softmax and its bf16 copy (transformers' eager_attention_forward).
+EAGER_SCORE_BYTES = 8
 LOGIT_BYTES_PER_VOCAB = 13  # bf16 logits, fp32 upcast, fp32 log-softmax and gradient at the loss
 FLCE_BYTES_PER_HIDDEN = 6  # Liger fused linear CE: a fp32 chunk about the size of the hidden states + grad
 
@@ -73,6 +76,7 @@ class MemoryInputs:
     optimizer: Optimizer = "adamw_torch_fused"
     sharding: Sharding = "none"
     world_size: int = 1
+    attention: Attention = "sdpa"
 
     @property
     def tokens(self) -> int:
@@ -155,6 +159,8 @@ def layer_activation_bytes_per_token(m: MemoryInputs) -> float:
     per_token = coef * a.hidden_size + ACT_MLP_COEF * a.intermediate_size
     if m.method != "full" and m.lora.dropout > 0:
         per_token += LORA_DROPOUT_BYTES * a.lora_widths(m.lora.target_modules)[0]
+    if m.attention == "eager":  # the row's score matrix, per token: one row of it per head
+        per_token += EAGER_SCORE_BYTES * a.heads * m.sequence_length
     return per_token * (2 if m.precision == "fp32" else 1)
 
 

@@ -56,7 +56,7 @@ def _training(request: PlanRequest, fixed: Fixed, c: Candidate, cpus_per_gpu: in
         packing=fixed.packing,
         packing_length=c.sequence if fixed.packing else None,
         liger_kernels=fixed.liger,
-        attention="sdpa",
+        attention=fixed.attention,
         optimizer=OPTIMIZER,
         dataloader_workers=workers_per_process(cpus_per_gpu),
     )

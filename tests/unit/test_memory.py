@@ -148,3 +148,15 @@ def test_lora_dropout_costs_activation_memory():
     plain = estimate_memory(MemoryInputs(LLAMA2_7B, "lora", NO_DROPOUT, 1, 4096), 80).total_gib
     dropped = estimate_memory(MemoryInputs(LLAMA2_7B, "lora", with_dropout, 1, 4096), 80).total_gib
     assert dropped > plain
+
+
+def test_eager_attention_adds_a_score_matrix_that_grows_with_the_square_of_the_row() -> None:
+    arch = resolve_architecture("google/gemma-2-9b-it")
+
+    def activations(sequence: int, attention: str) -> float:
+        m = MemoryInputs(arch, "lora", NO_DROPOUT, 1, sequence, attention=attention)  # type: ignore[arg-type]
+        return next(t.gib for t in estimate_memory(m, 80).terms if t.name == "activations")
+
+    extra_2k = activations(2048, "eager") - activations(2048, "sdpa")
+    extra_4k = activations(4096, "eager") - activations(4096, "sdpa")
+    assert extra_2k > 0 and extra_4k == pytest.approx(4 * extra_2k, rel=0.01)

@@ -299,3 +299,11 @@ def test_a800_is_predicted_faster_than_a40_for_the_same_job():
     a800, a40 = plan(request("1B", "lora"), A800), plan(request("1B", "lora"), A40)
     assert a800.predicted_tokens_per_second > 1.5 * a40.predicted_tokens_per_second
     assert 0 < a40.predicted_mfu < 1
+
+
+def test_a_model_that_soft_caps_its_attention_is_planned_with_eager_attention():
+    gemma = PlanRequest(architecture=resolve_architecture("google/gemma-2-9b-it"), max_seq_length=4096)
+    llama = PlanRequest(architecture=resolve_architecture("meta-llama/Llama-3.1-8B"), max_seq_length=4096)
+    assert plan(gemma, A800).training.attention == "eager"
+    assert any("attention eager" in r for r in plan(gemma, A800).reasons)
+    assert plan(llama, A800).training.attention == "sdpa"
