@@ -259,27 +259,36 @@ def ensure_chat_template(tokenizer: Any) -> None:
 
 
 def chat_segments(tokenizer: Any, chat: list[dict[str, str]]) -> list[tuple[str, bool]]:
-    """Split the rendered chat into (text, is_assistant) pieces by rendering it turn by turn."""
+    """Split the rendered chat into (text, is_assistant) pieces by rendering it turn by turn.
+
+    Some templates render earlier turns differently once a later one follows (Qwen3 drops an earlier
+    answer's ``<think>`` block), so a turn's rendering is no prefix of the next: the conversation is
+    then the context of its last assistant turn, which alone is trained on (what the model sees at
+    inference). A chat the template cannot render even that way is a bad row.
+    """
 
     def render(messages: list[dict[str, str]], prompt: bool) -> str:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt))
-
-    segments: list[tuple[str, bool]] = []
-    done = ""
-    for i, message in enumerate(chat):
-        if message["role"] != "assistant":
-            continue
         try:
-            prompt, full = render(chat[:i], True), render(chat[: i + 1], False)
+            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt))
         except Exception as exc:  # jinja raises for chats the template refuses
             raise BadRow(f"the chat template rejected the conversation: {exc}") from exc
+
+    turns = [i for i, message in enumerate(chat) if message["role"] == "assistant"]
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for i in turns:
+        prompt, full = render(chat[:i], True), render(chat[: i + 1], False)
         if not prompt.startswith(done) or not full.startswith(prompt):
-            raise BadRow(
-                "the chat template does not render this chat turn by turn (needed for the loss mask)"
-            )
+            break
         segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
         done = full
-    return segments
+    else:
+        return segments
+    last = turns[-1]
+    prompt, full = render(chat[:last], True), render(chat[: last + 1], False)
+    if not full.startswith(prompt):
+        raise BadRow("the chat template renders the last answer's prompt differently from its answer")
+    return [(prompt, False), (full[len(prompt) :], True)]
 
 
 def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataStats) -> Example | None:
