@@ -18,6 +18,8 @@ TARGET_P99_SECONDS = 1.0  # create -> pods created, at 1,000 live jobs
 TARGET_JOBS_PER_SECOND = 50.0
 TARGET_RSS_BYTES = 250 * MB  # at 5,000 live jobs
 TARGET_GROWTH = 1.5  # API requests per job at the largest stage / at the smallest: "O(1)"
+# Idle requests per live job per minute: a job that needs nothing costs a request less than every 20 min.
+TARGET_IDLE_PER_JOB_MINUTE = 0.05
 
 
 def versions(bin_dir_name: str) -> dict[str, str]:
@@ -60,16 +62,14 @@ def targets(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     growth = _div(per_job[-1], per_job[0]) if len(per_job) > 1 else None
     name = "API requests per job, largest stage / smallest (O(1))"
     out.append(_target(name, f"<= {TARGET_GROWTH}", growth, "x", growth, TARGET_GROWTH, le=True))
-    quiet = [(s["liveJobs"], s["steadyState"]["apiRequestsPerSecond"]) for s in stages]
-    quiet_growth = _div(quiet[-1][1], quiet[0][1]) if len(quiet) > 1 else None
-    shown = f"{quiet[0][1]} -> {quiet[-1][1]} req/s" if len(quiet) > 1 else None
-    name = (
-        "quiet-window requests/s, largest stage / smallest (no polling that grows with jobs;"
-        f" live jobs grew {quiet[-1][0] / quiet[0][0]:.0f}x)"
-        if len(quiet) > 1
-        else "quiet-window requests/s (no polling that grows with jobs)"
+    # Polling shows as idle requests that grow with the live jobs; a ratio of two small rates is mostly
+    # the control plane's own watch renewals, so the bound is on the rate per live job at the largest stage.
+    last = stages[-1] if stages else None
+    idle = last["steadyState"]["apiRequestsPerLiveJobPerMinute"] if last else None
+    name = "quiet-window requests per live job per minute, largest stage (no polling)"
+    out.append(
+        _target(name, f"<= {TARGET_IDLE_PER_JOB_MINUTE}", idle, "", idle, TARGET_IDLE_PER_JOB_MINUTE, le=True)
     )
-    out.append(_target(name, f"<= {TARGET_GROWTH}", quiet_growth, f"x ({shown})", quiet_growth, 1.5, le=True))
     return out
 
 
@@ -80,7 +80,7 @@ def _target(
     return {
         "target": name,
         "goal": goal,
-        "measured": None if shown is None else f"{shown} {unit}",
+        "measured": None if shown is None else f"{shown} {unit}".rstrip(),
         "met": met,
     }
 

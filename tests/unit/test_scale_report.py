@@ -31,7 +31,7 @@ def stage(live: int, burst_p99: float, probe_p99: float | None) -> dict[str, Any
         "createToPodCreated": latency(burst_p99),
         "controller": {"rssMiB": 200.0},
         "apiRequestsPerJob": 10.0,
-        "steadyState": {"apiRequestsPerSecond": 1.0},
+        "steadyState": {"apiRequestsPerSecond": 1.0, "apiRequestsPerLiveJobPerMinute": 60.0 / live},
     }
     if probe_p99 is not None:
         out["probe"] = {
@@ -61,3 +61,9 @@ def test_without_a_probe_the_latency_target_is_judged_on_the_burst(report: Modul
 def test_the_probe_table_shows_one_row_per_probed_stage(report: ModuleType) -> None:
     rows = report._probe_table([stage(100, 2.0, None), stage(1000, 30.0, 0.4)])
     assert [r.split("|")[1:3] for r in rows if r.startswith("| 1")] == [[" 1000 ", " 100 at 10 "]]
+
+
+def test_idle_requests_are_judged_per_live_job_at_the_largest_stage(report: ModuleType) -> None:
+    idle = report.targets([stage(100, 2.0, None), stage(5000, 30.0, None)])[-1]
+    assert "per live job per minute" in idle["target"]
+    assert idle["measured"] == "0.012" and idle["met"] is True
