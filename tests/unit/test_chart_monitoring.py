@@ -11,21 +11,6 @@ from helmchart import CHART, ROOT, one, render
 
 from sftjob import constants as c
 
-SCHEMA_VERSION = "1.36.0"
-# Kinds the Kubernetes schemas do not describe: kopf's peering objects (server-side dry-run in
-# tests/e2e/test_chart_install.py checks them against the chart's own CRDs) and the Prometheus
-# Operator's monitors and rules (promtool checks the rules in tests/e2e/test_prometheus.py).
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor", "PrometheusRule"}
-
-KUBE_SCORE_VERSION = "v1.20.0"
-# kube-score checks turned off, and why. Anything else it reports fails the test.
-KUBE_SCORE_IGNORED = {
-    "deployment-strategy": "Recreate is deliberate: two kopf operators in one peering pause each other",
-    "pod-probes": "an operator serves no traffic; its Service only exposes metrics, so no readiness probe",
-    "pod-networkpolicy": "which traffic to allow (the API server's address, the scraper) is cluster-specific",
-    "container-image-pull-policy": "images are pinned to a version tag; IfNotPresent is Kubernetes' default",
-}
-
 
 def test_monitors_and_rules_carry_the_labels_kube_prometheus_stack_selects_on() -> None:
     docs = render("monitoring")
