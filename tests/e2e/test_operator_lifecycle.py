@@ -114,6 +114,21 @@ def test_a_model_that_cannot_fit_fails_at_once_with_the_planners_explanation(job
     assert not jobs.pods("huge")
 
 
+def test_a_checkpoint_claim_too_small_for_the_run_fails_at_once_with_the_size_to_ask_for(jobs: Jobs) -> None:
+    full = {
+        "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+        "method": "full",
+        "gpu": {"type": "A800", "count": 8},
+    }
+    jobs.apply(sftjob("cramped", checkpoints={"size": "50Gi"}, **full))
+    status = jobs.wait_phase("cramped", "Failed")
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "CheckpointVolumeTooSmall" and "Gi or more" in failed["message"]
+    assert not jobs.pods("cramped")
+    claims = jobs.kubectl("get", "pvc", "-o", "name").stdout
+    assert "cramped-checkpoints" not in claims
+
+
 def test_deleting_a_job_removes_its_children_and_the_claim_it_made(jobs: Jobs) -> None:
     jobs.apply(sftjob("doomed", gpu={"type": "A800", "count": 2, "nodes": 2}))
     jobs.running_pods("doomed", count=2)
