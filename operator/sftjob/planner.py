@@ -79,7 +79,6 @@ def _assemble(
         request.gpus_per_node,
         lora=request.lora,
         optimizer=OPTIMIZER,
-        sharding=c.sharding,
     )
     return Plan(
         gpu=gpu.key,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from sftjob.architectures import Architecture
-from sftjob.config import LoraSettings, Method, Optimizer, Sharding
+from sftjob.config import LoraSettings, Method, Optimizer
 from sftjob.gpus import GpuProfile
 from sftjob.memory import ADAPTER_STATE_BYTES, BF16_BYTES, FULL_STATE_BYTES, GIB, OPTIMIZER_BYTES
 from sftjob.plan import PodResources
@@ -63,16 +63,16 @@ def pod_resources(
     *,
     lora: LoraSettings,
     optimizer: Optimizer,
-    sharding: Sharding,
 ) -> tuple[PodResources, int]:
     """Requests for one node's pod, and the CPUs each GPU's process gets.
 
     Host memory is the largest of the transient needs below, plus what the pod holds all along:
 
-    - loading the model, as loaded (fp32 for full fine-tuning, bf16 otherwise): placed straight on
-      its GPU, the node's processes share the page cache of the mmapped safetensors shards (one copy,
-      times ``LOAD_HEADROOM``); under FSDP each process first builds the whole model in its own CPU
-      memory before it moves to the GPU and is sharded (one copy per GPU, all at once);
+    - loading the model: one copy per node as loaded (fp32 for full fine-tuning, bf16 otherwise), times
+      ``LOAD_HEADROOM``. Placed straight on its GPU, the node's processes share the page cache of the
+      mmapped safetensors shards. Under FSDP global rank 0 alone loads the whole model, into its own CPU
+      memory (the copy, plus the page cache of the files it reads), and broadcasts it into every rank's
+      shards; no other rank holds it (trainer/sftjob_trainer/distributed.py ``loads_on_rank0``);
     - saving a checkpoint: rank 0 gathers the full trainable weights and optimizer state
       (:func:`checkpoint_gib`). Resuming memory-maps the files (page cache, shared and reclaimable);
     - ``HOST_MEMORY_FLOOR_GIB``, for small models;
@@ -83,7 +83,7 @@ def pod_resources(
     """
     cpus = min(CPUS_PER_GPU * gpus_per_node, MAX_CPUS_PER_POD)
     loaded = architecture.parameters * (FULL_STATE_BYTES["weights"] if method == "full" else BF16_BYTES) / GIB
-    load = gpus_per_node * loaded if sharding == "fsdp" else LOAD_HEADROOM * loaded
+    load = LOAD_HEADROOM * loaded
     gather = checkpoint_gib(architecture, method, lora, optimizer)
     shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
     host = max(HOST_MEMORY_FLOOR_GIB, load, gather) + HOST_GIB_PER_PROCESS * gpus_per_node + shm

@@ -195,6 +195,28 @@ def test_the_termination_message_names_the_rank_that_ran_out_of_memory_not_its_p
     assert termination_log.read_text().startswith("CUDA out of memory"), termination_log.read_text()
 
 
+# The trainer, with each rank appending a line to pretrained-loads-rank<N> whenever it loads the whole model.
+RECORD_PRETRAINED_LOADS = """
+import os, sys
+from transformers import AutoModelForCausalLM
+from sftjob_trainer import train
+
+load = AutoModelForCausalLM.from_pretrained
+def recorded(*args, **kwargs):
+    with open(os.path.join(sys.argv[1], f"pretrained-loads-rank{os.environ['RANK']}"), "a") as fh:
+        fh.write("loaded\\n")
+    return load(*args, **kwargs)
+AutoModelForCausalLM.from_pretrained = recorded
+train.main()
+"""
+
+
+def _pretrained_loads(folder: Path) -> list[int]:
+    """How many times each rank loaded the whole pretrained model."""
+    files = [folder / f"pretrained-loads-rank{rank}" for rank in range(RANKS)]
+    return [len(f.read_text().splitlines()) if f.exists() else 0 for f in files]
+
+
 def test_fsdp2_full_fine_tuning_on_two_ranks_trains_and_resumes_with_the_losses_of_one_process(
     trainer_config: MakeConfig, termination_log: Path
 ) -> None:
@@ -203,12 +225,19 @@ def test_fsdp2_full_fine_tuning_on_two_ranks_trains_and_resumes_with_the_losses_
     expected = _training(one)
 
     two = trainer_config("messages", name="fsdp", method="full", **_batch(RANKS, sharding="fsdp"))
-    assert torchrun(two, termination_log) == ExitCode.OK, trainer_output(two)
+    script = two.parent / "record_pretrained_loads.py"
+    script.write_text(RECORD_PRETRAINED_LOADS)
+    entry = [str(script), str(two.parent)]
+    assert torchrun(two, termination_log, entry) == ExitCode.OK, trainer_output(two)
     _assert_same_training(two, expected, range(1, STEPS + 1))
     _assert_same_weights(_output(two), _output(one))
+    # Rank 0 alone held the whole model in CPU memory; rank 1 got its shards from rank 0's broadcast.
+    assert _pretrained_loads(two.parent) == [1, 0]
 
-    # Again from the checkpoint of step 4: full weights and optimizer state go back into the shards.
-    assert torchrun(two, termination_log) == ExitCode.OK, trainer_output(two)
+    # Again from the checkpoint of step 4: full weights and optimizer state go back into the shards, and
+    # no rank reads the pretrained weights the checkpoint replaces.
+    assert torchrun(two, termination_log, entry) == ExitCode.OK, trainer_output(two)
     assert _summary(two)["resumedFromStep"] == 4
     _assert_same_training(two, expected, range(5, STEPS + 1))
     _assert_same_weights(_output(two), _output(one))
+    assert _pretrained_loads(two.parent) == [1, 0]

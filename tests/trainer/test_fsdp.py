@@ -1,9 +1,12 @@
-"""FSDP2 keeps what sharding saves: no whole model or whole gradient on a GPU, one fp16 loss scale for all.
+"""FSDP2 keeps what sharding saves: no whole model on a rank but 0, nor on a GPU, nor a whole gradient; one
+fp16 loss scale for all.
 
-The planner counts a sharded job's weights and gradients as 1/world per GPU. The trainer therefore leaves
-the loaded model on the CPU for ``fully_shard`` to move layer by layer, reduce-scatters the gradients
-after every micro-batch instead of accumulating them unsharded, and with fp16 makes every rank skip the
-same overflowing steps (each rank only sees its own gradient shards).
+Full fine-tuning under FSDP builds the model without weights on every rank, shards it, and fills the
+shards from rank 0's pretrained weights (or a checkpoint), so host memory holds one copy per node, not
+one per GPU; the result must be the model rank 0 loaded, RoPE buffers and tied head included. A model
+that was loaded whole stays on the CPU for ``fully_shard`` to move layer by layer. Gradients are
+reduce-scattered after every micro-batch instead of accumulated unsharded, and with fp16 every rank
+skips the same overflowing steps (each rank only sees its own gradient shards).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 from sftjob.config import TrainerConfig
 from sftjob_trainer import distributed
 from sftjob_trainer.distributed import DistContext, wrap_model
+from sftjob_trainer.model import build_model, load_model
 from tests.trainer.runs import RANKS, MakeConfig, torchrun, trainer_output
 
 pytestmark = pytest.mark.trainer
@@ -82,6 +86,100 @@ with open(f"{sys.argv[2]}/rank-{ctx.rank}.json", "w") as fh:
 ctx.barrier()
 ctx.close()
 """
+
+
+# Each rank builds, shards and fills the model as a fresh full fine-tuning run does, then writes its logits.
+FSDP_LOAD_PROBE = """
+import sys
+import torch
+from sftjob.config import TrainerConfig
+from sftjob_trainer.distributed import init_distributed, load_rank0_weights, wrap_model
+from sftjob_trainer.model import build_model, pretrained_weights
+
+config = TrainerConfig.load(sys.argv[1])
+ctx = init_distributed(config)
+model = wrap_model(build_model(config, "eager"), config, ctx, torch.float32)
+load_rank0_weights(model, pretrained_weights(config, "eager") if ctx.is_main else {})
+tied = model.lm_head.weight is model.model.embed_tokens.weight
+with torch.no_grad():
+    logits = model(input_ids=torch.arange(48).reshape(2, 24)).logits
+seen = {"tied": tied, "logits": logits, "inv_freq": model.model.rotary_emb.inv_freq.clone()}
+torch.save(seen, f"{sys.argv[2]}/rank-{ctx.rank}.pt")
+ctx.barrier()
+ctx.close()
+"""
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama whose head is its embedding table, with Llama 3.1's RoPE scaling and sampling
+    defaults of its own."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tied-llama") / "model"
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_the_model_built_for_fsdp_is_the_loaded_one_without_its_weights_but_with_its_buffers_and_tied_head(
+    trainer_config: MakeConfig, tied_llama: Path
+) -> None:
+    config = TrainerConfig.load(str(trainer_config(model={"path": str(tied_llama)}, **SHARDED)))
+    built = build_model(config, "eager")
+    loaded = load_model(config, torch.device("cpu"), "eager")
+    assert {p.device for p in built.parameters()} == {torch.device("meta")}  # no memory
+    assert built.lm_head.weight is built.model.embed_tokens.weight
+    assert sorted(built.state_dict()) == sorted(loaded.state_dict())  # rank 0's weights fit it, strictly
+    buffers = dict(loaded.named_buffers())
+    assert sorted(dict(built.named_buffers())) == sorted(buffers) != []
+    for name, buffer in built.named_buffers():
+        assert buffer.device == torch.device("cpu") and torch.equal(buffer, buffers[name]), name
+    assert built.training == loaded.training
+    assert built.generation_config.to_dict() == loaded.generation_config.to_dict()  # saved with the output
+
+
+def test_under_fsdp_every_rank_computes_the_logits_of_the_model_rank_0_loaded(
+    trainer_config: MakeConfig, termination_log: Path, tied_llama: Path
+) -> None:
+    config = trainer_config(name="load", model={"path": str(tied_llama)}, **SHARDED)
+    script = config.parent / "fsdp_load_probe.py"
+    script.write_text(FSDP_LOAD_PROBE)
+    assert torchrun(config, termination_log, [str(script), str(config), str(config.parent)]) == 0, (
+        trainer_output(config)
+    )
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        tied_llama, dtype=torch.float32, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        expected = reference(input_ids=torch.arange(48).reshape(2, 24)).logits
+    for rank in range(RANKS):
+        seen = torch.load(config.parent / f"rank-{rank}.pt", weights_only=True)
+        assert seen["tied"], rank  # one shared parameter, trained once, as in one process
+        # Rank 1 never loaded the model: its RoPE frequencies are its own, its weights rank 0's broadcast.
+        assert torch.equal(seen["inv_freq"], reference.model.rotary_emb.inv_freq), rank
+        torch.testing.assert_close(seen["logits"], expected, rtol=0, atol=1e-6, msg=f"rank {rank}")
 
 
 def test_under_fsdp_the_loaded_model_stays_on_the_cpu_for_fully_shard_to_move_layer_by_layer(

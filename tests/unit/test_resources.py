@@ -1,11 +1,12 @@
 """Host-side sizing of trainer pods: checkpoint size, and memory for loading and checkpointing."""
 
 from sftjob.architectures import resolve_architecture
-from sftjob.config import LoraSettings
+from sftjob.config import LoraSettings, Method
 from sftjob.memory import GIB
 from sftjob.resources import (
     HOST_GIB_PER_PROCESS,
     HOST_MEMORY_FLOOR_GIB,
+    LOAD_HEADROOM,
     checkpoint_gib,
     pod_resources,
 )
@@ -15,17 +16,13 @@ LLAMA_1B = resolve_architecture("meta-llama/Llama-3.2-1B")
 LORA = LoraSettings()
 
 
-def _memory_gib(method: str, gpus: int, sharding: str = "none", architecture=QWEN_7B) -> int:
-    resources, _ = pod_resources(
-        architecture, method, gpus, lora=LORA, optimizer="adamw_torch_fused", sharding=sharding
-    )
+def _memory_gib(method: Method, gpus: int, architecture=QWEN_7B) -> int:
+    resources, _ = pod_resources(architecture, method, gpus, lora=LORA, optimizer="adamw_torch_fused")
     return int(resources.memory.removesuffix("Gi"))
 
 
 def _shm_gib(gpus: int) -> int:
-    resources, _ = pod_resources(
-        QWEN_7B, "lora", gpus, lora=LORA, optimizer="adamw_torch_fused", sharding="none"
-    )
+    resources, _ = pod_resources(QWEN_7B, "lora", gpus, lora=LORA, optimizer="adamw_torch_fused")
     return int(resources.shm_size.removesuffix("Gi"))
 
 
@@ -50,10 +47,12 @@ def test_the_pod_holding_rank_0_can_hold_the_checkpoint_gather_on_top_of_what_it
     assert _memory_gib("full", 1) >= gather + HOST_GIB_PER_PROCESS + _shm_gib(1)
 
 
-def test_under_fsdp_every_process_loads_its_own_fp32_copy_of_the_model():
-    fp32_model = QWEN_7B.parameters * 4 / GIB
-    assert _memory_gib("full", 4, "fsdp") >= 4 * fp32_model + 4 * HOST_GIB_PER_PROCESS + _shm_gib(4)
-    assert _memory_gib("full", 8, "fsdp") > _memory_gib("full", 4, "fsdp")
+def test_a_node_holds_one_fp32_copy_of_the_model_not_one_per_gpu():
+    fp32_model = QWEN_7B.parameters * 4 / GIB  # rank 0's; the other ranks receive their shards from it
+    gather = checkpoint_gib(QWEN_7B, "full", LORA, "adamw_torch_fused")
+    along = 8 * HOST_GIB_PER_PROCESS + _shm_gib(8)
+    assert _memory_gib("full", 8) >= max(LOAD_HEADROOM * fp32_model, gather) + along
+    assert _memory_gib("full", 8) < 8 * fp32_model  # 8 copies: 227 GiB before the rest
 
 
 def test_lora_on_a_small_model_keeps_the_memory_floor():

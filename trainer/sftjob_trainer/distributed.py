@@ -95,18 +95,34 @@ def shards(config: TrainerConfig, ctx: DistContext) -> bool:
     return ctx.active and config.distributed.sharding == "fsdp"
 
 
+def loads_on_rank0(config: TrainerConfig, ctx: DistContext) -> bool:
+    """Full fine-tuning under FSDP: every rank builds the model without weights (``model.build_model``),
+    shards it, and the pretrained weights come from rank 0 alone (:func:`load_rank0_weights`), or from a
+    checkpoint when the run resumes. Otherwise each process loads the whole model itself.
+
+    Global rank 0, not each node's first rank: ``broadcast_from_rank0`` sends from global rank 0, so a
+    copy loaded on any other node would never be read. A node thus needs one fp32 copy in host memory,
+    not one per GPU (operator/sftjob/resources.py).
+    """
+    return shards(config, ctx) and config.method == "full"
+
+
 def wrap_model(
     model: nn.Module, config: TrainerConfig, ctx: DistContext, compute_dtype: torch.dtype
 ) -> nn.Module:
     """Put the model on this rank's device and wrap it for data parallelism.
 
-    Under FSDP the model stays where it was loaded (the CPU): ``fully_shard`` moves each decoder layer to
-    the device as it shards it (torch's ``_move_states_to_device``), then the embeddings and the head, so
-    a GPU holds its shards plus one unsharded piece at a time, never the whole fp32 model. QLoRA models
-    were loaded onto the device already.
+    Under FSDP the model stays where it was built or loaded: ``fully_shard`` moves each decoder layer's
+    CPU tensors to the device as it shards it (torch's ``_move_states_to_device``), then the embeddings
+    and the head, so a GPU holds its shards plus one unsharded piece at a time, never the whole fp32 model.
+    Parameters on the meta device (:func:`loads_on_rank0`) are sharded as they are and then given empty
+    shards on the device, for :func:`load_rank0_weights` or a checkpoint to fill. QLoRA models were loaded
+    onto the device already.
     """
     if shards(config, ctx):
-        return _fully_shard(model, compute_dtype)
+        model = _fully_shard(model, compute_dtype)
+        _materialise(model, ctx.device)
+        return model
     if config.method != "qlora" and next(model.parameters()).device != ctx.device:
         model = model.to(ctx.device)
     if not ctx.active:
@@ -130,6 +146,33 @@ def _fully_shard(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def _materialise(model: nn.Module, device: torch.device) -> None:
+    """Empty shards on ``device`` for a model sharded on the meta device (the torch recipe for FSDP2 with
+    ``broadcast_from_rank0``). ``to_empty`` re-allocates the buffers too: they are not in any state dict
+    (RoPE frequencies) or come from it anyway, so their values, computed when the model was built, are
+    copied back."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    buffers = dict(model.named_buffers())
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+
+
+def load_rank0_weights(model: nn.Module, weights: dict[str, Any]) -> None:
+    """Rank 0's whole state dict (``weights``; empty on the other ranks) into every rank's shards.
+
+    Collective. One tensor at a time, rank 0 copies it to its device and broadcasts it, and each rank
+    keeps its shard, so no rank but 0 ever holds more than one whole tensor. Strict: a parameter that
+    rank 0's weights lack fails the run instead of training from uninitialised memory.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, weights, options=options)
 
 
 def unwrap(model: nn.Module) -> Any:

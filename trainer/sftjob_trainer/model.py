@@ -3,12 +3,14 @@
 Precision policy: full fine-tuning keeps fp32 master weights and runs the maths under autocast
 (bf16/fp16, the latter with a gradient scaler); LoRA keeps the frozen base in the compute dtype with
 fp32 adapters under autocast; QLoRA stores the base in 4-bit NF4 (bitsandbytes, GPU only).
-Liger kernels and the attention implementation are speed choices: when they are not available the
-trainer says so in the log and continues without them.
+Full fine-tuning under FSDP builds the model without weights on every rank, and rank 0 alone loads them
+(:func:`build_model`, :func:`pretrained_weights`). Liger kernels and the attention implementation are
+speed choices: when they are not available the trainer says so in the log and continues without them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -121,7 +123,10 @@ def load_tokenizer(source: ModelSource) -> Any:
 
 
 def load_model(config: TrainerConfig, device: torch.device, attention: str) -> Any:
-    """The base model from the hub or a local folder, on ``device`` unless FSDP will place it."""
+    """The base model from the hub or a local folder, on ``device`` unless FSDP will place it.
+
+    Full fine-tuning under FSDP calls it on rank 0 alone, on the CPU, for :func:`pretrained_weights`.
+    """
     from transformers import AutoModelForCausalLM
 
     plan = precision_plan(config.method, config.training.precision)
@@ -134,6 +139,43 @@ def load_model(config: TrainerConfig, device: torch.device, attention: str) -> A
         return AutoModelForCausalLM.from_pretrained(_model_ref(config.model), **kwargs)
     except Exception as exc:
         raise _load_error("model", config.model, exc) from exc
+
+
+def build_model(config: TrainerConfig, attention: str) -> Any:
+    """The base model as :func:`load_model` returns it, but without its weights: the parameters on the meta
+    device (no memory), the buffers (RoPE frequencies, computed from the config as from_pretrained computes
+    them) on the CPU. Full fine-tuning under FSDP shards this and fills the shards from rank 0's weights or
+    from a checkpoint, so a rank other than 0 never holds the whole model (distributed.py)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    source = config.model
+    model_config = load_model_config(source)
+    dtype = precision_plan(config.method, config.training.precision).load_dtype
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
+                model_config,
+                dtype=dtype,
+                attn_implementation=attention,
+                trust_remote_code=source.trust_remote_code,
+            )
+    except Exception as exc:
+        raise _load_error("model", source, exc) from exc
+    model.tie_weights()  # init_empty_weights re-creates each parameter it registers, untying a tied head
+    # from_pretrained also reads the sampling defaults, which the saved output keeps; without a
+    # generation_config.json the one from_config derived from the model config stands.
+    if model.can_generate():
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(
+                _model_ref(source), revision=source.revision or "main", token=_hub_kwargs(source)["token"]
+            )
+    return model.eval()  # from_pretrained's mode
+
+
+def pretrained_weights(config: TrainerConfig, attention: str) -> dict[str, torch.Tensor]:
+    """The whole base model's state dict, in CPU memory (fp32 for full fine-tuning): rank 0's under FSDP."""
+    return dict(load_model(config, torch.device("cpu"), attention).state_dict())
 
 
 def qlora_quantization(plan: PrecisionPlan) -> Any:

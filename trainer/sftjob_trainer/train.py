@@ -29,17 +29,27 @@ from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.data import load_examples
-from sftjob_trainer.distributed import DistContext, init_distributed, shards, unwrap, wrap_model
+from sftjob_trainer.distributed import (
+    DistContext,
+    init_distributed,
+    load_rank0_weights,
+    loads_on_rank0,
+    shards,
+    unwrap,
+    wrap_model,
+)
 from sftjob_trainer.failures import classify, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
 from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
 from sftjob_trainer.model import (
+    build_model,
     count_parameters,
     load_model,
     load_model_config,
     load_tokenizer,
     precision_plan,
     prepare_for_training,
+    pretrained_weights,
     resolve_attention,
     save_output,
 )
@@ -205,9 +215,10 @@ class Training:
         config, ctx, t = self.config, self.ctx, self.t
         root = Path(config.checkpoints.dir)
 
-        # Model.
+        # Model. Full fine-tuning under FSDP: no weights yet, on any rank (they come after the resume).
         plan = precision_plan(config.method, t.precision)
-        base = load_model(config, ctx.device, attention)
+        rank0_weights = loads_on_rank0(config, ctx)
+        base = build_model(config, attention) if rank0_weights else load_model(config, ctx.device, attention)
         counts = count_parameters(base)
         flops = flops_model(base.config.to_dict(), config.method, counts.non_embedding)
         model = prepare_for_training(base, config.method, config.lora, t, ctx.device)
@@ -239,6 +250,12 @@ class Training:
             "packing": t.packing,
         }
         resumed = checkpoints.load_latest(root, parts, ctx)
+        if rank0_weights and not resumed:
+            # A fresh start: rank 0 reads the pretrained weights and broadcasts them into the shards. A
+            # resumed run got every weight from its checkpoint and never reads them.
+            loading = time.monotonic()
+            load_rank0_weights(model, pretrained_weights(config, attention) if ctx.is_main else {})
+            log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
         state = resumed[0] if resumed else TrainState(fingerprint=fingerprint)
         resumed_from = state.step if resumed else None
         if resumed and state.fingerprint != fingerprint:
