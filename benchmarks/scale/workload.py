@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from sftjob import constants as c
-from sftjob.gpus import GPU_TYPES, products_for_type
+from sftjob.gpus import GPU_TYPES
 from sftjob_dev.nodes import NODE_TYPES
+from sftjob_operator.scheduling import default_products, node_affinity
 
 Manifest = dict[str, Any]
 
@@ -76,14 +77,7 @@ def sftjob(name: str, gpu_type: str) -> Manifest:
 
 def batch_job(name: str, gpu_type: str) -> Manifest:
     """The floor: a plain batch/v1 Job whose one pod is scheduled like a trainer pod."""
-    products = products_for_type(gpu_type)
-    affinity = {
-        "requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [
-                {"matchExpressions": [{"key": c.GFD_PRODUCT, "operator": "In", "values": products}]}
-            ]
-        }
-    }
+    affinity = node_affinity([gpu_type], default_products(), min_driver_major=c.MIN_DRIVER_MAJOR)
     container = {
         "name": "trainer",
         "image": FLOOR_IMAGE,

@@ -21,6 +21,7 @@ KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_VALUE = "fake"
 FAKE_NODE_LABEL = "type"
 FAKE_NODE_LABEL_VALUE = "kwok"
+FAKE_DRIVER_MAJOR = 580  # the NVIDIA driver GPU Feature Discovery would report (CUDA 13)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class NodeType:
             c.GFD_COMPUTE_MAJOR: str(self.compute[0]),
             c.GFD_COMPUTE_MINOR: str(self.compute[1]),
             c.GFD_FAMILY: self.family,
+            c.GFD_DRIVER_MAJOR: str(FAKE_DRIVER_MAJOR),
         }
 
     def resources(self) -> dict[str, str]:

@@ -23,6 +23,7 @@ GFD_COUNT = "nvidia.com/gpu.count"
 GFD_COMPUTE_MAJOR = "nvidia.com/gpu.compute.major"
 GFD_COMPUTE_MINOR = "nvidia.com/gpu.compute.minor"
 GFD_FAMILY = "nvidia.com/gpu.family"
+GFD_DRIVER_MAJOR = "nvidia.com/cuda.driver.major"
 # The taint GPU node pools usually carry; GPU pods tolerate it.
 GPU_TAINT_KEY = "nvidia.com/gpu"
 
@@ -58,6 +59,8 @@ CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
 
 # The seed guide's minimum NVIDIA driver.
 MIN_DRIVER_VERSION = "580.65.06"  # CUDA 13.0's minimum: the default trainer image is CUDA 13.2
+# Pods of the operator's image only go to nodes whose driver (GFD's label) is at least this major.
+MIN_DRIVER_MAJOR = int(MIN_DRIVER_VERSION.split(".")[0])
 
 DEFAULT_TRAINER_IMAGE = "ghcr.io/sftjob/trainer:0.1.0"
 TRAINER_UID = 1000  # the trainer image's USER (trainer/Dockerfile); pods run as it, with it as fsGroup

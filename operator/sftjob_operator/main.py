@@ -17,7 +17,7 @@ from pathlib import Path
 import kopf
 from pydantic import ValidationError
 
-from sftjob.constants import DEFAULT_TRAINER_IMAGE
+from sftjob import constants as c
 from sftjob.spec import IMAGE
 from sftjob_operator import handlers, metrics
 from sftjob_operator.defaults import JobDefaults
@@ -60,8 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--image",
-        default=env("SFTJOB_TRAINER_IMAGE", DEFAULT_TRAINER_IMAGE),
+        default=env("SFTJOB_TRAINER_IMAGE", c.DEFAULT_TRAINER_IMAGE),
         help="trainer image for jobs that name none",
+    )
+    p.add_argument(
+        "--image-min-driver-major",
+        type=int,
+        default=env("SFTJOB_IMAGE_MIN_DRIVER_MAJOR", str(c.MIN_DRIVER_MAJOR)),
+        help="pods of --image only go to nodes whose nvidia.com/cuda.driver.major is at least this (0: any)",
     )
     p.add_argument(
         "--gpu-products",
@@ -104,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{DEFAULT_FLAGS.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors()
         )
         p.error(f"invalid job default: {problems}")
+    if args.image_min_driver_major < 0:
+        p.error("--image-min-driver-major / SFTJOB_IMAGE_MIN_DRIVER_MAJOR must be >= 0 (0: any driver)")
     if not re.fullmatch(IMAGE, args.image):
         p.error(
             f"--image / SFTJOB_TRAINER_IMAGE must be an image reference without spaces, got {args.image!r}"
@@ -127,7 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.verbose:  # kopf logs every watch-event handler's success at INFO: thousands a minute
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     handlers.Runtime.context = Context(
-        products=products_from(args.gpu_products), image=args.image, defaults=args.defaults
+        products=products_from(args.gpu_products),
+        image=args.image,
+        image_min_driver_major=args.image_min_driver_major or None,
+        defaults=args.defaults,
     )
     handlers.Runtime.kube = Kube(connect())
     handlers.Runtime.resync_seconds = args.resync_seconds

@@ -89,6 +89,8 @@ class Context:
 
     products: ProductMap
     image: str
+    # The driver major the operator's image needs (None: no constraint); jobs naming an image get none.
+    image_min_driver_major: int | None = None
     plan_fn: PlanFn = planner_plan
     attempt_policy: AttemptPolicy = restarts.next_attempt
     defaults: JobDefaults = field(default_factory=JobDefaults)
@@ -397,6 +399,7 @@ class _Pass(StatusDraft):
             self.ctx.products,
             allowed_products=attempt.plans.allowed_products(),
             avoid_nodes=attempt.avoid_nodes,
+            min_driver_major=None if spec.image else self.ctx.image_min_driver_major,
         )
         image = spec.image or self.ctx.image
         return builders.attempt_children(

@@ -64,17 +64,22 @@ def node_affinity(
     *,
     allowed_products: Sequence[str] | None = None,
     avoid_nodes: Sequence[str] = (),
+    min_driver_major: int | None = None,
 ) -> dict[str, Any]:
     """The pod's ``affinity.nodeAffinity`` for GPU types in preference order.
 
     ``allowed_products`` narrows the candidates (products whose plan does not fit are left out);
-    ``avoid_nodes`` keeps the pods off nodes that failed the job before.
+    ``avoid_nodes`` keeps the pods off nodes that failed the job before; ``min_driver_major`` keeps
+    them off nodes whose NVIDIA driver (GPU Feature Discovery's label) is too old for the image.
     """
     by_type = [
         [p for p in products[t] if allowed_products is None or p in allowed_products] for t in preferences
     ]
     every = [p for labels in by_type for p in labels]
     term: dict[str, Any] = {"matchExpressions": [{"key": c.GFD_PRODUCT, "operator": "In", "values": every}]}
+    if min_driver_major:
+        driver = {"key": c.GFD_DRIVER_MAJOR, "operator": "Gt", "values": [str(min_driver_major - 1)]}
+        term["matchExpressions"].append(driver)
     if avoid_nodes:
         term["matchFields"] = [{"key": HOSTNAME_FIELD, "operator": "NotIn", "values": list(avoid_nodes)}]
     affinity: dict[str, Any] = {

@@ -225,6 +225,7 @@ def test_chart_defaults_are_the_operators_own_defaults() -> None:
     policy = RestartPolicy()
     assert env == {
         "SFTJOB_TRAINER_IMAGE": c.DEFAULT_TRAINER_IMAGE,
+        "SFTJOB_IMAGE_MIN_DRIVER_MAJOR": str(c.MIN_DRIVER_MAJOR),
         "SFTJOB_CHECKPOINT_STORAGE_CLASS": "",
         "SFTJOB_CHECKPOINT_SIZE": CheckpointSpec().size,
         "SFTJOB_MAX_RESTARTS": str(policy.max_restarts),

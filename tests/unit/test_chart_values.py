@@ -25,6 +25,7 @@ VARIABLES = {
     "defaults.restartPolicy.backoffSeconds": "SFTJOB_BACKOFF_SECONDS",
     "defaults.restartPolicy.onOOM": "SFTJOB_ON_OOM",
     "defaults.trainerImage": "SFTJOB_TRAINER_IMAGE",
+    "defaults.trainerImageMinDriverMajor": "SFTJOB_IMAGE_MIN_DRIVER_MAJOR",
 }
 # (--set value, whether the operator starts with it)
 CASES = [
@@ -42,6 +43,8 @@ CASES = [
     ("defaults.restartPolicy.onOOM=null", False),
     ("defaults.trainerImage=registry.example.com/sftjob/trainer:0.2.0", True),
     ("defaults.trainerImage=my trainer", False),
+    ("defaults.trainerImageMinDriverMajor=0", True),
+    ("defaults.trainerImageMinDriverMajor=-1", False),
 ]
 
 

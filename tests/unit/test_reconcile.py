@@ -258,3 +258,17 @@ def test_a_finished_job_deletes_pods_of_older_attempts_an_operator_crash_left_be
     last = pod(attempt=2, phase="Succeeded", status=terminated(0, "Completed"))
     actions = reconcile(replace(obs, status=status, pods=[old, last]), CTX)
     assert actions.delete_pods == ["job-1-0"]
+
+
+def test_pods_of_the_operators_image_need_a_new_enough_driver_and_a_jobs_own_image_does_not() -> None:
+    ctx = replace(CTX, image_min_driver_major=580)
+
+    def driver_terms(spec: dict[str, Any]) -> list[Any]:
+        pod = next(m for m in reconcile(observed(spec=spec), ctx).children if m["kind"] == "Pod")
+        (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+            "nodeSelectorTerms"
+        ]
+        return [e for e in term["matchExpressions"] if e["key"] == c.GFD_DRIVER_MAJOR]
+
+    assert driver_terms(SPEC) == [{"key": c.GFD_DRIVER_MAJOR, "operator": "Gt", "values": ["579"]}]
+    assert driver_terms({**SPEC, "image": "registry.example.com/my-trainer:cuda12"}) == []
