@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 ROOT = CHART.parents[1]
 CRD = f"{c.PLURAL}.{c.API_GROUP}"
 TRAINER_IMAGE = "registry.example.com/ml/sftjob-trainer:e2e"
-CHECKPOINT_SIZE = "7Gi"
+CHECKPOINT_SIZE = "70Gi"  # room for the 8B model download and LoRA checkpoints (CheckpointVolumeTooSmall)
 # Kinds whose CRDs (the Prometheus Operator's) this cluster does not have; promtool and the unit tests
 # check them instead.
 NOT_INSTALLABLE = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
