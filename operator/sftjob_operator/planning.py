@@ -79,13 +79,18 @@ def plan_candidates(spec: SFTJobSpec, products: ProductMap, plan_fn: PlanFn = pl
     found = CandidatePlans(plans, by_product)
     if not found.fitting:
         raise PlanningError(Reason.DOES_NOT_FIT, _no_fit_message(spec, plans))
+    return found
+
+
+def check_checkpoint_volume(spec: SFTJobSpec, plans: CandidatePlans) -> None:
+    """Raises PlanningError when the claim the operator makes cannot hold the run (checkpoint sizes do
+    not depend on the card)."""
     try:
-        problem = too_small(spec, found.first)  # checkpoint sizes do not depend on the card
-    except ValueError:  # a model the planner could not size has failed above; a stand-in plan_fn's
-        problem = None
+        problem = too_small(spec, plans.first)
+    except ValueError:  # a model the planner could not size has failed already; a stand-in plan_fn's
+        return
     if problem is not None:
         raise PlanningError(Reason.CHECKPOINT_VOLUME_TOO_SMALL, problem)
-    return found
 
 
 def plan_status(plan: Plan) -> PlanStatus:

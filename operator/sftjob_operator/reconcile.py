@@ -47,6 +47,7 @@ from sftjob_operator.planning import (
     CandidatePlans,
     PlanFn,
     PlanningError,
+    check_checkpoint_volume,
     plan_candidates,
     plan_status,
     planner_plan,
@@ -154,6 +155,8 @@ class _Pass(StatusDraft):
             return self.finished(spec)
         try:
             plans = plan_candidates(spec, self.ctx.products, self.ctx.plan_fn)
+            if not self.status.attempts:  # checked before the first attempt, never under a running job
+                check_checkpoint_volume(spec, plans)
         except PlanningError as err:
             self.cond(T.PLANNED, False, err.reason, err.message)
             return self.fail(err.reason, err.message)

@@ -201,6 +201,14 @@ def test_a_checkpoint_claim_too_small_for_the_run_fails_the_job_before_any_child
     )
 
 
+def test_a_job_already_running_is_not_failed_for_its_claim_by_a_newer_operator() -> None:
+    model, gpu = {"name": "Qwen/Qwen2.5-7B-Instruct"}, {"type": "A800", "count": 8}
+    obs = observed(spec={**SPEC, "model": model, "method": "full", "gpu": gpu})
+    started = reconcile(obs, CTX)  # admitted by an operator without the claim check
+    later = reconcile(then(obs, started), replace(CTX, plan_fn=planner_plan))
+    assert later.status.phase != "Failed" and later.status.attempt == 1
+
+
 def test_a_spec_the_model_rejects_fails_as_invalid_naming_the_field() -> None:
     actions = reconcile(observed(spec={**SPEC, "gpu": {"type": "L40S", "count": 99}}), CTX)
     assert actions.status.phase == "Failed" and condition(actions, "Admitted") == ("False", "InvalidSpec")
