@@ -42,7 +42,8 @@ from sftjob.failures import ExitCode
 from sftjob_dev.cluster import Cluster
 from sftjob_dev.errors import ClusterError
 from sftjob_dev.localize import config_key, local_config, pod_env
-from sftjob_operator.builders import CONTAINER, trainer_account_name
+from sftjob_operator.builders import trainer_account_name
+from sftjob_operator.pods import CONTAINER
 
 log = logging.getLogger("sftjob_dev.runner")
 

@@ -29,7 +29,7 @@ from sftjob.config import JobRef
 from sftjob.failures import FailureClass
 from sftjob.job_status import SFTJobStatus
 from sftjob.spec import SFTJobSpec, valid_job_name
-from sftjob_operator import builders, observe, restarts
+from sftjob_operator import builders, observe, pods, restarts
 from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
 from sftjob_operator.classify import (
     Classification,
@@ -405,7 +405,7 @@ class _Pass(StatusDraft):
             min_driver_major=None if spec.image else self.ctx.image_min_driver_major,
         )
         image = spec.image or self.ctx.image
-        return builders.attempt_children(
+        return pods.attempt_children(
             job, spec, attempt.plans, affinity=affinity, image=image, ranks=ranks
         )
 

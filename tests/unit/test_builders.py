@@ -9,7 +9,7 @@ from sftjob.config import DistributedSettings, JobRef, TrainerConfig, TrainingSe
 from sftjob.gpus import GpuProfile, profile_for_type
 from sftjob.plan import MemoryEstimate, Plan, PodResources
 from sftjob.spec import SFTJobSpec
-from sftjob_operator import builders
+from sftjob_operator import builders, pods
 from sftjob_operator.planning import plan_candidates
 from sftjob_operator.scheduling import default_products, node_affinity
 
@@ -45,7 +45,7 @@ def spec(**changes: Any) -> SFTJobSpec:
 def pod(s: SFTJobSpec, rank: int = 0) -> dict[str, Any]:
     plans = plan_candidates(s, default_products(), fake_plan)
     affinity = node_affinity(s.gpu.candidates(), default_products())
-    return builders.trainer_pod(JOB, s, plans.first, rank=rank, affinity=affinity, image="trainer:test")
+    return pods.trainer_pod(JOB, s, plans.first, rank=rank, affinity=affinity, image="trainer:test")
 
 
 def env_of(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def test_a_single_node_pod_runs_torchrun_standalone_with_one_process_per_gpu() -
 def test_the_grace_period_covers_a_checkpoint_save_and_torchrun_stops_its_workers_inside_it() -> None:
     s = spec(gpu={"type": "A800", "count": 8})
     plan = fake_plan(s, profile_for_type("A800")).model_copy(update={"checkpoint_gib": 85.1})
-    p = builders.trainer_pod(JOB, s, plan, rank=0, affinity={}, image="trainer:test")
+    p = pods.trainer_pod(JOB, s, plan, rank=0, affinity={}, image="trainer:test")
     assert p["spec"]["terminationGracePeriodSeconds"] == 120 + 171
     assert "--shutdown-timeout=281" in p["spec"]["containers"][0]["command"]
 

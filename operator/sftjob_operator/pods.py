@@ -1,0 +1,213 @@
+"""The trainer pods of an attempt, and everything the attempt needs, in creation order. Pure, no I/O.
+
+One pod per node runs torchrun with one process per GPU; its grace period covers a checkpoint save on
+SIGTERM, and torchrun stops its workers just inside it. The pod mounts its config (the ConfigMap's row
+for each candidate card), the checkpoint claim, a memory-backed /dev/shm and, when the spec names them,
+the model, dataset and output volumes; it meets the restricted Pod Security profile.
+"""
+
+from __future__ import annotations
+
+import math
+import posixpath
+from collections.abc import Sequence
+from typing import Any
+
+from sftjob import constants as c
+from sftjob.config import JobRef
+from sftjob.plan import Plan
+from sftjob.spec import SFTJobSpec
+from sftjob_operator import builders
+from sftjob_operator.builders import (
+    checkpoint_pvc,
+    config_map,
+    config_map_name,
+    pod_name,
+    pvc_name,
+    rendezvous_service,
+    role,
+    role_binding,
+    service_account,
+    trainer_account_name,
+)
+from sftjob_operator.planning import CandidatePlans
+from sftjob_operator.scheduling import gpu_tolerations
+
+Manifest = dict[str, Any]
+
+CONTAINER = "trainer"
+TRAINER_MODULE = "sftjob_trainer.train"
+HF_HOME = posixpath.join(c.CHECKPOINT_MOUNT, ".cache", "huggingface")  # downloads survive restarts
+# The trainer finishes its step and saves a checkpoint on SIGTERM; give it time to: a base for the step
+# and the process exit, plus the checkpoint's write at an assumed 0.5 GiB/s to the checkpoint volume.
+TERMINATION_GRACE_SECONDS = 120
+SAVE_SECONDS_PER_GIB = 2.0
+# torchrun SIGKILLs its workers this long after forwarding SIGTERM (its default is 30 s): just inside the
+# pod's grace, so the save can finish and torchrun still exits before the kubelet's SIGKILL.
+TORCHRUN_SHUTDOWN_MARGIN_SECONDS = 10
+# How often the trainer annotates its pod with progress (the operator shows it within this).
+
+
+def attempt_children(
+    job: JobRef,
+    spec: SFTJobSpec,
+    plans: CandidatePlans,
+    *,
+    affinity: Manifest,
+    image: str,
+    ranks: Sequence[int],
+) -> list[Manifest]:
+    """Everything attempt ``job.attempt`` needs, in creation order (pods last, only those of ``ranks``)."""
+    pod_names = [pod_name(job.name, job.attempt, r) for r in range(spec.gpu.nodes)]
+    out = [service_account(job), role(job, pod_names), role_binding(job), config_map(job, spec, plans)]
+    if spec.checkpoints.volume is None:
+        out.append(checkpoint_pvc(job, spec))
+    if spec.gpu.nodes > 1:
+        out.append(rendezvous_service(job))
+    return out + [trainer_pod(job, spec, plans.first, rank=r, affinity=affinity, image=image) for r in ranks]
+
+
+def grace_seconds(plan: Plan) -> int:
+    """The pod's terminationGracePeriodSeconds: long enough for a step and one checkpoint of this plan."""
+    return TERMINATION_GRACE_SECONDS + math.ceil(plan.checkpoint_gib * SAVE_SECONDS_PER_GIB)
+
+
+def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int, *, grace: int) -> list[str]:
+    procs = f"--nproc-per-node={spec.gpu.count}"
+    shutdown = f"--shutdown-timeout={grace - TORCHRUN_SHUTDOWN_MARGIN_SECONDS}"
+    if spec.gpu.nodes == 1:
+        return ["torchrun", "--standalone", procs, shutdown, "-m", TRAINER_MODULE]
+    master = f"{pod_name(job.name, job.attempt, 0)}.{job.name}"
+    return [
+        "torchrun",
+        f"--nnodes={spec.gpu.nodes}",
+        procs,
+        f"--node-rank={rank}",
+        f"--master-addr={master}",
+        f"--master-port={c.TORCHRUN_PORT}",
+        shutdown,
+        "-m",
+        TRAINER_MODULE,
+    ]
+
+
+def _env(job: JobRef, spec: SFTJobSpec, plan: Plan) -> list[Manifest]:
+    def field(path: str) -> Manifest:
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[Manifest] = [
+        {"name": c.CONFIG_ENV, "value": posixpath.join(c.CONFIG_MOUNT, c.CONFIG_FILE)},
+        {"name": "SFTJOB_ATTEMPT", "value": str(job.attempt)},
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+        {"name": "NODE_NAME", **field("spec.nodeName")},
+        {"name": "HF_HOME", "value": HF_HOME},
+    ]
+    token = spec.model.token_secret_ref
+    if token is not None:
+        env.append(
+            {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}
+        )
+    env += [{"name": k, "value": v} for k, v in sorted(plan.env.items())]
+    env += [{"name": e.name, "value": e.value} for e in spec.env]  # the user's word is last, and wins
+    return env
+
+
+def _volumes(job: JobRef, spec: SFTJobSpec, plan: Plan) -> tuple[list[Manifest], list[Manifest]]:
+    checkpoints = spec.checkpoints.volume
+    volumes: list[Manifest] = [
+        {"name": "config", "configMap": {"name": config_map_name(job.name)}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": plan.resources.shm_size}},
+        {
+            "name": "checkpoints",
+            **(
+                checkpoints.to_kubernetes()
+                if checkpoints is not None
+                else {"persistentVolumeClaim": {"claimName": pvc_name(job.name)}}
+            ),
+        },
+    ]
+    mounts: list[Manifest] = [
+        {"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True},
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "checkpoints", "mountPath": c.CHECKPOINT_MOUNT},
+    ]
+    extra = (
+        ("model", spec.model.volume, c.MODEL_MOUNT, True),
+        ("data", spec.dataset.volume, c.DATASET_MOUNT, True),
+        ("output", spec.output.volume, c.OUTPUT_MOUNT, False),
+    )
+    for name, source, path, read_only in extra:
+        if source is not None:
+            volumes.append({"name": name, **source.to_kubernetes()})
+            mounts.append({"name": name, "mountPath": path, "readOnly": read_only})
+    return volumes, mounts
+
+
+def trainer_pod(
+    job: JobRef,
+    spec: SFTJobSpec,
+    plan: Plan,
+    *,
+    rank: int,
+    affinity: Manifest,
+    image: str,
+) -> Manifest:
+    """Node ``rank`` of attempt ``job.attempt``. ``plan`` sets resources and env; the config itself
+    comes from the ConfigMap, so a pod on any candidate card finds its own plan there."""
+    gpus = str(spec.gpu.count)
+    volumes, mounts = _volumes(job, spec, plan)
+    ports = [{"name": "metrics", "containerPort": c.TRAINER_METRICS_PORT}]
+    if spec.gpu.nodes > 1:
+        ports.append({"name": "rendezvous", "containerPort": c.TORCHRUN_PORT})
+    container: Manifest = {
+        "name": CONTAINER,
+        "image": image,
+        "command": torchrun_command(job, spec, rank, grace=grace_seconds(plan)),
+        "env": _env(job, spec, plan),
+        "ports": ports,
+        "resources": {
+            "requests": {"cpu": plan.resources.cpu, "memory": plan.resources.memory, c.GPU_RESOURCE: gpus},
+            "limits": {"memory": plan.resources.memory, c.GPU_RESOURCE: gpus},
+        },
+        "volumeMounts": mounts,
+        "terminationMessagePath": c.TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    name = pod_name(job.name, job.attempt, rank)
+    pod_spec: Manifest = {
+        "restartPolicy": "Never",  # the operator decides about restarts, attempt by attempt
+        "serviceAccountName": trainer_account_name(job.name),
+        "automountServiceAccountToken": True,  # progress reports go through the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": grace_seconds(plan),
+        "affinity": {"nodeAffinity": affinity},
+        "tolerations": gpu_tolerations()
+        + [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations],
+        # Pod Security "restricted": the trainer image's user, and volumes (checkpoints, output) made
+        # writable for its group; ownership is fixed only when the volume's root does not match.
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": c.TRAINER_UID,
+            "runAsGroup": c.TRAINER_UID,
+            "fsGroup": c.TRAINER_UID,
+            "fsGroupChangePolicy": "OnRootMismatch",
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.gpu.nodes > 1:
+        pod_spec["hostname"] = name
+        pod_spec["subdomain"] = job.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": builders.metadata(job, name, attempt=job.attempt, rank=rank),
+        "spec": pod_spec,
+    }
