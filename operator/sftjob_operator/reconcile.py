@@ -405,9 +405,7 @@ class _Pass(StatusDraft):
             min_driver_major=None if spec.image else self.ctx.image_min_driver_major,
         )
         image = spec.image or self.ctx.image
-        return pods.attempt_children(
-            job, spec, attempt.plans, affinity=affinity, image=image, ranks=ranks
-        )
+        return pods.attempt_children(job, spec, attempt.plans, affinity=affinity, image=image, ranks=ranks)
 
     def record(self) -> AttemptRecord | None:
         return self.record_of(self.attempt)
