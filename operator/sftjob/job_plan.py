@@ -16,9 +16,7 @@ from sftjob.gpus import GpuProfile
 from sftjob.plan import Plan, PodResources
 from sftjob.resources import pod_environment, workers_per_process
 from sftjob.spec import SFTJobSpec, to_plan_request
-
-# CPU quantity suffixes the spec's pattern admits, as multiples of one core.
-CPU_SCALE = {"m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "Ki": 2**10, "Mi": 2**20}
+from sftjob.storage import quantity_value
 
 
 def plan_job(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
@@ -38,16 +36,10 @@ def with_user_resources(spec: SFTJobSpec, plan: Plan, profile: GpuProfile) -> Pl
     )
     update: dict[str, Any] = {"resources": resources}
     if wanted.cpu is not None:
-        per_gpu = max(1, math.floor(cores(wanted.cpu) / spec.gpu.count))
+        per_gpu = max(1, math.floor(quantity_value(wanted.cpu) / spec.gpu.count))
         env = pod_environment(profile, spec.gpu.count, spec.gpu.nodes, per_gpu)
         update["env"] = {**plan.env, "OMP_NUM_THREADS": env["OMP_NUM_THREADS"]}
         update["training"] = plan.training.model_copy(
             update={"dataloader_workers": workers_per_process(per_gpu)}
         )
     return plan.model_copy(update=update)
-
-
-def cores(quantity: str) -> float:
-    """A CPU quantity (``8``, ``7.5``, ``500m``) in cores."""
-    number = quantity.rstrip("mkMGTPi")
-    return float(number) * CPU_SCALE.get(quantity[len(number) :], 1.0)

@@ -17,7 +17,7 @@ from sftjob.memory import BF16_BYTES, FULL_STATE_BYTES, GIB
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec, to_plan_request
 
-# Memory quantity suffixes the spec's pattern admits, in bytes.
+# The suffixes the spec's quantity pattern admits (CPU and memory alike), as multiples of one unit.
 QUANTITY_SCALE = {
     "": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
@@ -74,7 +74,13 @@ def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:
     )
 
 
+def quantity_value(quantity: str) -> float:
+    """A quantity the spec's pattern admits (``8``, ``500m``, ``100Gi``, ``1.5Ti``) as a number of units:
+    cores for a CPU, bytes for memory."""
+    number = quantity.rstrip("mkMGTPi")
+    return float(number) * QUANTITY_SCALE[quantity[len(number) :]]
+
+
 def quantity_gib(quantity: str) -> float:
     """A memory quantity (``100Gi``, ``1.5Ti``, ``500G``) in GiB."""
-    number = quantity.rstrip("mkMGTPi")
-    return float(number) * QUANTITY_SCALE[quantity[len(number) :]] / GIB
+    return quantity_value(quantity) / GIB
