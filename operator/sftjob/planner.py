@@ -73,13 +73,7 @@ def _assemble(
     suggestions: list[str],
     ladder: list[str],
 ) -> Plan:
-    resources, cpus_per_gpu = pod_resources(
-        request.architecture,
-        request.method,
-        request.gpus_per_node,
-        lora=request.lora,
-        optimizer=OPTIMIZER,
-    )
+    resources, cpus_per_gpu = pod_resources(request.architecture, request.method, request.gpus_per_node)
     return Plan(
         gpu=gpu.key,
         fits=fits,

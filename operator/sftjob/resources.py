@@ -1,9 +1,9 @@
 """Host-side needs of a trainer pod: CPU, memory, /dev/shm, and the environment the plan sets.
 
 The GPU plan decides the training configuration; this module sizes what surrounds it on the node:
-CPUs for the dataloader workers and the process, host memory to load the model and to gather a
-checkpoint, a memory-backed /dev/shm for the workers and NCCL's shared-memory transport (Docker's
-64 MB default breaks both: NVIDIA/nccl #290, #342, #525), and environment variables by interconnect.
+CPUs for the dataloader workers and the process, host memory to load and save the model, a
+memory-backed /dev/shm for the workers and NCCL's shared-memory transport (Docker's 64 MB default
+breaks both: NVIDIA/nccl #290, #342, #525), and environment variables by interconnect.
 The byte counts per parameter are the memory estimator's (:mod:`sftjob.memory`), applied to what the
 trainer actually holds on the host (trainer/sftjob_trainer/model.py, checkpoints.py).
 """
@@ -40,13 +40,13 @@ def _round_up(gib: float, step: int = 8) -> int:
 def checkpoint_gib(
     architecture: Architecture, method: Method, lora: LoraSettings, optimizer: Optimizer
 ) -> float:
-    """One checkpoint: what rank 0 gathers into its CPU memory to save it, and what it takes on disk.
+    """One checkpoint on disk, and the time its save takes (the pod's termination grace period).
 
-    ``checkpoints.save`` gathers full, unsharded tensors of the trainable parameters only
-    (``ignore_frozen_params``): every fp32 master weight for full fine-tuning, the fp32 LoRA adapters
-    otherwise (``model.pt``), and the optimizer state of the same parameters (``optimizer.pt``: AdamW's
-    fp32 m and v, 8 B/param; 8-bit AdamW about 2), both in memory at once. The scheduler, scaler, step
-    counters and RNG states are kilobytes.
+    ``checkpoints.save`` writes the trainable parameters only (``ignore_frozen_params``): every fp32
+    master weight for full fine-tuning, the fp32 LoRA adapters otherwise, and the optimizer state of the
+    same parameters (AdamW's fp32 m and v, 8 B/param; 8-bit AdamW about 2). Each rank writes its own
+    shards from the GPU, a tensor at a time, so a checkpoint takes no host memory to speak of. The
+    scheduler, scaler, step counters and RNG states are kilobytes.
     """
     if method == "full":
         params, weight_bytes = architecture.parameters, FULL_STATE_BYTES["weights"]
@@ -56,14 +56,7 @@ def checkpoint_gib(
     return params * (weight_bytes + OPTIMIZER_BYTES[optimizer]) / GIB
 
 
-def pod_resources(
-    architecture: Architecture,
-    method: Method,
-    gpus_per_node: int,
-    *,
-    lora: LoraSettings,
-    optimizer: Optimizer,
-) -> tuple[PodResources, int]:
+def pod_resources(architecture: Architecture, method: Method, gpus_per_node: int) -> tuple[PodResources, int]:
     """Requests for one node's pod, and the CPUs each GPU's process gets.
 
     Host memory is the largest of the transient needs below, plus what the pod holds all along:
@@ -73,20 +66,19 @@ def pod_resources(
       mmapped safetensors shards. Under FSDP global rank 0 alone loads the whole model, into its own CPU
       memory (the copy, plus the page cache of the files it reads), and broadcasts it into every rank's
       shards; no other rank holds it (trainer/sftjob_trainer/distributed.py ``loads_on_rank0``);
-    - saving a checkpoint: rank 0 gathers the full trainable weights and optimizer state
-      (:func:`checkpoint_gib`). Resuming memory-maps the files (page cache, shared and reclaimable);
+    - saving the final model: under FSDP rank 0 gathers the whole fp32 model to write it, the size of
+      what it loaded. Checkpoints need no host memory (:func:`checkpoint_gib`);
     - ``HOST_MEMORY_FLOOR_GIB``, for small models;
     - all along: ``HOST_GIB_PER_PROCESS`` per training process, and the memory-backed /dev/shm,
       which counts against the pod's memory limit.
 
-    Every pod of a job gets the same requests, so whichever holds rank 0 can save a checkpoint.
+    Every pod of a job gets the same requests, so whichever holds rank 0 can load and save the model.
     """
     cpus = min(CPUS_PER_GPU * gpus_per_node, MAX_CPUS_PER_POD)
     loaded = architecture.parameters * (FULL_STATE_BYTES["weights"] if method == "full" else BF16_BYTES) / GIB
     load = LOAD_HEADROOM * loaded
-    gather = checkpoint_gib(architecture, method, lora, optimizer)
     shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
-    host = max(HOST_MEMORY_FLOOR_GIB, load, gather) + HOST_GIB_PER_PROCESS * gpus_per_node + shm
+    host = max(HOST_MEMORY_FLOOR_GIB, load) + HOST_GIB_PER_PROCESS * gpus_per_node + shm
     return PodResources(
         cpu=str(cpus), memory=f"{_round_up(host)}Gi", shm_size=f"{shm}Gi"
     ), cpus // gpus_per_node

@@ -21,7 +21,7 @@ import torch
 
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER
 from sftjob.failures import ExitCode
-from sftjob_trainer.checkpoints import REQUIRED_FILES, checkpoint_dirs, problem, rng_file
+from sftjob_trainer.checkpoints import REQUIRED_FILES, TENSORS_DIR, checkpoint_dirs, problem, rng_file
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.train import run
 from tests.trainer.runs import (
@@ -122,10 +122,17 @@ def test_two_ranks_write_one_complete_copy_of_each_checkpoint_and_resume_like_an
 
     root = _checkpoint_root(config)
     assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2", "checkpoint-4"]  # no step-6: the end
-    expected_files = {*REQUIRED_FILES, CHECKPOINT_COMPLETE_MARKER, *(rng_file(r) for r in range(RANKS))}
+    expected_files = {
+        *REQUIRED_FILES,
+        TENSORS_DIR,
+        CHECKPOINT_COMPLETE_MARKER,
+        *(rng_file(r) for r in range(RANKS)),
+    }
     for _step, path in checkpoint_dirs(root):
         assert problem(path) is None
         assert {p.name for p in path.iterdir()} == expected_files
+        # The adapters are replicated: written once, though both ranks save their share.
+        assert len(list((path / TENSORS_DIR).glob("*.distcp"))) <= RANKS
     assert [p.name for p in _output(config).glob("*.safetensors")] == ["adapter_model.safetensors"]
 
     shutil.rmtree(root / "checkpoint-4")  # as if killed between the saves of step 2 and step 4

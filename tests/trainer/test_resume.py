@@ -11,7 +11,7 @@ import pytest
 
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER
 from sftjob.failures import ExitCode
-from sftjob_trainer.checkpoints import MODEL_FILE, checkpoint_dirs, problem
+from sftjob_trainer.checkpoints import TENSORS_DIR, checkpoint_dirs, problem
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, start_trainer, train_log, trainer_output, wait_for_step
 
@@ -63,8 +63,8 @@ def test_truncated_and_unmarked_checkpoints_are_skipped_with_a_warning(
     root = _checkpoint_root(config)
     assert [step for step, _ in checkpoint_dirs(root)] == [6, 4, 2]
     (root / "checkpoint-6" / CHECKPOINT_COMPLETE_MARKER).unlink()  # killed before the marker
-    model = root / "checkpoint-4" / MODEL_FILE
-    model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])  # truncated mid-write
+    tensors = max((root / "checkpoint-4" / TENSORS_DIR).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])  # a lost write
     (root / ".tmp-checkpoint-8").mkdir()  # a save that never finished
 
     assert run(str(config)) == ExitCode.OK
@@ -90,3 +90,19 @@ def test_sigterm_finishes_the_step_saves_a_checkpoint_and_exits_preempted(
     (newest, path), *_ = checkpoint_dirs(_checkpoint_root(config))
     assert newest == last_step and problem(path) is None
     assert "preempted" in termination_log.read_text()
+
+
+def test_a_run_whose_only_checkpoints_fail_to_load_stops_rather_than_train_from_half_loaded_weights(
+    trainer_config: MakeConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = trainer_config("text", training={"maxSteps": 5}, checkpoints={"everySteps": 2, "keep": 3})
+    assert run(str(config)) == ExitCode.OK
+    root = _checkpoint_root(config)
+    for _step, path in checkpoint_dirs(root):
+        for tensors in (path / TENSORS_DIR).glob("*.distcp"):
+            tensors.write_bytes(bytes(tensors.stat().st_size))  # same length, so it looks complete
+        assert problem(path) is None
+
+    assert run(str(config)) == ExitCode.STORAGE_ERROR
+    assert "checkpoint-4" in caplog.text and "checkpoint-2" in caplog.text
+    assert "no checkpoint" in caplog.text and "move them away" in caplog.text

@@ -3,9 +3,15 @@
 A checkpoint is written into ``.tmp-checkpoint-N``, fsynced, marked with the COMPLETE file and only
 then renamed to ``checkpoint-N``, so a kill at any moment leaves either the previous state or a whole
 new checkpoint. On start every ``checkpoint-N`` is checked newest first; one without its marker, with a
-file missing, or whose files do not load is skipped with a warning and the next older one is tried.
-A checkpoint holds the trainable weights (adapters, or the full model), optimizer, scheduler, gradient
-scaler, each rank's RNG states and the step, from which the data position follows (see batching.py).
+file missing or shorter than its index says, or whose files do not load is skipped with a warning and
+the next older one is tried.
+
+The trainable weights (adapters, or the full model) and the optimizer state are saved with
+``torch.distributed.checkpoint`` into ``tensors/``: every rank writes the shards it holds, in parallel,
+a GPU tensor at a time, so no process ever gathers the whole model or optimizer into host memory (a
+70B full fine-tune would need 840 GB on rank 0), and a checkpoint loads into any number of ranks.
+Replicated tensors (DDP, one process) are written once. Beside them: the scheduler, gradient scaler,
+each rank's RNG states and the step, from which the data position follows (see batching.py).
 """
 
 from __future__ import annotations
@@ -16,13 +22,18 @@ import os
 import random
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,14 +49,12 @@ from sftjob_trainer.distributed import DistContext
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-MODEL_FILE = "model.pt"
-OPTIMIZER_FILE = "optimizer.pt"
+TENSORS_DIR = "tensors"  # model and optimizer, torch.distributed.checkpoint's format
 SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
-REQUIRED_FILES = (STATE_FILE, MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE)
+REQUIRED_FILES = (STATE_FILE, SCHEDULER_FILE)
 TMP_PREFIX = ".tmp-"
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-_SCATTER = StateDictOptions(full_state_dict=True, strict=False)
+_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass
@@ -94,6 +103,23 @@ def problem(path: Path) -> str | None:
     for name in REQUIRED_FILES:
         if not (path / name).is_file() or (path / name).stat().st_size == 0:
             return f"{name} is missing or empty"
+    return _tensors_problem(path / TENSORS_DIR)
+
+
+def _tensors_problem(folder: Path) -> str | None:
+    """Every file the index names exists and is as long as the index says (a truncated copy, a lost
+    rank's file), checked without reading the tensors."""
+    try:
+        metadata = FileSystemReader(folder).read_metadata()
+    except Exception as exc:  # a missing or truncated pickle can raise nearly anything
+        return f"its index {TENSORS_DIR}/.metadata does not load ({type(exc).__name__}: {exc})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = folder / name
+        if not file.is_file() or file.stat().st_size < end:
+            return f"{TENSORS_DIR}/{name} is missing or shorter than its index says"
     return None
 
 
@@ -104,23 +130,24 @@ def save(root: Path, state: TrainState, parts: Trainables, ctx: DistContext, kee
     """Collective: every rank calls it. Returns the final path of the new checkpoint."""
     name = f"{CHECKPOINT_PREFIX}{state.step}"
     tmp, final = root / f"{TMP_PREFIX}{name}", root / name
-    model_state = get_model_state_dict(parts.model, options=_GATHER)
-    optimizer_state = get_optimizer_state_dict(parts.model, parts.optimizer, options=_GATHER)
     try:
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         ctx.barrier()
+        with _single_process_is_meant():
+            dcp.save(
+                _tensors(parts), storage_writer=FileSystemWriter(tmp / TENSORS_DIR), no_dist=not ctx.active
+            )
         _save_file(capture_rng(), tmp / rng_file(ctx.rank))
         if ctx.is_main:
-            _save_file(model_state, tmp / MODEL_FILE)
-            _save_file(optimizer_state, tmp / OPTIMIZER_FILE)
             _save_file(parts.scheduler.state_dict(), tmp / SCHEDULER_FILE)
             if parts.scaler is not None:
                 _save_file(parts.scaler.state_dict(), tmp / SCALER_FILE)
             _write_text(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
         ctx.barrier()
         if ctx.is_main:
+            _fsync_dir(tmp / TENSORS_DIR)
             _write_text(tmp / CHECKPOINT_COMPLETE_MARKER, f"step {state.step} saved {time.time():.0f}\n")
             if final.exists():
                 shutil.rmtree(final)
@@ -130,7 +157,36 @@ def save(root: Path, state: TrainState, parts: Trainables, ctx: DistContext, kee
         ctx.barrier()
     except OSError as exc:
         raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {exc}") from exc
+    except CheckpointException as exc:
+        raise TrainerError(
+            ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {_failures(exc)}"
+        ) from exc
     return final
+
+
+def _tensors(parts: Trainables) -> dict[str, Any]:
+    """The trainable weights and their optimizer state as this rank holds them (its shards under FSDP),
+    keyed by parameter name: the tensors themselves, so that loading writes straight into them. Before
+    the first step torch creates the optimizer state with a zero-learning-rate step, for loading to fill.
+    """
+    return {
+        "model": get_model_state_dict(parts.model, options=_TRAINABLE),
+        "optimizer": get_optimizer_state_dict(parts.model, parts.optimizer, options=_TRAINABLE),
+    }
+
+
+@contextmanager
+def _single_process_is_meant() -> Iterator[None]:
+    """torch.distributed.checkpoint warns on every call outside a process group, where one is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _failures(exc: CheckpointException) -> str:
+    return "; ".join(
+        f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in exc.failures.items()
+    )
 
 
 def _save_file(obj: Any, path: Path) -> None:
@@ -175,49 +231,70 @@ def rotate(root: Path, keep: int) -> None:
 
 
 def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainState, Path] | None:
-    """Restore the newest usable checkpoint into ``parts``; None when there is none (a fresh start)."""
-    chosen: tuple[Path, dict[str, Any]] | None = None
-    if ctx.is_main:
-        chosen = _first_loadable(root)
-    path = ctx.broadcast(chosen[0] if chosen else None)
-    if path is None:
-        return None
-    files = chosen[1] if chosen is not None else _load_files(path)
-    set_model_state_dict(parts.model, files[MODEL_FILE], options=_SCATTER)
-    set_optimizer_state_dict(parts.model, parts.optimizer, files[OPTIMIZER_FILE], options=_SCATTER)
-    parts.scheduler.load_state_dict(files[SCHEDULER_FILE])
-    if parts.scaler is not None and SCALER_FILE in files:
-        parts.scaler.load_state_dict(files[SCALER_FILE])
-    rng = path / rng_file(ctx.rank)
-    if rng.is_file():
-        restore_rng(torch.load(rng, weights_only=True))
-    else:
-        log.warning("checkpoint %s has no RNG state for rank %d: keeping this run's seed", path, ctx.rank)
-    state = TrainState(**files[STATE_FILE])
-    log.info("resumed from %s (step %d)", path, state.step)
-    return state, path
+    """Restore the newest usable checkpoint into ``parts``; None when there is none (a fresh start).
 
-
-def _first_loadable(root: Path) -> tuple[Path, dict[str, Any]] | None:
-    for _step, path in checkpoint_dirs(root):
-        issue = problem(path)
-        if issue is None:
-            try:
-                return path, _load_files(path)
-            except Exception as exc:  # a truncated pickle can raise nearly anything
-                issue = f"its files do not load ({type(exc).__name__}: {exc})"
-        log.warning("skipping checkpoint %s: %s", path, issue)
+    Collective. Rank 0 lists the checkpoints that look complete; all ranks then try them newest first,
+    together. Loading writes into the model and optimizer in place, so once one has failed part-way only
+    a later success restores a consistent state: when none loads, the run stops rather than train from
+    weights half overwritten.
+    """
+    candidates: list[Path] = ctx.broadcast(_complete(root) if ctx.is_main else None)
+    failed: list[str] = []
+    for path in candidates:
+        small = _small_files(path, ctx.rank)
+        if ctx.sum([float(small is None)])[0] > 0:
+            continue  # some rank could not read its own files: all skip together
+        assert small is not None
+        try:
+            tensors = _tensors(parts)
+            with _single_process_is_meant():
+                dcp.load(tensors, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active)
+        except CheckpointException as exc:
+            log.warning("skipping checkpoint %s: its tensors do not load (%s)", path, _failures(exc))
+            failed.append(path.name)
+            continue
+        set_model_state_dict(parts.model, tensors["model"], options=_TRAINABLE)
+        set_optimizer_state_dict(parts.model, parts.optimizer, tensors["optimizer"], options=_TRAINABLE)
+        parts.scheduler.load_state_dict(small[SCHEDULER_FILE])
+        if parts.scaler is not None and SCALER_FILE in small:
+            parts.scaler.load_state_dict(small[SCALER_FILE])
+        if rng_file(ctx.rank) in small:
+            restore_rng(small[rng_file(ctx.rank)])
+        else:
+            log.warning("checkpoint %s has no RNG state for rank %d: keeping this run's seed", path, ctx.rank)
+        state = TrainState(**small[STATE_FILE])
+        log.info("resumed from %s (step %d)", path, state.step)
+        return state, path
+    if failed:
+        raise TrainerError(
+            ExitCode.STORAGE_ERROR,
+            f"no checkpoint in {root} loads ({', '.join(failed)} failed part-way): move them away to"
+            " start again from the pretrained weights",
+        )
     return None
 
 
-def _load_files(path: Path) -> dict[str, Any]:
-    """Every rank reads the whole checkpoint, memory-mapped: the tensors live in the node's page cache,
-    one copy shared by its processes and reclaimable, and go to the GPU a tensor at a time. Read into
-    private memory instead, a node would need one full copy per GPU (4 x 85 GiB for a 7B full run)."""
-    files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
-    names = [*REQUIRED_FILES[1:], *([SCALER_FILE] if (path / SCALER_FILE).is_file() else [])]
-    for name in names:
-        files[name] = torch.load(path / name, map_location="cpu", weights_only=True, mmap=True)
+def _complete(root: Path) -> list[Path]:
+    complete = []
+    for _step, path in checkpoint_dirs(root):
+        issue = problem(path)
+        if issue is None:
+            complete.append(path)
+        else:
+            log.warning("skipping checkpoint %s: %s", path, issue)
+    return complete
+
+
+def _small_files(path: Path, rank: int) -> dict[str, Any] | None:
+    """Everything but the tensors, as this rank needs it; None (with a warning) when a file does not load."""
+    names = [SCHEDULER_FILE, *(name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())]
+    try:
+        files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
+        for name in names:
+            files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated pickle can raise nearly anything
+        log.warning("skipping checkpoint %s: its files do not load (%s: %s)", path, type(exc).__name__, exc)
+        return None
     return files
 
 
