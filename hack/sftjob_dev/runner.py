@@ -7,7 +7,9 @@ folders to ``<workdir>/local/<ns>/<job>/`` (checkpoints kept across attempts, so
 and ``<workdir>/local/assets/{model,data}`` (where the demo puts a tiny model and dataset), and starts
 ``python -m sftjob_trainer.train`` on the CPU as the job's trainer ServiceAccount, so progress reports
 go through the real per-job RBAC. When the process exits, the runner steers the pod with the
-``sim.sftjob.dev/*`` annotations so KWOK ends it with the real exit code and termination message. A pod
+``sim.sftjob.dev/*`` annotations so KWOK ends it as a real pod ends: the termination message, and the exit
+code of the container's PID 1, torchrun, which is 1 for any failure (the trainer's own code is the
+``[exit N]`` tag its message starts with) and 128+N when the container is killed by signal N. A pod
 deleted (suspend, restart, job deleted) or ended by someone else while its process runs gets SIGTERM
 sent to the process: the trainer saves a checkpoint and exits, and the pod is left alone.
 
@@ -287,7 +289,7 @@ class Runner:
                     _signal(trainer.proc, signal.SIGKILL)
                 continue
             del self.trainers[uid]
-            exit_code = code if code >= 0 else 128 - code  # killed by signal N: 128+N, as a container
+            exit_code = min(code, 1) if code >= 0 else 128 - code  # torchrun's 0 or 1; killed: 128+N
             message = _last_line(trainer.termination_log)
             if trainer.stopping_since is not None:
                 log.info(

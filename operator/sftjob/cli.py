@@ -1,18 +1,20 @@
 """The ``sftjob`` command: plan a fine-tuning job per GPU type without a cluster, list the GPU table.
 
-    sftjob plan -f sftjob.yaml [--gpu L40S]
+    sftjob plan -f sftjob.yaml [--gpu L40S] [--gpus 2 --seq 4096 ...]
     sftjob plan --model meta-llama/Llama-3.1-8B --method lora --gpu A40 [--gpus 2] [--seq 4096]
     sftjob gpus
 
-``plan`` exits 1 when the job fits on none of the GPU types shown or its checkpoint claim is too small
-for it, 2 on bad input. A YAML file is
-validated as the SFTJob spec and planned by the same function as the operator's (``job_plan``), for
-the GPU types the job allows unless ``--gpu`` names others.
+``plan`` builds an SFTJob spec (from the YAML file, a whole SFTJob or just its spec, with the flags
+applied over it; or from the flags alone), validates it as admission does and plans it with the
+operator's own function (``job_plan``) for the GPU types the job allows unless ``--gpu`` names others.
+It exits 1 when the job fits on none of the GPU types shown or (with ``-f``) its checkpoint claim is too
+small for it, 2 on bad input, with the flag or the spec field to fix named.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import sys
@@ -22,74 +24,133 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from sftjob.architectures import resolve_architecture
-from sftjob.config import TrainingOverrides
-from sftjob.gpus import GPU_TYPES, PROFILES, GpuProfile, profile_for_key
+from sftjob.gpus import PROFILES, GpuProfile, profile_for_key
 from sftjob.job_plan import plan_job
 from sftjob.plan import Plan
-from sftjob.planner import PlanRequest, plan
-from sftjob.spec import SFTJobSpec, to_plan_request
+from sftjob.planner import PlanRequest
+from sftjob.spec import ANY_ORDER, SFTJobSpec, to_plan_request
 from sftjob.storage import too_small
 
 EXIT_NOTHING_FITS = 1
 EXIT_BAD_INPUT = 2
+# The spec field each flag sets (errors name the flag instead of the field it set).
+FLAG_FIELDS: dict[str, str] = {
+    "--model": "spec.model.name",
+    "--parameters": "spec.model.parameters",
+    "--method": "spec.method",
+    "--gpus": "spec.gpu.count",
+    "--nodes": "spec.gpu.nodes",
+    "--seq": "spec.dataset.maxSeqLength",
+    "--global-batch": "spec.training.globalBatchSize",
+}
+# A spec built from flags alone names no dataset (the plan does not depend on it) and, with only
+# --parameters, no model.
+FLAGS_DATASET = "none"
+UNNAMED_MODEL = "unnamed-model"
 
 
 class InputError(Exception):
-    """Bad command-line or YAML input, with a message naming the field."""
+    """Bad command-line or YAML input, with a message naming the flag or the field."""
 
 
-def _job_from_yaml(path: str) -> SFTJobSpec:
-    """The SFTJob spec in a YAML file (a whole SFTJob or just its spec), validated like admission."""
+def _read_spec(path: str) -> dict[str, Any]:
+    """The spec in a YAML file holding a whole SFTJob or just its spec."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise InputError(f"cannot read {path}: {e}") from e
-    if not isinstance(doc, dict):
+    spec = doc.get("spec", doc) if isinstance(doc, dict) else None
+    if not isinstance(spec, dict):
         raise InputError(f"{path}: expected an SFTJob object")
-    try:
-        return SFTJobSpec.model_validate(doc.get("spec", doc))
-    except ValidationError as e:
-        problems = "; ".join(
-            f"spec.{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()[:5]
-        )
-        raise InputError(f"{path}: {problems}") from e
+    return spec
 
 
-def _request_from_flags(args: argparse.Namespace) -> tuple[PlanRequest, str]:
-    if not args.model and not args.parameters:
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The spec flags given on the command line, by flag."""
+    given = {
+        "--model": args.model,
+        "--parameters": args.parameters,
+        "--method": args.method,
+        "--gpus": args.gpus,
+        "--nodes": args.nodes,
+        "--seq": args.seq,
+        "--global-batch": args.global_batch,
+    }
+    return {flag: value for flag, value in given.items() if value is not None}
+
+
+def _with_flags(spec: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with each flag's field set; ``--model`` replaces the whole model block (its path,
+    volume and size hints belong to the other model)."""
+    doc = copy.deepcopy(spec)
+    if "--model" in flags:
+        doc["model"] = {}
+    for flag, value in flags.items():
+        *parents, leaf = FLAG_FIELDS[flag].split(".")[1:]
+        node = doc
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[leaf] = value
+    return doc
+
+
+def _name_flags(message: str, flags: list[str]) -> str:
+    """``message`` with the fields these flags set called by the flags' names."""
+    for flag in flags:
+        message = message.replace(FLAG_FIELDS[flag], flag)
+    return message
+
+
+def _problems(error: ValidationError) -> str:
+    def one(err: Any) -> str:
+        where = ".".join(str(x) for x in err["loc"])
+        message = str(err["msg"]).removeprefix("Value error, ")
+        return f"spec.{where}: {message}" if where else message
+
+    return "; ".join(one(err) for err in error.errors()[:5])
+
+
+def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
+    """The spec to plan, validated like admission; the prefix of errors about it (the ``-f`` file) and
+    the flags whose names they use for the fields the flags set."""
+    flags = _flags(args)
+    if args.file:
+        doc, where, named = _with_flags(_read_spec(args.file), flags), f"{args.file}: ", list(flags)
+    elif "--model" in flags or "--parameters" in flags:
+        model = {"name": flags.get("--model", UNNAMED_MODEL)}
+        doc = _with_flags({"model": model, "dataset": {"name": FLAGS_DATASET}}, flags)
+        where, named = "", list(FLAG_FIELDS)  # every field the flags can set is a flag's
+    else:
         raise InputError("give -f sftjob.yaml, or --model (a hub id) and/or --parameters")
     try:
-        architecture = resolve_architecture(args.model, None, args.parameters)
-        request = PlanRequest(
-            architecture=architecture,
-            method=args.method,
-            max_seq_length=args.seq,
-            gpus_per_node=args.gpus,
-            nodes=args.nodes,
-            overrides=TrainingOverrides(global_batch_size=args.global_batch),
-        )
-    except (ValidationError, ValueError) as e:
-        raise InputError(str(e)) from e
-    return request, args.model or architecture.name or "model"
+        return SFTJobSpec.model_validate(doc), where, named
+    except ValidationError as e:
+        raise InputError(where + _name_flags(_problems(e), named)) from e
 
 
 def _profiles(names: list[str]) -> list[GpuProfile]:
+    """The profiles ``--gpu`` names, in order; ``Any`` is every type in the order ``Any`` prefers."""
+    keys = [k.strip() for part in names for k in part.split(",") if k.strip()]
+    expanded = [t for k in keys for t in (ANY_ORDER if k.casefold() == "any" else (k,))]
     try:
-        return [profile_for_key(n) for part in names for n in part.split(",") if n.strip()]
+        profiles = [profile_for_key(k) for k in expanded]
     except ValueError as e:
-        raise InputError(f"--gpu / spec.gpu.type: {e}") from e
+        raise InputError(f"--gpu: {e}, or a profile of `sftjob gpus`") from e
+    return list({p.key: p for p in profiles}.values())
 
 
-def plan_json(p: Plan, method: str, capacity_gib: float) -> dict[str, Any]:
-    """One GPU type's plan as the ``-o json`` object (camelCase, like the SFTJob status)."""
+def plan_json(p: Plan, method: str, card_gib: float) -> dict[str, Any]:
+    """One GPU type's plan as the ``-o json`` object (camelCase, like the SFTJob status: capacityGiB is
+    the usable budget per GPU, card memory x safety fraction; cardGiB the card's memory)."""
     t = p.training
     return {
         "gpu": p.gpu,
         "fits": p.fits,
         "estimatedPeakGiB": p.memory.total_gib,
-        "capacityGiB": capacity_gib,
-        "usableGiB": p.memory.budget_gib,
+        "capacityGiB": p.memory.budget_gib,
+        "cardGiB": card_gib,
         "microBatchSize": t.micro_batch_size,
         "gradientAccumulationSteps": t.gradient_accumulation_steps,
         "globalBatchSize": t.global_batch_size,
@@ -208,21 +269,31 @@ def _parser() -> argparse.ArgumentParser:
         prog="sftjob", description="Plan LLM fine-tuning jobs for A800/A40/L40S."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plan", help="plan a job per GPU type: memory breakdown, fit verdict, settings")
+    p = sub.add_parser(
+        "plan",
+        help="plan a job per GPU type: memory breakdown, fit verdict, settings",
+        description="Plan an SFTJob (-f) or one described by flags; with -f the flags override the file.",
+    )
     p.add_argument("-f", "--file", help="SFTJob YAML file")
-    p.add_argument("--model", help="hub id, e.g. meta-llama/Llama-3.1-8B")
-    p.add_argument("--parameters", type=int, help="model size in parameters when the model is not built in")
-    p.add_argument("--method", choices=["lora", "qlora", "full"], default="lora")
+    p.add_argument("--model", help="hub id, e.g. meta-llama/Llama-3.1-8B (spec.model, replaced whole)")
+    p.add_argument("--parameters", type=int, help="spec.model.parameters: the size of a model not built in")
+    p.add_argument("--method", choices=["lora", "qlora", "full"], help="spec.method (default lora)")
     p.add_argument(
         "--gpu",
         action="append",
         default=[],
-        help="GPU type or profile (A800, A40, L40S, A800-PCIE-40GB, ...); repeat or comma-separate",
+        help="GPU type or profile (A800, A40, L40S, Any, A800-PCIE-40GB, ...); repeat or comma-separate",
     )
-    p.add_argument("--gpus", type=int, default=1, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--seq", type=int, default=2048, help="max sequence length (tokens)")
-    p.add_argument("--global-batch", type=int, help="global batch size in rows (default: ~128k tokens)")
+    p.add_argument("--gpus", type=int, help="GPUs per node, spec.gpu.count (default 1)")
+    p.add_argument("--nodes", type=int, help="spec.gpu.nodes (default 1)")
+    p.add_argument(
+        "--seq", type=int, help="max sequence length in tokens, spec.dataset.maxSeqLength (default 2048)"
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="spec.training.globalBatchSize in rows (default: planned, ~128k tokens per step)",
+    )
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     g = sub.add_parser("gpus", help="list the GPU profile table")
     g.add_argument("-o", "--output", choices=["table", "json"], default="table")
@@ -230,30 +301,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan_command(args: argparse.Namespace) -> int:
-    if args.file:
-        spec = _job_from_yaml(args.file)
-        profiles = _profiles(args.gpu or list(spec.gpu.candidates()))
-        try:
-            request = to_plan_request(spec, spec.gpu.count, spec.gpu.nodes)
-            plans = [plan_job(spec, gpu) for gpu in profiles]
-        except ValueError as e:
-            raise InputError(f"{args.file}: {e}") from e
-        model = spec.model.name or spec.model.path or request.architecture.name or "model"
-        volume = too_small(spec, plans[0])
-    else:
-        request, model = _request_from_flags(args)
-        profiles = _profiles(args.gpu or list(GPU_TYPES))
-        plans = [plan(request, gpu) for gpu in profiles]
-        volume = None
+    spec, where, named = _spec(args)
+    profiles = _profiles(args.gpu or list(spec.gpu.candidates()))
+    try:
+        request = to_plan_request(spec, spec.gpu.count, spec.gpu.nodes)
+        plans = [plan_job(spec, gpu) for gpu in profiles]
+    except ValueError as e:
+        raise InputError(where + _name_flags(str(e), named)) from e
+    model = spec.model.name or spec.model.path or "model"
     if args.output == "json":
         print(
             json.dumps(
-                [plan_json(p, request.method, g.memory_gib) for p, g in zip(plans, profiles, strict=True)],
+                [plan_json(p, spec.method, g.memory_gib) for p, g in zip(plans, profiles, strict=True)],
                 indent=2,
             )
         )
     else:
         print(render_plans(plans, request, model))
+    volume = too_small(spec, plans[0]) if args.file else None
     if volume is not None:  # the operator would fail the job at admission for it
         print(f"sftjob: {volume}", file=sys.stderr)
         return EXIT_NOTHING_FITS

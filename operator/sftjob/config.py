@@ -24,6 +24,8 @@ DatasetFormat = Literal["auto", "messages", "alpaca", "text"]
 Attention = Literal["sdpa", "flash_attention_2", "eager"]
 Optimizer = Literal["adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"]
 Sharding = Literal["none", "ddp", "fsdp"]
+# Malformed dataset rows the trainer skips (and counts) before it fails the job with DataError.
+DEFAULT_MAX_BAD_ROW_FRACTION = 0.01
 
 
 class _Strict(BaseModel):
@@ -64,7 +66,7 @@ class DatasetSource(_Strict):
     split: str = "train"
     max_seq_length: int = Field(default=2048, ge=16)
     # Malformed rows are skipped and counted; more than this fraction fails the job with DataError.
-    max_bad_row_fraction: float = Field(default=0.01, ge=0.0, le=1.0)
+    max_bad_row_fraction: float = Field(default=DEFAULT_MAX_BAD_ROW_FRACTION, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSource:
@@ -75,7 +77,7 @@ class DatasetSource(_Strict):
 
 class LoraSettings(_Strict):
     r: int = Field(default=16, ge=1, le=1024)
-    alpha: int = Field(default=32, ge=1)
+    alpha: int = Field(default=32, ge=1, le=4096)
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
 
@@ -111,22 +113,24 @@ class TrainingOverrides(_Strict):
     """The user's overrides (the SFTJob's ``spec.training``): every field unset means "plan it".
 
     The planner applies what is set and never silently changes it; a plan that cannot fit with the
-    overrides is reported as not fitting.
+    overrides is reported as not fitting. The bounds are the CRD's (tests/unit/test_crd.py compares
+    them), so ``sftjob plan -f`` refuses what ``kubectl apply`` would.
     """
 
-    epochs: float | None = Field(default=None, gt=0)
-    max_steps: int | None = Field(default=None, ge=1)
-    learning_rate: float | None = Field(default=None, gt=0)
+    epochs: float | None = Field(default=None, gt=0, le=1000)
+    max_steps: int | None = Field(default=None, ge=1, le=10_000_000)
+    learning_rate: float | None = Field(default=None, gt=0, le=1)
     warmup_ratio: float | None = Field(default=None, ge=0, lt=1)
-    weight_decay: float | None = Field(default=None, ge=0)
-    global_batch_size: int | None = Field(default=None, ge=1)
-    micro_batch_size: int | None = Field(default=None, ge=1)
+    weight_decay: float | None = Field(default=None, ge=0, le=1)
+    global_batch_size: int | None = Field(default=None, ge=1, le=65536)
+    micro_batch_size: int | None = Field(default=None, ge=1, le=1024)
     gradient_checkpointing: bool | None = None
     precision: Precision | None = None
     packing: bool | None = None
-    # Fixes the packed row length; the OOM ladder then never shortens it.
-    packing_length: int | None = Field(default=None, ge=16)
-    seed: int | None = None
+    # Fixes the packed row length (at most the dataset's maxSeqLength); the OOM ladder then never
+    # shortens it.
+    packing_length: int | None = Field(default=None, ge=16, le=131072)
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
 
 
 class DistributedSettings(_Strict):

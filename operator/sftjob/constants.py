@@ -56,6 +56,8 @@ TORCHRUN_PORT = 29500
 # Checkpoint layout: a checkpoint is complete only when its marker file exists.
 CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
+# In the checkpoint folder: the attempt that owns it; an older attempt still running commits nothing.
+CHECKPOINT_OWNER_FILE = "OWNER"
 
 # The seed guide's minimum NVIDIA driver.
 MIN_DRIVER_VERSION = "580.65.06"  # CUDA 13.0's minimum: the default trainer image is CUDA 13.2

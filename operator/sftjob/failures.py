@@ -3,8 +3,13 @@
 The trainer writes a one-line reason to /dev/termination-log and exits with one of these codes; the
 operator reads both from the container status. Keeping both sides on this one table is what lets the
 operator restart transient failures, fail permanent ones at once, and re-plan after CUDA OOM.
+
+The container's PID 1 is torchrun, which exits 1 whatever code a failed trainer process ended with, so
+the trainer also starts a failure's message with its code (:func:`tag_exit_code`, ``[exit 11] dataset
+/data/train.jsonl is empty``) and the operator reads it back with :func:`read_exit_tag`.
 """
 
+import re
 from enum import IntEnum, StrEnum
 
 
@@ -81,3 +86,18 @@ class TrainerError(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+
+
+_EXIT_TAG = re.compile(r"\[exit (\d{1,3})\] ?")
+
+
+def tag_exit_code(code: int, reason: str) -> str:
+    """The termination message of a trainer that ends with ``code``: ``[exit 11] <reason>``."""
+    return f"[exit {code:d}] {reason}"
+
+
+def read_exit_tag(message: str) -> tuple[int | None, str]:
+    """The exit code a termination message starts with (None when it has no tag) and the rest of it."""
+    text = message.lstrip()
+    match = _EXIT_TAG.match(text)
+    return (int(match[1]), text[match.end() :]) if match else (None, message)

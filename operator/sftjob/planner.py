@@ -246,7 +246,7 @@ def replan_after_oom(request: PlanRequest, gpu: GpuProfile, previous: Plan) -> P
         step = "gradient checkpointing on"
     elif t.packing and request.packing_length is None and sequence // 2 >= MIN_PACKING_LENGTH:
         sequence //= 2
-        step = f"packed rows {sequence * 2} -> {sequence} tokens (longer samples are split)"
+        step = f"packed rows {sequence * 2} -> {sequence} tokens (longer samples are truncated to a row)"
     else:
         step = ""
     fixed = replace(fixed, sequence=sequence)

@@ -8,7 +8,7 @@ Blocks the trainer contract already defines are reused as they are: ``spec.train
 CRD's enum), ``spec.restartPolicy`` is :class:`~sftjob.attempts.RestartPolicy`. Tolerations, node labels,
 names and the checkpoint size are checked as the API server checks them in the pods and the claim, so
 an admitted job's children are not refused for them. A unit test keeps the CRD and these models on the
-same field names, enums and patterns.
+same field names, enums, patterns and numeric bounds.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ from pydantic.alias_generators import to_camel
 
 from sftjob.architectures import Architecture, ModelFamily
 from sftjob.attempts import OnOOM, RestartPolicy
-from sftjob.config import DatasetFormat, LoraSettings, Method, TrainingOverrides
+from sftjob.config import (
+    DEFAULT_MAX_BAD_ROW_FRACTION,
+    DatasetFormat,
+    LoraSettings,
+    Method,
+    TrainingOverrides,
+)
 
 if TYPE_CHECKING:
     from sftjob.planner import PlanRequest
@@ -125,8 +131,16 @@ class SecretKeyRef(_Spec):
 
 
 class ArchitectureSpec(Architecture):
-    """``spec.model.architecture``: the shape, with ``family`` one the planner knows (or unset)."""
+    """``spec.model.architecture``: the shape, held to the CRD's bounds (far beyond any released model;
+    the planner's own guesses from a parameter count are not), with ``family`` one the planner knows."""
 
+    layers: int = Field(ge=1, le=1024)
+    hidden_size: int = Field(ge=1, le=131072)
+    heads: int = Field(ge=1, le=1024)
+    kv_heads: int = Field(ge=1, le=1024)
+    intermediate_size: int = Field(ge=1, le=1048576)
+    vocab_size: int = Field(ge=1, le=4194304)
+    head_dim: int | None = Field(default=None, ge=1, le=4096)
     family: ModelFamily | None = None
 
 
@@ -161,6 +175,7 @@ class DatasetSpec(_Spec):
     format: DatasetFormat = "auto"
     split: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "train"
     max_seq_length: int = Field(default=2048, ge=16, le=131072)
+    max_bad_row_fraction: float = Field(default=DEFAULT_MAX_BAD_ROW_FRACTION, ge=0.0, le=1.0)
 
     @field_validator("path")
     @classmethod
@@ -343,6 +358,16 @@ class SFTJobSpec(_Spec):
         if self.method == "qlora" and (self.gpu.count != 1 or self.gpu.nodes != 1):
             raise ValueError(
                 "spec.method qlora runs on exactly one GPU: set spec.gpu.count 1 and spec.gpu.nodes 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _packed_rows_fit_the_sequence_length(self) -> SFTJobSpec:
+        length = self.training.packing_length
+        if length is not None and length > self.dataset.max_seq_length:
+            raise ValueError(
+                f"spec.training.packingLength {length} exceeds spec.dataset.maxSeqLength"
+                f" {self.dataset.max_seq_length}: packed rows hold at most maxSeqLength tokens"
             )
         return self
 

@@ -8,13 +8,14 @@ The reconcile asks one question, in two places: "given the attempts so far, what
 2. after the current attempt ended in failure (asked with the whole history), to restart or give up.
 
 The restart policy (``restarts.next_attempt``) is the :data:`AttemptPolicy` the operator runs; the
-reconcile only depends on this protocol, so its tests can plug in simpler policies.
+reconcile only depends on this protocol, so its tests can plug in simpler policies. Whatever a policy
+answers, :func:`numbered` keeps attempt numbers from going backwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ class NextAttempt:
 
     attempt: int
     plans: CandidatePlans
-    avoid_nodes: tuple[str, ...] = ()
+    avoid_nodes: tuple[str, ...] = ()  # nodes that failed the job: used only when no other node fits
     not_before: datetime | None = None
     ladder_step: str | None = None
     message: str = ""  # what changed from the previous attempt, for the event
@@ -55,3 +56,12 @@ class AttemptPolicy(Protocol):
         nodes: Mapping[str, NodeObj],
         now: datetime,
     ) -> NextAttempt | GiveUp: ...
+
+
+def numbered(decision: NextAttempt, history: Sequence[AttemptRecord], *, current: int) -> NextAttempt:
+    """``decision`` numbered so attempts never go backwards, whatever the status lost: past every
+    recorded attempt, and at least the ``current`` one (``status.attempt``, the pods' labels). A current
+    attempt without a record (its record was unreadable, or the status was reset) is taken over under
+    its own number: its pods are kept and judged like any attempt's, never doubled by a lower one."""
+    recorded = max((r.attempt for r in history), default=0)
+    return replace(decision, attempt=max(decision.attempt, recorded + 1, current))

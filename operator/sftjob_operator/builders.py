@@ -138,6 +138,7 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
             format=data.format,
             split=data.split,
             max_seq_length=data.max_seq_length,
+            max_bad_row_fraction=data.max_bad_row_fraction,
         ),
         method=spec.method,
         lora=LoraSettings(

@@ -3,7 +3,9 @@
 Pure functions over the objects as the API server returns them (camelCase dicts): the pod (or None
 once it has vanished), its node (or None once deleted), and the caller's ``now`` and last progress
 time. No clocks, no I/O: the reconcile loop gathers the inputs and records the result in
-``status.attempts``. ``docs/failures.md`` explains every class to users.
+``status.attempts``. What the container's termination message says (the trainer's exit code, hidden
+behind torchrun's 1, and a summary) is read by :mod:`sftjob_operator.termination`.
+``docs/failures.md`` explains every class to users.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
+from sftjob_operator.termination import read_message
 
 Obj = Mapping[str, Any]
 
@@ -33,8 +36,12 @@ GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/
 # DisruptionTarget reasons that mean the node went away rather than someone asking the pod to leave.
 NODE_GONE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 
-# When the exit code says nothing (1: torchrun, an uncaught exception; or an unknown code), the
-# termination message often still does. First match wins.
+# The trainer's documented failure codes: the container's own code when it is one of these, else the
+# code the trainer tagged its message with (torchrun, the container's PID 1, exits 1 for any of them).
+TRAINER_FAILURE_CODES = frozenset(code for code in EXIT_CODE_CLASS if code != ExitCode.UNKNOWN)
+
+# When no code says more (an uncaught exception, a crash that wrote no message and left the log tail
+# instead), the message often still does. First match wins.
 MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), cls)
     for pattern, cls in (
@@ -49,7 +56,6 @@ MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
             r"no CUDA-capable device|busy or unavailable|uncorrectable ECC|\bXid\b",
             FailureClass.GPU_UNAVAILABLE,
         ),
-        (r"hub or network unavailable", FailureClass.NETWORK_ERROR),  # the trainer's download failures
         (r"NCCL|ProcessGroupGloo|DistNetworkError|rendezvous", FailureClass.COMMUNICATION_ERROR),
         (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
     )
@@ -217,21 +223,22 @@ def _classify_ended(
     disruption_reason = (
         disruption.get("reason", "") if disruption and disruption.get("status") == "True" else ""
     )
+    said = read_message((terminated or {}).get("message") or "")
     code: int | None = terminated.get("exitCode") if terminated else None
-    text = _one_line((terminated or {}).get("message") or "")
+    if code not in TRAINER_FAILURE_CODES and said.exit_code in TRAINER_FAILURE_CODES:
+        code = said.exit_code  # the trainer's own code, behind torchrun's 1 (or a signal after it)
+    text = said.summary
 
     def fail(cls: FailureClass, message: str) -> Classification:
         return _failed(cls, code, message, node_name)
 
-    if pod_reason == "DeadlineExceeded":
-        return fail(FailureClass.DEADLINE_EXCEEDED, pod_message or "pod activeDeadlineSeconds exceeded")
     if pod_reason in GPU_ADMISSION_REASONS:
         return fail(FailureClass.GPU_UNAVAILABLE, f"{pod_reason}: {pod_message}")
     if terminated is not None and terminated.get("reason") == "OOMKilled":
         return fail(
             FailureClass.HOST_OOM, text or "container killed by the kernel OOM killer at its memory limit"
         )
-    if code is not None and code in EXIT_CODE_CLASS and code != ExitCode.UNKNOWN:
+    if code is not None and code in TRAINER_FAILURE_CODES:
         return fail(EXIT_CODE_CLASS[code], text or f"trainer exited with code {code} ({ExitCode(code).name})")
     signalled = code is not None and code > 128
     if pod_reason == "Evicted":
@@ -244,7 +251,7 @@ def _classify_ended(
     if node_gone and (code is None or signalled):
         return fail(FailureClass.NODE_LOST, f"node {node_name} is gone or NotReady")
     for pattern, cls in MESSAGE_SIGNATURES:
-        if pattern.search(text):
+        if pattern.search(said.text):
             return fail(cls, text)
     if code is not None and code > 128:
         return fail(FailureClass.UNKNOWN, text or f"trainer killed by {_signal_name(code)}")
@@ -253,7 +260,7 @@ def _classify_ended(
 
 
 def _failed(cls: FailureClass, code: int | None, message: str, node: str | None) -> Classification:
-    return Classification(Outcome.FAILED, cls, code, _one_line(message), node)
+    return Classification(Outcome.FAILED, cls, code, _trim(message), node)
 
 
 def _waiting_failure(status: Obj, node_name: str | None) -> Classification | None:
@@ -309,10 +316,9 @@ def _signal_name(code: int) -> str:
         return f"exit code {code}"
 
 
-def _one_line(text: str) -> str:
-    """The last non-empty line (where a traceback puts the error), trimmed for status and events."""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    line = lines[-1] if lines else ""
+def _trim(text: str) -> str:
+    """One line, short enough for status and events."""
+    line = " ".join(text.split())
     return line if len(line) <= MESSAGE_MAX_CHARS else line[: MESSAGE_MAX_CHARS - 1] + "…"
 
 

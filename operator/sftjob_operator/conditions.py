@@ -49,6 +49,7 @@ class Reason(StrEnum):
     FINISHED = "Finished"
     CHILD_REJECTED = "ChildRejected"  # the API server refused a pod or other child as invalid
     FAILED_CREATE = "FailedCreate"  # the API server refused a child for now (quota, Pod Security): retried
+    STATUS_REPAIRED = "StatusRepaired"  # parts of the status this operator cannot read were left out
 
 
 def set_condition(

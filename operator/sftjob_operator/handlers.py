@@ -17,7 +17,10 @@ How the kopf handler kinds map onto a level-based operator:
 
 Each pass calls :func:`sftjob_operator.reconcile.reconcile` with a snapshot and applies its actions.
 Children created by this process are remembered (:mod:`~sftjob_operator.expectations`) so a pass that
-runs before the watch shows them does not send them again.
+runs before the watch shows them does not send them again. The metrics and events of a status
+transition are given right after the status write, before any child is created: a create that fails
+afterwards (a quota, a 5xx) makes the pass retry the create, but the next pass sees no transition left
+to count or post.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -34,6 +37,7 @@ import kopf
 
 from sftjob import constants as c
 from sftjob.config import JobRef
+from sftjob.job_status import SFTJobStatus
 from sftjob_operator import builders, metrics
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
@@ -41,6 +45,7 @@ from sftjob_operator.kube import Conflict, Forbidden, Kube, Rejected
 from sftjob_operator.observe import JobView, trim_node, trim_pod
 from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
 from sftjob_operator.status import failed_create, parse_status, reject
+from sftjob_operator.status_draft import Event
 from sftjob_operator.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -232,11 +237,8 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     )  # fmt: skip
     if job.deleting:
         return Runtime.resync_seconds  # being deleted (another finalizer holds it): create nothing more
-    await _apply(job, observed.status, actions)
-    metrics.observe_pass(
-        old=parse_status(observed.status), new=actions.status, created=_created(job, now), now=now
-    )
-    metrics.track_job(job.namespace, job.name, actions.status)
+    written = await _apply(job, observed.status, actions, now=now)
+    metrics.track_job(job.namespace, job.name, written)
     metrics.RECONCILES.labels(result="success").inc()
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     if actions.status_changed:  # decide again only from a version that shows this write
@@ -245,13 +247,16 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     return min(due, Runtime.resync_seconds)
 
 
-async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions) -> None:
+async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions, *, now: datetime) -> SFTJobStatus:
+    """Write the status, say what changed, create the children, delete pods (and the job); returns the
+    status the job has now."""
     namespace, name, uid = job.namespace, job.name, job.uid
     key = (namespace, name)
     kube, expected, attempt = Runtime.kube, Runtime.expectations, actions.status.attempt
     version = job.resource_version
     if actions.status_changed:
         version = await kube.run(kube.write_status, namespace, name, version, old, actions.status)
+    await _announce(job, parse_status(old), actions.status, actions.events, now=now)
     children = [m for m in actions.children if not expected.pending(key, uid, attempt, m)]
     # What the pods refer to (ServiceAccount, Role, RoleBinding, ConfigMap, claim, Service) is created
     # together, then the pods: admission needs their ServiceAccount to exist.
@@ -266,8 +271,9 @@ async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions) -> None
         if isinstance(error, Rejected):
             failed = reject(actions.status, str(error), generation=job.generation, now=_now())
             await kube.run(kube.write_status, namespace, name, version, actions.status.to_patch(), failed)
-            await _post(job, "Warning", Reason.CHILD_REJECTED, str(error))
-            return
+            rejected = Event("Warning", Reason.CHILD_REJECTED, str(error))
+            await _announce(job, actions.status, failed, [rejected], now=now)
+            return failed
         if isinstance(error, Forbidden):
             refused = failed_create(actions.status, str(error), generation=job.generation, now=_now())
             if refused != actions.status:  # said once per new refusal, not on every retry
@@ -278,10 +284,18 @@ async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions) -> None
             raise error
     for pod in actions.delete_pods:
         await kube.run(kube.delete_pod, namespace, pod)
-    for event in actions.events:
-        await _post(job, event.type, event.reason, event.message)
     if actions.delete_job:
         await kube.run(kube.delete_job, namespace, name)
+    return actions.status
+
+
+async def _announce(
+    job: JobView, old: SFTJobStatus, new: SFTJobStatus, events: Sequence[Event], *, now: datetime
+) -> None:
+    """The metrics and events of the transition from ``old`` to ``new``, once ``new`` is written."""
+    metrics.observe_pass(old=old, new=new, created=_created(job, now), now=now)
+    for event in events:
+        await _post(job, event.type, event.reason, event.message)
 
 
 async def _post(job: JobView, type: str, reason: str, message: str) -> None:

@@ -13,6 +13,7 @@ from importlib.metadata import version
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from sftjob.failures import FailureClass
 from sftjob.job_status import SFTJobStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -67,9 +68,17 @@ _job_counts: Tally[tuple[str, str]] = Tally()
 
 def serve(port: int) -> None:
     BUILD_INFO.labels(version=version("sftjob")).set(1)
-    for result in FINISHED_PHASES:  # present from the start, so increase() sees the first job end
-        JOBS_FINISHED.labels(result=result)
+    create_series()
     start_http_server(port)
+
+
+def create_series() -> None:
+    """Create every labelled counter's series at 0, so that increase() sees the first job end and the
+    first restart of each class: a series that appears already at 1 has no increase to show."""
+    for result in FINISHED_PHASES:
+        JOBS_FINISHED.labels(result=result)
+    for failure_class in FailureClass:
+        RESTARTS.labels(failure_class=str(failure_class))
 
 
 def observe_pass(*, old: SFTJobStatus, new: SFTJobStatus, created: datetime, now: datetime) -> None:

@@ -3,7 +3,10 @@
 ``reconcile`` is pure. It reads the desired state (the spec), the observed state (the job's status,
 its pods and their nodes from the operator's indexes) and the time, and returns the new status plus
 the children to create and the pods to delete. It never looks at events or remembers anything, so a
-pass after an operator crash decides what the lost pass would have. The steps, in order:
+pass after an operator crash decides what the lost pass would have. A status it cannot fully read
+(another operator version's, or edited by hand) is read as far as it can be (``status.read_status``)
+and attempt numbers never go backwards, so a damaged history never starts a second trainer beside the
+running one. The steps, in order:
 
 1. parse the spec (invalid: Failed/InvalidSpec), complete it with the operator's defaults (kept in
    ``status.effective``) and plan it for every candidate GPU (nothing fits: Failed/DoesNotFit);
@@ -18,8 +21,8 @@ pass after an operator crash decides what the lost pass would have. The steps, i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,7 +33,7 @@ from sftjob.failures import FailureClass
 from sftjob.job_status import SFTJobStatus
 from sftjob.spec import SFTJobSpec, valid_job_name
 from sftjob_operator import builders, observe, pods, restarts
-from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
+from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt, numbered
 from sftjob_operator.classify import (
     Classification,
     Outcome,
@@ -53,7 +56,7 @@ from sftjob_operator.planning import (
     planner_plan,
 )
 from sftjob_operator.scheduling import ProductMap, node_affinity
-from sftjob_operator.status import gpu_status, parse_status, validation_message
+from sftjob_operator.status import gpu_status, node_of_rank, read_status, validation_message
 from sftjob_operator.status_draft import Event, StatusDraft
 
 Obj = Mapping[str, Any]
@@ -123,8 +126,11 @@ class _Pass(StatusDraft):
     """One reconcile pass: accumulates the new status (:class:`StatusDraft`) and actions; no I/O."""
 
     def __init__(self, obs: Observed, ctx: Context) -> None:
-        super().__init__(parse_status(obs.status), generation=obs.generation, now=obs.now)
+        old, self.repairs = read_status(obs.status)
+        super().__init__(old, generation=obs.generation, now=obs.now)
         self.obs, self.ctx = obs, ctx
+        if self.repairs:  # said once: the repaired status is written back (``actions``)
+            self.events.append(Event("Warning", Reason.STATUS_REPAIRED, "; ".join(self.repairs)))
         self.children: list[Manifest] = []
         self.deletes: list[str] = []
         self.delete_job = False
@@ -180,15 +186,20 @@ class _Pass(StatusDraft):
         return self.under_way(spec, plans, record)
 
     def next_attempt(self, spec: SFTJobSpec, plans: CandidatePlans) -> None:
+        # The ended attempt's pods may still be saving a checkpoint (SIGTERM after a suspend): the
+        # next attempt records the newest one it knows as where it resumes from.
+        self.fold_reports(self.current)
         decision = self.ctx.attempt_policy(
             spec, self.status.attempts, plans, nodes=self.obs.nodes, now=self.now
         )
         if isinstance(decision, GiveUp):
             return self.fail(decision.reason, decision.message)
+        decision = numbered(decision, self.status.attempts, current=self.attempt)
         if decision.not_before is not None and decision.not_before > self.now:
-            wait = (decision.not_before - self.now).total_seconds()
-            self.requeue.append(wait)
-            message = f"attempt {decision.attempt} starts in {wait:.0f} s. {decision.message}".strip()
+            self.requeue.append((decision.not_before - self.now).total_seconds())
+            # The start time, not a countdown: the condition stays the same from pass to pass.
+            at = decision.not_before.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            message = f"attempt {decision.attempt} starts at {at}. {decision.message}".strip()
             self.cond(T.RUNNING, False, Reason.RESTARTING, message)
             self.cond(T.SCHEDULED, False, Reason.RESTARTING, "no pods between attempts")
             self.set_phase("Restarting", Reason.RESTARTING, message)
@@ -207,7 +218,12 @@ class _Pass(StatusDraft):
             plan=decision.plans.first.summary(),
             ladder_step=decision.ladder_step,
         )
-        restarted = bool(self.status.attempts) and self.status.attempts[-1].failed
+        # A restart, unless it takes over the attempt ``status.attempt`` already counted (``numbered``).
+        restarted = (
+            decision.attempt > self.old.attempt
+            and bool(self.status.attempts)
+            and self.status.attempts[-1].failed
+        )
         self.update(
             attempt=decision.attempt,
             attempts=[*self.status.attempts, record],
@@ -229,6 +245,7 @@ class _Pass(StatusDraft):
         rendering = self.ctx.attempt_policy(spec, history, plans, nodes=self.obs.nodes, now=self.now)
         if isinstance(rendering, GiveUp):  # the policy changed its mind about a running attempt
             return self.fail(rendering.reason, rendering.message)
+        rendering = replace(rendering, attempt=record.attempt)  # its pods' names, whatever history was lost
         by_rank = {observe.rank_of(p): p for p in self.current}
         missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
         # A pod whose create the API server refused (FailedCreate) was never there: retry, never judge it.
@@ -241,7 +258,7 @@ class _Pass(StatusDraft):
             if self.check:  # the index may be behind: decide once the API server has been asked
                 return None
         verdicts = [
-            self.classify(spec, by_rank.get(r), record)
+            self.classify(spec, by_rank.get(r), r)
             for r in range(spec.gpu.nodes)
             if r in by_rank or grace_over
         ]
@@ -256,14 +273,14 @@ class _Pass(StatusDraft):
             self.requeue.append((POD_INDEX_SETTLE - age).total_seconds())
         self.observe_running(spec, rendering.plans, record)
 
-    def classify(self, spec: SFTJobSpec, pod: Obj | None, record: AttemptRecord) -> Classification:
-        """One pod's verdict; a pod that is gone is judged by the node it was last seen on."""
-        node_name = observe.node_of(pod) if pod is not None else record.node
+    def classify(self, spec: SFTJobSpec, pod: Obj | None, rank: int) -> Classification:
+        """One pod's verdict; a pod that is gone is judged by the node its rank was last seen on."""
+        node_name = observe.node_of(pod) if pod is not None else node_of_rank(self.old.gpu, spec, rank)
         return classify_pod(
             pod,
             self.obs.nodes.get(node_name) if node_name else None,
             now=self.now,
-            node_name=None if pod is not None else record.node,
+            node_name=node_name if pod is None else None,
             last_progress=self.status.progress.updated if self.status.progress else None,
             stall_timeout_seconds=spec.restart_policy.stall_timeout_seconds,
         )
@@ -327,9 +344,10 @@ class _Pass(StatusDraft):
 
     def suspend(self, spec: SFTJobSpec) -> None:
         self.deletes += [observe.name(p) for p in self.current]
+        # Until they are gone, the suspended attempt's pods report the checkpoint saved on SIGTERM.
+        self.fold_reports(self.current)
         record = self.record()
         if record is not None and not record.ended:
-            self.fold_reports(self.current)
             self.replace_record(record.model_copy(update={"end_time": self.now, "message": "suspended"}))
         self.cond(T.SUSPENDED, True, Reason.SUSPENDED, "spec.suspend is true: pods deleted, checkpoints kept")
         self.cond(T.RUNNING, False, Reason.SUSPENDED, "suspended")
@@ -421,7 +439,7 @@ class _Pass(StatusDraft):
         deleting = {observe.name(p) for p in self.obs.pods if p["metadata"].get("deletionTimestamp")}
         return Actions(
             status=self.status,
-            status_changed=self.status != self.old,
+            status_changed=self.status != self.old or bool(self.repairs),
             children=self.children,
             delete_pods=sorted(set(self.deletes) - deleting),
             delete_job=self.delete_job,

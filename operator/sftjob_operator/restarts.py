@@ -163,7 +163,7 @@ def attempt_settings(
 
     avoid = avoided_nodes(ended)
     if avoid:
-        changes.append(f"avoiding node(s) {', '.join(avoid)}")
+        changes.append(f"avoiding node(s) {', '.join(avoid)} while others fit")
     result = CandidatePlans(adjusted, plans.profile_by_product)
     return NextAttempt(
         attempt=max((r.attempt for r in history), default=0) + 1,
@@ -197,7 +197,9 @@ def _gpu_adjusted(
 
 
 def avoided_nodes(ended: Sequence[AttemptRecord]) -> tuple[str, ...]:
-    """Nodes that lost a job, failed its GPUs, or broke its communication more than once."""
+    """Nodes that lost a job, failed its GPUs, or broke its communication more than once: the next
+    attempts prefer any other node (``scheduling.node_affinity``) but may still use these when nothing
+    else fits, so one lost node on a small pool never holds a job Pending forever."""
     comm = Counter(r.node for r in ended if r.reason is FailureClass.COMMUNICATION_ERROR and r.node)
     bad = {r.node for r in ended if r.reason in NODE_FAULT and r.node}
     bad |= {node for node, n in comm.items() if n >= COMMUNICATION_ERRORS_TO_AVOID_NODE}

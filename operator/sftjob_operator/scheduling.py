@@ -4,6 +4,10 @@ Nodes are matched on the ``nvidia.com/gpu.product`` label GPU Feature Discovery 
 becomes a required affinity on that type's products; ``Any`` or an ordered list becomes a required
 affinity on every candidate's products plus preferred terms weighted in the user's order, so the
 scheduler picks the first preference with free GPUs and still lands the job elsewhere when it has none.
+Nodes that failed the job before are a preferred term too, weighted above any GPU-type preference: a
+retry lands elsewhere whenever another node fits, yet a job on a small pool is not held Pending forever
+by a node that was lost once and came back (what keeps pods off a node that is still broken is the
+cluster's own state: its NotReady taint, a cordon, the device plugin withdrawing unhealthy GPUs).
 The mapping is operator configuration (``--gpu-products``); the default comes from ``sftjob.gpus``.
 """
 
@@ -18,6 +22,9 @@ from sftjob.gpus import GPU_TYPES, GpuProfile, products_for_type, profile_for_pr
 
 ProductMap = Mapping[str, Sequence[str]]  # GPU type ("A800") -> GFD product labels
 HOSTNAME_FIELD = "metadata.name"
+# The weight of "not a node that failed the job before": at least the top GPU-type preference (100), so
+# a healthy node of any candidate type outscores a failed node of the most preferred one (100 + 25 > 100).
+AVOID_WEIGHT = 100
 
 
 def default_products() -> dict[str, list[str]]:
@@ -69,8 +76,9 @@ def node_affinity(
     """The pod's ``affinity.nodeAffinity`` for GPU types in preference order.
 
     ``allowed_products`` narrows the candidates (products whose plan does not fit are left out);
-    ``avoid_nodes`` keeps the pods off nodes that failed the job before; ``min_driver_major`` keeps
-    them off nodes whose NVIDIA driver (GPU Feature Discovery's label) is too old for the image.
+    ``avoid_nodes`` (nodes that failed the job before) are used only when no other node fits;
+    ``min_driver_major`` keeps the pods off nodes whose NVIDIA driver (GPU Feature Discovery's label)
+    is too old for the image.
     """
     by_type = [
         [p for p in products[t] if allowed_products is None or p in allowed_products] for t in preferences
@@ -80,8 +88,6 @@ def node_affinity(
     if min_driver_major:
         driver = {"key": c.GFD_DRIVER_MAJOR, "operator": "Gt", "values": [str(min_driver_major - 1)]}
         term["matchExpressions"].append(driver)
-    if avoid_nodes:
-        term["matchFields"] = [{"key": HOSTNAME_FIELD, "operator": "NotIn", "values": list(avoid_nodes)}]
     affinity: dict[str, Any] = {
         "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
     }
@@ -93,7 +99,12 @@ def node_affinity(
         for rank, labels in enumerate(by_type)
         if labels
     ]
-    if len(preferred) > 1:
+    if len(preferred) == 1:  # a single type: every allowed node matches it, the term ranks nothing
+        preferred = []
+    if avoid_nodes:
+        not_failed = {"key": HOSTNAME_FIELD, "operator": "NotIn", "values": list(avoid_nodes)}
+        preferred.append({"weight": AVOID_WEIGHT, "preference": {"matchFields": [not_failed]}})
+    if preferred:
         affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
     return affinity
 

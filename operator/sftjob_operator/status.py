@@ -1,14 +1,17 @@
 """Pieces of an SFTJob's status computed from what the operator observes: pure helpers the reconcile
-(and the handlers, for a child the API server rejects) build the status with."""
+(and the handlers, for a child the API server rejects) build the status with, and the lenient reading
+of a status written by another operator version or by hand."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
 
+from sftjob.failures import FailureClass
 from sftjob.job_status import GpuStatus, SFTJobStatus
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
@@ -19,13 +22,61 @@ from sftjob_operator.planning import CandidatePlans
 from sftjob_operator.scheduling import ProductMap, profile_of, type_of
 
 Obj = Mapping[str, Any]
+# Rounds of repairs before a status is given up as unreadable; each round removes what the previous
+# validation named, so one round is all a JSON status ever needs.
+REPAIR_ROUNDS = 3
 
 
 def parse_status(raw: Obj) -> SFTJobStatus:
-    try:
-        return SFTJobStatus.model_validate(raw or {})
-    except ValidationError:  # a status we cannot read is rebuilt from what we observe
-        return SFTJobStatus()
+    return read_status(raw)[0]
+
+
+def read_status(raw: Obj) -> tuple[SFTJobStatus, list[str]]:
+    """The status as far as this operator can read it, and what it had to repair (empty: nothing).
+
+    The status is the job's history (attempt numbers, restart budgets, checkpoints), so it is never
+    dropped whole for one bad part: an attempt whose ``reason`` is a failure class this operator does
+    not know (a downgrade past a newer class) reads as ``Unknown``; an unreadable attempt or condition
+    is left out; any other unreadable field takes its default.
+    """
+    data = copy.deepcopy(dict(raw or {}))
+    repairs: list[str] = []
+    for _ in range(REPAIR_ROUNDS):
+        try:
+            return SFTJobStatus.model_validate(data), repairs
+        except ValidationError as err:
+            repairs += _repair(data, err)
+    return SFTJobStatus(), [*repairs, "status unreadable: rebuilt from what the operator observes"]
+
+
+def _repair(data: dict[str, Any], err: ValidationError) -> list[str]:
+    """Fix ``data`` in place where ``err`` points; says what was done, field by field."""
+    unknown_reasons: dict[int, object] = {}
+    dropped_items: dict[tuple[str, int], str] = {}  # (field, index) -> why
+    dropped_fields: dict[str, str] = {}
+    for e in err.errors():
+        loc = e["loc"]
+        field, rest = (str(loc[0]), loc[1:]) if loc else ("status", ())
+        why = f"{'.'.join(str(x) for x in loc)}: {e['msg']}"
+        if field == "attempts" and len(rest) == 2 and rest[1] == "reason" and isinstance(rest[0], int):
+            unknown_reasons[rest[0]] = e["input"]
+        elif rest and isinstance(rest[0], int) and isinstance(data.get(field), list):
+            dropped_items.setdefault((field, rest[0]), why)
+        else:
+            dropped_fields.setdefault(field, why)
+    repairs: list[str] = []
+    for index, reason in sorted(unknown_reasons.items()):
+        if ("attempts", index) not in dropped_items:
+            data["attempts"][index]["reason"] = FailureClass.UNKNOWN.value
+            repairs.append(f"status.attempts[{index}].reason {reason!r} is unknown here: read as Unknown")
+    for (field, index), why in sorted(dropped_items.items()):
+        repairs.append(f"status.{field}[{index}] left out ({why})")
+    for field, index in sorted(dropped_items, reverse=True):  # from the end: the indexes stay valid
+        del data[field][index]
+    for field, why in sorted(dropped_fields.items()):
+        data.pop(field, None)
+        repairs.append(f"status.{field} reset ({why})")
+    return repairs
 
 
 def gpu_status(
@@ -49,6 +100,13 @@ def gpu_status(
         nodes=[n for n in bound if n],
     )
     return status, plans.for_product(landed) if landed else None
+
+
+def node_of_rank(gpu: GpuStatus, spec: SFTJobSpec, rank: int) -> str | None:
+    """The node the pod of ``rank`` was bound to when ``gpu`` was written. ``gpu.nodes`` lists the bound
+    pods' nodes in rank order, so it names each rank's node once every pod was bound; a pod that
+    vanished before that has no node to blame."""
+    return gpu.nodes[rank] if len(gpu.nodes) == spec.gpu.nodes else None
 
 
 def gpu_summary(spec: SFTJobSpec, gpu_type: str | None) -> str:

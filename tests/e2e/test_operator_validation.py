@@ -51,6 +51,16 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "LoRA rank zero": (spec_with(lora={"r": 0}), "spec.lora.r"),
     "LoRA dropout of one": (spec_with(lora={"dropout": 1.0}), "spec.lora.dropout"),
     "zero learning rate": (spec_with(training={"learningRate": 0}), "spec.training.learningRate"),
+    "learning rate above one": (spec_with(training={"learningRate": 2}), "spec.training.learningRate"),
+    "negative seed": (spec_with(training={"seed": -1}), "spec.training.seed"),
+    "packed rows longer than maxSeqLength": (
+        spec_with(training={"packingLength": 4096}),
+        "spec.training.packingLength",
+    ),
+    "bad-row fraction above one": (
+        spec_with(dataset__maxBadRowFraction=1.5),
+        "spec.dataset.maxBadRowFraction",
+    ),
     "unknown precision": (spec_with(training={"precision": "int4"}), "spec.training.precision"),
     "fp8 (no FP8 training yet)": (spec_with(training={"precision": "fp8"}), "spec.training.precision"),
     "checkpoints by steps and minutes": (
@@ -153,5 +163,7 @@ def test_the_wide_listing_shows_every_printer_column_with_the_reason(jobs: Jobs)
     jobs.apply(sftjob("listed", suspend=True))
     jobs.wait_phase("listed", "Suspended")
     header, row = jobs.kubectl("get", "sft", "listed", "-o", "wide").stdout.splitlines()
-    assert header.split() == ["NAME", "GPU", "PHASE", "PROGRESS", "LOSS", "RESTARTS", "AGE", "PLAN", "REASON"]
+    assert header.split() == [
+        *("NAME", "GPU", "PHASE", "PROGRESS", "LOSS", "TOK/S", "RESTARTS", "AGE", "PLAN", "REASON")
+    ]
     assert row.split()[-1] == "SuspendedBySpec"

@@ -191,3 +191,16 @@ def test_the_trainer_trains_packed_gemma2_rows_with_eager_attention(
         assert run(str(config)) == ExitCode.OK
     assert "soft-caps its attention logits" in caplog.text and "using eager attention" in caplog.text
     assert f"attention {attention.VARLEN}" not in caplog.text
+
+
+def test_gemma3_keeps_its_sliding_window_in_the_text_config_and_long_packed_examples_load_eager(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoConfig, Gemma3Config
+
+    text = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": 8}
+    Gemma3Config(text_config=text).save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)  # what the trainer reads: the multimodal config
+    assert getattr(config, "sliding_window", None) is None
+    assert resolve_attention("sdpa", CPU, True, config, 20) == "eager"
+    assert resolve_attention("sdpa", CPU, True, config, 8) == attention.VARLEN

@@ -169,7 +169,9 @@ def test_sigterm_to_torchrun_stops_both_ranks_after_the_same_step_with_one_check
     (step, path), *others = checkpoint_dirs(_checkpoint_root(config))
     assert not others and step == max(train_log(config))
     assert problem(path) is None and (path / rng_file(RANKS - 1)).is_file()
-    assert termination_log.read_text().startswith(f"preempted (SIGTERM): checkpoint saved at step {step}")
+    assert termination_log.read_text().startswith(
+        f"[exit {ExitCode.PREEMPTED:d}] preempted (SIGTERM): checkpoint saved at step {step}"
+    )
 
 
 # The trainer with a CUDA out-of-memory error on the last rank in its third step.
@@ -199,7 +201,9 @@ def test_the_termination_message_names_the_rank_that_ran_out_of_memory_not_its_p
     log = (config.parent / "trainer.log").read_text(errors="replace")
     assert f"exiting with CUDA_OOM ({ExitCode.CUDA_OOM:d})" in log
     assert f"exiting with COMMUNICATION_ERROR ({ExitCode.COMMUNICATION_ERROR:d})" in log  # rank 0
-    assert termination_log.read_text().startswith("CUDA out of memory"), termination_log.read_text()
+    assert termination_log.read_text().startswith(f"[exit {ExitCode.CUDA_OOM:d}] CUDA out of memory"), (
+        termination_log.read_text()
+    )
 
 
 # The trainer, with each rank appending a line to pretrained-loads-rank<N> whenever it loads the whole model.

@@ -199,9 +199,12 @@ def test_a_hub_outage_ends_the_attempt_with_network_error_which_the_operator_ret
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _raising(hub_unavailable()))
     assert run(str(trainer_config())) == ExitCode.NETWORK_ERROR
     message = termination_log.read_text().strip()
-    assert message.startswith("hub or network unavailable while loading the model from") and "503" in message
+    assert (
+        message.startswith("[exit 18] hub or network unavailable while loading the model from")
+        and "503" in message
+    )
 
-    # The operator's view: the exit code, or the message alone when torchrun exits 1 for the pod.
+    # The operator's view: the exit code, or the code its message is tagged with when torchrun exits 1.
     assert EXIT_CODE_CLASS[ExitCode.NETWORK_ERROR] is FailureClass.NETWORK_ERROR
     assert FailureClass.NETWORK_ERROR not in PERMANENT
     assert _operator_class(ExitCode.UNKNOWN, message) is FailureClass.NETWORK_ERROR

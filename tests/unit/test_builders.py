@@ -204,3 +204,9 @@ def test_an_event_names_the_job_and_cuts_long_messages() -> None:
     assert event["metadata"] == {"generateName": "tune.", "namespace": "team"}
     assert len(event["message"]) == builders.EVENT_MESSAGE_MAX
     assert event["reportingComponent"] == event["source"]["component"] == "sftjob-operator"
+
+
+def test_the_trainer_gets_the_jobs_bad_row_tolerance() -> None:
+    s = spec(dataset={"name": "org/chats", "maxBadRowFraction": 0.2})
+    cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), fake_plan))
+    assert TrainerConfig.model_validate_json(cm["data"][c.CONFIG_FILE]).dataset.max_bad_row_fraction == 0.2

@@ -112,3 +112,13 @@ def test_dashboards_ship_as_configmaps_the_grafana_sidecar_loads() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+
+
+def test_the_operator_down_alert_comes_only_with_the_service_monitor_whose_scrapes_it_watches() -> None:
+    def alerts(*sets: str) -> set[str]:
+        rule = one(render("default", ("alerts.enabled=true", *sets)), "PrometheusRule")
+        return {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+
+    assert "SFTJobOperatorDown" not in alerts()  # no scrape would ever make its up{job=...} series
+    assert "SFTJobFailed" in alerts()
+    assert "SFTJobOperatorDown" in alerts("metrics.serviceMonitor.enabled=true")

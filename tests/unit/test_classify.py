@@ -161,13 +161,139 @@ def test_cuda_out_of_memory_outside_the_caching_allocator_is_cuda_oom_even_in_nc
     assert classify(pod("Failed", state=exited(1, message=message))).failure_class is FailureClass.CUDA_OOM
 
 
-def test_a_download_failure_behind_torchruns_exit_code_one_is_a_network_error() -> None:
+# The trainer's own messages for each documented failure, as ``write_termination_message`` writes them.
+TAGGED_MESSAGES = [
+    (
+        "[exit 10] invalid trainer configuration: 1 validation error for TrainerConfig",
+        FailureClass.CONFIG_ERROR,
+    ),
+    ("[exit 11] dataset /data/train.jsonl is empty", FailureClass.DATA_ERROR),
+    ("[exit 12] could not load model meta-llama/Llama-3.1-8B: gated repo", FailureClass.MODEL_LOAD_ERROR),
+    ("[exit 13] no NVIDIA GPU or driver is visible to the trainer", FailureClass.GPU_UNAVAILABLE),
+    ("[exit 14] NVIDIA driver 535 is older than the image's CUDA 13.2 needs", FailureClass.DRIVER_MISMATCH),
+    ("[exit 14] GPU is 'NVIDIA A40', the plan was made for A800", FailureClass.DRIVER_MISMATCH),
+    ("[exit 15] CUDA out of memory: Tried to allocate 2.00 GiB", FailureClass.CUDA_OOM),
+    (
+        "[exit 16] communication error between ranks: DistStoreError: timed out",
+        FailureClass.COMMUNICATION_ERROR,
+    ),
+    ("[exit 17] storage error: PermissionError: [Errno 13] Permission denied", FailureClass.STORAGE_ERROR),
+    (
+        "[exit 18] hub or network unavailable while loading the model from org/model: 503",
+        FailureClass.NETWORK_ERROR,
+    ),
+    ("[exit 20] preempted (SIGTERM): checkpoint saved at step 1200", FailureClass.PREEMPTED),
+]
+
+
+@pytest.mark.parametrize(("message", "expected"), TAGGED_MESSAGES)
+def test_behind_torchruns_exit_code_one_the_trainers_tagged_code_decides(
+    message: str, expected: FailureClass
+) -> None:
+    result = classify(pod("Failed", state=exited(1, message=message + "\n")))
+    assert result.failure_class is expected
+    tag, reason = message.split("] ", 1)
+    assert result.exit_code == int(tag.removeprefix("[exit "))
+    assert result.message == reason
+
+
+def test_a_preempted_trainer_killed_after_saving_is_still_preempted_with_its_own_code() -> None:
+    message = "[exit 20] preempted (SIGTERM): checkpoint saved at step 40"
+    result = classify(pod("Failed", state=exited(137, message=message), disruption="PreemptionByScheduler"))
+    assert (result.failure_class, result.exit_code) == (FailureClass.PREEMPTED, ExitCode.PREEMPTED)
+
+
+def test_an_unexpected_error_tagged_one_is_still_matched_against_the_signatures() -> None:
     message = (
-        "hub or network unavailable while loading the model from org/model: There was a specific connection"
-        " error when trying to load org/model: 503 Server Error (HfHubHTTPError: 503 Server Error)"
+        "[exit 1] unexpected error: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp, remote process exited"
     )
     result = classify(pod("Failed", state=exited(1, message=message)))
-    assert result.failure_class is FailureClass.NETWORK_ERROR
+    assert (result.failure_class, result.exit_code) == (FailureClass.COMMUNICATION_ERROR, 1)
+    assert result.message.startswith("unexpected error")
+
+
+def test_a_success_message_left_by_one_rank_does_not_make_a_failed_pod_succeed() -> None:
+    result = classify(pod("Failed", state=exited(1, message="completed 200 steps, final loss 1.2345")))
+    assert (result.outcome, result.failure_class) == (Outcome.FAILED, FailureClass.UNKNOWN)
+
+
+def torchrun_tail(last_words: str, rank: int, exitcode: int, detail: str) -> str:
+    """The end of a trainer pod's log when a rank dies without a termination message: its last words,
+    then torchrun's log, traceback and report (torch.distributed.elastic.multiprocessing.errors)."""
+    site = "/usr/local/lib/python3.12/site-packages/torch/distributed"
+    glog = "torch/distributed/elastic/multiprocessing/api.py"
+    signal_name = f"  ({detail.split('(')[1].split(')')[0]})" if exitcode < 0 else ""
+    rule, section = "=" * 60, "-" * 60
+    return "\n".join(
+        [
+            last_words,
+            f"W0501 12:00:00.100000 1 {glog}:1028] Sending process 41 closing signal SIGTERM",
+            f"E0501 12:00:00.200000 1 {glog}:1002] failed (exitcode: {exitcode}) local_rank: {rank} (pid: 42)"
+            " of binary: /usr/bin/python3",
+            "Traceback (most recent call last):",
+            f'  File "{site}/run.py", line 1138, in main',
+            "    run(args)",
+            f'  File "{site}/launcher/api.py", line 386, in launch_agent',
+            "    raise ChildFailedError(",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+            rule,
+            "sftjob_trainer.train FAILED",
+            section,
+            "Failures:",
+            "[1]:",
+            "  time      : 2026-05-01_12:00:00",
+            "  host      : llama-sft-1-0",
+            "  rank      : 0 (local_rank: 0)",
+            "  exitcode  : -15 (pid: 41)  (SIGTERM)",
+            "  error_file: <N/A>",
+            "  traceback : Signal 15 (SIGTERM) received by PID 41",
+            section,
+            "Root Cause (first observed failure):",
+            "[0]:",
+            "  time      : 2026-05-01_12:00:00",
+            "  host      : llama-sft-1-0",
+            f"  rank      : {rank} (local_rank: {rank})",
+            f"  exitcode  : {exitcode} (pid: 42){signal_name}",
+            "  error_file: <N/A>",
+            f"  traceback : {detail}",
+            rule,
+            "",
+        ]
+    )
+
+
+def test_a_log_tail_is_matched_whole_and_summed_up_from_above_torchruns_report() -> None:
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 79.15 GiB"
+    tail = torchrun_tail(
+        oom, 1, 1, "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    )
+    result = classify(pod("Failed", state=exited(1, message=tail)))
+    assert (result.failure_class, result.exit_code) == (FailureClass.CUDA_OOM, 1)
+    assert result.message == f"rank 1 exited with code 1: {oom}"
+
+
+def test_an_nccl_watchdog_abort_is_a_communication_error_named_by_its_signal() -> None:
+    watchdog = (
+        "[rank3]:[E501 11:59:59.000000000 ProcessGroupNCCL.cpp:632] [Rank 3] Watchdog caught collective"
+        " operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE) ran for 600000 milliseconds"
+    )
+    tail = torchrun_tail(watchdog, 3, -6, "Signal 6 (SIGABRT) received by PID 42")
+    result = classify(pod("Failed", state=exited(1, message=tail)))
+    assert result.failure_class is FailureClass.COMMUNICATION_ERROR
+    assert result.message.startswith("rank 3 killed by SIGABRT: [rank3]:[E501")
+
+
+def test_a_tail_that_holds_only_torchruns_report_names_the_root_causes_rank_and_signal() -> None:
+    tail = torchrun_tail("", 1, -11, "Signal 11 (SIGSEGV) received by PID 42")
+    report = tail[tail.index("====") :]  # the kubelet keeps only the log's last 2048 bytes
+    result = classify(pod("Failed", state=exited(1, message=report)))
+    assert (result.failure_class, result.message) == (FailureClass.UNKNOWN, "rank 1 killed by SIGSEGV")
+
+
+def test_a_rank_that_exited_with_a_documented_code_but_wrote_no_message_is_classified_by_it() -> None:
+    tail = torchrun_tail("OSError: could not write /dev/termination-log", 0, 11, "<N/A>")
+    result = classify(pod("Failed", state=exited(1, message=tail)))
+    assert (result.failure_class, result.exit_code) == (FailureClass.DATA_ERROR, ExitCode.DATA_ERROR)
 
 
 def test_sigterm_with_a_scheduler_preemption_is_preempted() -> None:
@@ -211,17 +337,6 @@ def test_node_shutdown_is_preempted() -> None:
         )
     )
     assert result.failure_class is FailureClass.PREEMPTED
-
-
-def test_pod_active_deadline_is_deadline_exceeded() -> None:
-    result = classify(
-        pod(
-            "Failed",
-            reason="DeadlineExceeded",
-            message="Pod was active on the node longer than specified deadline",
-        )
-    )
-    assert result.failure_class is FailureClass.DEADLINE_EXCEEDED
 
 
 def test_gpu_admission_failure_is_gpu_unavailable() -> None:

@@ -24,6 +24,7 @@ JSON_KEYS = {
     "fits",
     "estimatedPeakGiB",
     "capacityGiB",
+    "cardGiB",
     "microBatchSize",
     "gradientAccumulationSteps",
     "globalBatchSize",
@@ -61,7 +62,7 @@ def test_plan_from_yaml_uses_the_jobs_gpu_type_and_overrides(tmp_path, capsys):
     assert set(plans[0]) >= JSON_KEYS
     assert plans[0]["globalBatchSize"] == 16
     assert plans[0]["method"] == "lora"
-    assert plans[0]["capacityGiB"] == pytest.approx(44.42)
+    assert plans[0]["cardGiB"] == pytest.approx(44.42)
 
 
 def test_gpu_flag_overrides_the_jobs_gpu_type(tmp_path, capsys):
@@ -108,10 +109,17 @@ def test_exit_0_when_at_least_one_gpu_type_fits(capsys):
     assert code == 0
 
 
-def test_unknown_model_without_size_is_a_clear_input_error(capsys):
+def test_unknown_model_without_size_is_a_clear_input_error_naming_the_flag(capsys):
     code, _, err = run(capsys, "plan", "--model", "acme/mystery")
     assert code == 2
-    assert "spec.model.parameters" in err
+    assert "set --parameters" in err and "spec.model.parameters" not in err
+
+
+def test_unknown_model_in_a_file_names_the_spec_field(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("meta-llama/Llama-3.1-8B-Instruct", "acme/mystery"))
+    code, _, err = run(capsys, "plan", "-f", str(job))
+    assert code == 2 and "spec.model.parameters" in err
 
 
 def test_unknown_model_with_parameters_is_planned(capsys):
@@ -184,3 +192,80 @@ def test_a_checkpoint_claim_too_small_for_the_run_exits_1_with_the_size_to_ask_f
     code, out, err = run(capsys, "plan", "-f", str(job))
     assert code == 1 and "checkpoint GiB (one)" in out
     assert "spec.checkpoints.size 100Gi cannot hold the run" in err and "Gi or more" in err
+
+
+def test_capacity_is_the_usable_budget_as_in_the_status_and_card_is_the_cards_memory(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "A800", "-o", "json")
+    (a800,) = json.loads(out)
+    assert code == 0 and a800["cardGiB"] == pytest.approx(79.15)
+    assert a800["capacityGiB"] == pytest.approx(round(79.15 * 0.9, 2))
+    assert a800["estimatedPeakGiB"] <= a800["capacityGiB"]
+
+
+def test_flags_override_the_fields_of_the_file(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    flags = ("--gpus", "2", "--method", "full", "--seq", "512", "--global-batch", "8")
+    code, out, _ = run(capsys, "plan", "-f", str(job), *flags, "-o", "json")
+    (l40s,) = json.loads(out)
+    assert code in (0, 1) and l40s["gpu"] == "L40S"
+    assert (l40s["method"], l40s["worldSize"], l40s["globalBatchSize"]) == ("full", 2, 8)
+    assert l40s["packingLength"] <= 512
+
+
+def test_a_model_flag_replaces_the_files_model(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        JOB.replace(
+            "model: {name: meta-llama/Llama-3.1-8B-Instruct}",
+            "model: {name: acme/x, parameters: 70000000000}",
+        )
+    )
+    code, out, _ = run(capsys, "plan", "-f", str(job), "--model", "TinyLlama/TinyLlama-1.1B")
+    assert code == 0 and out.startswith("TinyLlama/TinyLlama-1.1B (TinyLlama 1.1B")
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (
+            ("--method", "qlora", "--gpus", "2"),
+            "--method qlora runs on exactly one GPU: set --gpus 1 and --nodes 1",
+        ),
+        (("--method", "qlora", "--nodes", "2"), "--method qlora runs on exactly one GPU"),
+        (("--gpus", "0"), "--gpus: "),
+        (("--gpus", "9"), "--gpus: "),
+        (("--nodes", "0"), "--nodes: "),
+        (("--seq", "5"), "--seq: "),
+        (("--global-batch", "0"), "--global-batch: "),
+        (("--parameters", "5"), "--parameters: "),
+    ],
+)
+def test_flags_get_the_specs_checks_and_errors_name_the_flag(capsys, flags, named):
+    code, _, err = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", *flags)
+    assert code == 2 and named in err
+    assert "spec." not in err and "gpus_per_node" not in err and "max_seq_length" not in err
+
+
+def test_a_flag_that_breaks_the_file_is_named_beside_the_files_field(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("learningRate: 0.0001", "learningRate: 0.0001, packingLength: 4096"))
+    code, _, err = run(capsys, "plan", "-f", str(job), "--seq", "1024")
+    assert code == 2 and "spec.training.packingLength 4096 exceeds --seq 1024" in err
+
+
+def test_any_is_every_gpu_type_in_the_order_any_prefers(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "Any", "-o", "json")
+    assert code == 0 and [p["gpu"] for p in json.loads(out)] == ["A800-SXM4-80GB", "L40S", "A40"]
+
+
+@pytest.mark.parametrize(
+    "training", ["{learningRate: 2}", "{seed: -1}", "{seed: 2147483648}", "{epochs: 1001}"]
+)
+def test_a_file_admission_would_refuse_for_a_bound_is_an_input_error(tmp_path, capsys, training):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        JOB.replace("training: {globalBatchSize: 16, learningRate: 0.0001}", f"training: {training}")
+    )
+    code, out, err = run(capsys, "plan", "-f", str(job))
+    assert code == 2 and out == "" and "spec.training." in err

@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import annotated_types
 import pytest
 import yaml
-from pydantic import BaseModel, StringConstraints
+from pydantic import BaseModel, StringConstraints, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -60,6 +61,24 @@ def _pattern(field: FieldInfo) -> str | None:
         if isinstance(meta, StringConstraints) and meta.pattern is not None:
             return str(meta.pattern)
     return None
+
+
+def _bounds(field: FieldInfo) -> Schema:
+    """A field's numeric bounds in the CRD's words (minimum, maximum, exclusiveMinimum/Maximum)."""
+    optional = [
+        a.__metadata__ for a in typing.get_args(field.annotation) if typing.get_origin(a) is Annotated
+    ]
+    out: Schema = {}
+    for meta in [*field.metadata, *(m for metadata in optional for m in metadata)]:
+        if isinstance(meta, annotated_types.Ge):
+            out["minimum"] = meta.ge
+        elif isinstance(meta, annotated_types.Gt):
+            out |= {"minimum": meta.gt, "exclusiveMinimum": True}
+        elif isinstance(meta, annotated_types.Le):
+            out["maximum"] = meta.le
+        elif isinstance(meta, annotated_types.Lt):
+            out |= {"maximum": meta.lt, "exclusiveMaximum": True}
+    return out
 
 
 def _is_model(annotation: Any) -> bool:
@@ -135,6 +154,59 @@ def test_the_crd_and_the_models_agree_on_string_patterns(schema: Schema) -> None
     assert compared >= 8
 
 
+def test_the_crd_and_the_models_agree_on_numeric_bounds(schema: Schema) -> None:
+    """Same minimum, maximum and exclusiveness, so `sftjob plan -f` refuses what admission refuses."""
+    compared = 0
+    for where, m, node in _pairs(SFTJobSpec, schema["properties"]["spec"], "spec"):
+        for name, field in m.model_fields.items():
+            prop = node.get("properties", {}).get(field.alias or name, {})
+            if prop.get("type") in ("integer", "number"):
+                keys = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+                crd = {k: prop[k] for k in keys if k in prop and prop[k] is not False}
+                assert _bounds(field) == crd, f"{where}.{name}"
+                compared += 1
+    spec = _walk(schema["properties"]["spec"], "spec")
+    assert compared == sum(1 for _, node in spec if node.get("type") in ("integer", "number"))
+
+
+def _numbers(node: Schema, path: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Schema]]:
+    if node.get("type") in ("integer", "number"):
+        yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from _numbers(child, (*path, name))
+
+
+ARCHITECTURE = {
+    "layers": 2,
+    "hiddenSize": 64,
+    "heads": 4,
+    "kvHeads": 2,
+    "intermediateSize": 128,
+    "vocabSize": 320,
+}
+
+
+def test_the_models_refuse_every_number_just_outside_the_crds_bounds(schema: Schema) -> None:
+    refused = 0
+    for path, node in _numbers(schema["properties"]["spec"], ()):
+        outside = [
+            node["minimum"] - (0 if node.get("exclusiveMinimum") else 1),
+            node["maximum"] + (0 if node.get("exclusiveMaximum") else 1),
+        ]
+        for value in outside:
+            doc: Schema = {"model": {"name": "meta-llama/Llama-3.1-8B"}, "dataset": {"name": "x"}}
+            if path[:2] == ("model", "architecture"):
+                doc["model"]["architecture"] = dict(ARCHITECTURE)
+            block = doc
+            for part in path[:-1]:
+                block = block.setdefault(part, {})
+            block[path[-1]] = value
+            with pytest.raises(ValidationError):
+                SFTJobSpec.model_validate(doc)
+            refused += 1
+    assert refused >= 60
+
+
 def test_label_keys_and_values_are_checked_with_the_models_patterns_and_words(schema: Schema) -> None:
     """The toleration and nodeSelector CEL rules hold the regexes and wording of sftjob.spec."""
     spec = schema["properties"]["spec"]["properties"]
@@ -170,13 +242,14 @@ def test_every_number_string_and_list_in_the_spec_is_bounded(schema: Schema) -> 
             assert "maxItems" in node, where
 
 
-def test_the_printer_columns_show_gpu_phase_progress_loss_restarts_and_age(
+def test_the_printer_columns_show_gpu_phase_progress_loss_throughput_restarts_and_age(
     schema: Schema, crd: Schema
 ) -> None:
     columns = {col["name"]: col for col in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
-    assert list(columns)[:6] == ["GPU", "Phase", "Progress", "Loss", "Restarts", "Age"]
+    default = [name for name, col in columns.items() if not col.get("priority")]
+    assert default == ["GPU", "Phase", "Progress", "Loss", "Tok/s", "Restarts", "Age"]
     status = schema["properties"]["status"]["properties"]
-    for name in ("GPU", "Phase", "Progress", "Loss", "Restarts"):
+    for name in ("GPU", "Phase", "Progress", "Loss", "Tok/s", "Restarts"):
         path = columns[name]["jsonPath"].removeprefix(".status.").split(".")
         node = {"properties": status}
         for part in path:

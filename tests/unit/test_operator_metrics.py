@@ -82,3 +82,13 @@ def test_the_jobs_gauge_counts_known_jobs_by_phase_and_gpu_type() -> None:
     metrics.track_job("ns", "b", None)
     assert sample("sftjob_jobs", phase="Running", gpu_type="A40") == 0
     assert sample("sftjob_jobs", phase="Succeeded", gpu_type="A40") == 0
+
+
+def test_restart_counters_exist_at_zero_for_every_failure_class_before_the_first_restart() -> None:
+    metrics.create_series()
+    for failure_class in FailureClass:
+        assert (
+            REGISTRY.get_sample_value("sftjob_restarts_total", {"failure_class": str(failure_class)})
+            is not None
+        )
+    assert REGISTRY.get_sample_value("sftjob_jobs_finished_total", {"result": "Succeeded"}) is not None

@@ -131,8 +131,8 @@ def test_the_restart_seam_starts_the_next_attempt_with_its_settings() -> None:
     ].reason == "CudaOOM"
     new_pod = next(m for m in actions.children if m["kind"] == "Pod")
     assert new_pod["metadata"]["name"] == "job-2-0"
-    term = new_pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["l40s-0"]
+    avoid = new_pod["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert avoid[-1]["preference"]["matchFields"][0]["values"] == ["l40s-0"]
     assert actions.delete_pods == ["job-1-0"]
 
 

@@ -27,6 +27,7 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
     s = spec()
     assert s.method == "lora" and s.gpu.type == "Any" and (s.gpu.count, s.gpu.nodes) == (1, 1)
     assert s.dataset.format == "auto" and s.dataset.max_seq_length == 2048
+    assert s.dataset.max_bad_row_fraction == 0.01
     assert s.checkpoints.size == "100Gi" and s.checkpoints.keep == 3 and not s.checkpoints.keep_on_delete
     assert s.restart_policy.on_oom == "Replan" and not s.suspend
     assert s.checkpoint_every_minutes == 30 and s.target_modules == "all-linear"
@@ -58,6 +59,8 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
         {"model": {"name": "a/b", "tokenSecretRef": {"name": "hf", "key": ".."}}},
         {"dataset": {"path": "d", "volume": {"hostPath": {"path": "/data/../etc"}}}},
         {"gpus": 2},
+        {"training": {"packingLength": 4096}},
+        {"dataset": {"name": "org/chats", "maxBadRowFraction": 1.5}},
     ],
 )
 def test_an_invalid_spec_is_rejected(changes: dict[str, Any]) -> None:
@@ -123,7 +126,8 @@ def test_the_status_round_trips_through_its_json_patch() -> None:
     status = SFTJobStatus.model_validate(raw)
     again = SFTJobStatus.model_validate(status.to_patch())
     assert again == status
-    assert status.to_patch()["conditions"][0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    conditions = status.to_patch()["conditions"]
+    assert isinstance(conditions, list) and conditions[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
 
 
 def test_a_backoff_above_its_cap_is_rejected_only_when_the_user_set_it() -> None:
@@ -200,3 +204,12 @@ def test_an_architecture_of_a_family_the_planner_knows_plans_with_liger_kernels(
 
 def test_every_family_of_the_built_in_table_is_one_a_spec_can_name() -> None:
     assert {arch.family for _, _, arch in KNOWN_ARCHITECTURES} == set(get_args(ModelFamily))
+
+
+def test_packed_rows_longer_than_the_sequence_length_are_refused_naming_both_fields() -> None:
+    with pytest.raises(
+        ValidationError, match=r"spec\.training\.packingLength 4096 exceeds spec\.dataset\.maxSeqLength 2048"
+    ):
+        spec(training={"packingLength": 4096})
+    fits = spec(dataset={"name": "org/chats", "maxSeqLength": 4096}, training={"packingLength": 4096})
+    assert to_plan_request(fits, 1, 1).packing_length == 4096

@@ -49,8 +49,10 @@ def sdpa_gap(model_config: Any, longest_example: int | None) -> str | None:
 
     Neither has logit soft-capping (transformers refuses SDPA for Gemma 2 for that reason). Only packed
     runs (``longest_example``: the longest example in a row; None without packing) use ``sftjob_varlen``,
-    which has no sliding window: exact while no example is longer than the window.
+    which has no sliding window: exact while no example is longer than the window. A multimodal model
+    (Gemma 3, loaded as ``Gemma3ForConditionalGeneration``) keeps these settings in its text config.
     """
+    model_config = model_config.get_text_config()
     softcap = getattr(model_config, "attn_logit_softcapping", None)
     if softcap is not None:
         return f"{model_config.model_type} soft-caps its attention logits (at {softcap})"

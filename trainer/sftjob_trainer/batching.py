@@ -7,13 +7,16 @@ example boundaries go to the model once as cumulative lengths (``cu_seq_lens``),
 to another and no mask is built; with eager attention transformers turns the restarting positions into a
 block-diagonal mask. Without packing a micro-batch is padded to its longest example. Which units an
 optimizer step uses is a pure function of (seed, epoch, step), so a resumed run only needs the step
-number to continue on exactly the same data.
+number to continue on exactly the same data. A resume with another layout (an OOM re-plan halved the
+rows, the batch or world size changed) takes a different number of steps per epoch: its :class:`Course`
+keeps the fraction of the run already done, so the run still covers its planned epochs.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -22,6 +25,10 @@ from torch.utils.data import Dataset
 
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.data import IGNORE_INDEX, Example
+
+log = logging.getLogger(__name__)
+
+UNUSED_UNITS_WARN_FRACTION = 0.1  # of the units an epoch leaves out (a remainder smaller than one step)
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,11 @@ class Layout:
 
 
 def make_units(examples: list[Example], packing_length: int | None) -> list[Unit]:
-    """Pack examples into rows (best-fit decreasing), or keep one example per unit."""
+    """Pack examples into rows (best-fit decreasing), or keep one example per unit.
+
+    Examples are never split: ``load_examples`` already cut them to the row length, and a longer one here
+    is a caller's error rather than an answer silently dropped.
+    """
     if packing_length is None:
         return [
             Unit(e.input_ids, e.labels, list(range(len(e.input_ids))), (len(e.input_ids),)) for e in examples
@@ -50,8 +61,9 @@ def make_units(examples: list[Example], packing_length: int | None) -> list[Unit
     bins: list[list[Example]] = []
     free: list[tuple[int, int]] = []  # sorted (free tokens, bin index)
     for example in sorted(examples, key=lambda e: len(e.input_ids), reverse=True):
-        size = min(len(example.input_ids), packing_length)
-        example = Example(example.input_ids[:size], example.labels[:size])
+        size = len(example.input_ids)
+        if size > packing_length:
+            raise ValueError(f"an example of {size} tokens does not fit a packed row of {packing_length}")
         slot = bisect.bisect_left(free, (size, -1))
         if slot < len(free):
             room, index = free.pop(slot)
@@ -76,13 +88,18 @@ def _pack(examples: list[Example]) -> Unit:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Which units each rank uses for each micro-batch of each optimizer step."""
+    """Which units each rank uses for each micro-batch of each optimizer step.
+
+    Step ``s`` takes the units at data position ``s + offset``: the offset is non-zero only after a resume
+    that changed the layout (see :class:`Course`).
+    """
 
     units: int
     micro_batch_size: int
     accumulation: int
     world_size: int
     seed: int
+    offset: int = 0
 
     @property
     def per_step(self) -> int:
@@ -93,6 +110,8 @@ class Schedule:
         return self.units // self.per_step
 
     def validate(self) -> None:
+        """Fail when the data cannot fill one step; say how many units every epoch leaves out (each epoch
+        drops the remainder of its shuffled order, a different random set every time)."""
         if self.steps_per_epoch == 0:
             raise TrainerError(
                 ExitCode.DATA_ERROR,
@@ -100,15 +119,24 @@ class Schedule:
                 f" optimizer step needs {self.per_step} (micro-batch x accumulation x GPUs):"
                 " add data or lower the batch",
             )
+        unused = self.units - self.steps_per_epoch * self.per_step
+        message = (
+            f"each epoch trains on {self.steps_per_epoch * self.per_step} of {self.units} units and leaves"
+            f" out {unused} ({unused / self.units:.1%}), fewer than the {self.per_step} of one step"
+        )
+        if unused / self.units > UNUSED_UNITS_WARN_FRACTION:
+            log.warning("%s: add data or lower the global batch", message)
+        else:
+            log.info(message)
 
     def total_steps(self, epochs: float, max_steps: int | None) -> int:
         return max_steps if max_steps is not None else max(1, math.ceil(epochs * self.steps_per_epoch))
 
     def epoch_of(self, step: int) -> float:
-        return step / self.steps_per_epoch
+        return (step + self.offset) / self.steps_per_epoch
 
     def micro_batches(self, step: int, rank: int) -> list[list[int]]:
-        epoch, offset = divmod(step, self.steps_per_epoch)
+        epoch, offset = divmod(step + self.offset, self.steps_per_epoch)
         order = torch.randperm(self.units, generator=torch.Generator().manual_seed(self.seed + epoch))
         base = offset * self.per_step
         mb = self.micro_batch_size
@@ -118,6 +146,53 @@ class Schedule:
             ].tolist()
             for m in range(self.accumulation)
         ]
+
+
+@dataclass(frozen=True)
+class Course:
+    """Where a run ends and how far along it is, kept through a resume that changed the data layout.
+
+    The learning-rate schedule is laid out over ``schedule_steps``, the steps the run was first planned
+    with. A fresh run ends there. A resume whose layout takes ``planned`` steps for a whole run where the
+    course expected another number (an OOM re-plan halved the rows: twice the steps per epoch) continues
+    from the same fraction of the run: from ``from_step``, at ``from_position`` in the schedule, it ends
+    at ``total`` after the share of ``planned`` steps still to do, follows the schedule at that pace
+    (:meth:`position`, so the learning rate continues smoothly) and reads the last steps of the new
+    layout's epochs (``offset``: the run's end meets the end of its planned data). A resume with an
+    unchanged layout keeps the course as it is.
+    """
+
+    schedule_steps: int
+    total: int
+    from_step: int = 0
+    from_position: float = 0.0
+    offset: int = 0
+
+    @classmethod
+    def fresh(cls, planned: int) -> Course:
+        return cls(planned, planned)
+
+    @property
+    def replanned(self) -> bool:
+        """Whether the run no longer follows its schedule step for step (a resume changed the layout)."""
+        return self != Course.fresh(self.schedule_steps)
+
+    def position(self, step: int) -> float:
+        """Where ``step`` is in the learning-rate schedule (in steps of the first plan)."""
+        pace = (self.schedule_steps - self.from_position) / max(1, self.total - self.from_step)
+        return self.from_position + (step - self.from_step) * pace
+
+    def resumed(self, step: int, planned: int) -> Course:
+        """The course of a run restarted at ``step`` with a layout that takes ``planned`` steps in all."""
+        if self._end(self.from_step, self.from_position, planned) == self.total:
+            return self
+        position = self.position(step)
+        total = self._end(step, position, planned)
+        return Course(self.schedule_steps, total, step, position, offset=planned - total)
+
+    def _end(self, step: int, position: float, planned: int) -> int:
+        left = max(0.0, (self.schedule_steps - position) * planned / self.schedule_steps)
+        return step + math.ceil(left)
 
 
 def collate(units: list[Unit], layout: Layout) -> dict[str, torch.Tensor]:

@@ -1,10 +1,14 @@
 """Checkpoints that are either complete or ignored, and resuming from the newest complete one.
 
-A checkpoint is written into ``.tmp-checkpoint-N``, fsynced, marked with the COMPLETE file and only
-then renamed to ``checkpoint-N``, so a kill at any moment leaves either the previous state or a whole
-new checkpoint. On start every ``checkpoint-N`` is checked newest first; one without its marker, with a
-file missing or shorter than its index says, or whose files do not load is skipped with a warning and
-the next older one is tried.
+A checkpoint is written into ``.tmp-checkpoint-N-attempt-A``, fsynced, marked with the COMPLETE file
+and only then renamed to ``checkpoint-N``, so a kill at any moment leaves either the previous state or
+a whole new checkpoint. On start every ``checkpoint-N`` is checked newest first; one without its
+marker, with a file missing or shorter than its index says, or whose files do not load is skipped with
+a warning and the next older one is tried.
+
+The folder belongs to one attempt at a time (the ``OWNER`` file, written as an attempt starts): a
+restart can begin while the previous attempt's pods still finish their SIGTERM save, or run on, on a
+node cut off from the cluster. Such a save goes to its own temporary folder and is never committed.
 
 The trainable weights (adapters, or the full model) and the optimizer state are saved with
 ``torch.distributed.checkpoint`` into ``tensors/``: every rank writes the shards it holds, in parallel,
@@ -42,7 +46,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX
+from sftjob.config import JobRef
+from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE, CHECKPOINT_PREFIX
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.distributed import DistContext
 
@@ -59,13 +64,15 @@ _TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 @dataclass
 class TrainState:
-    """Counters that survive a restart; ``fingerprint`` records what the data order depends on."""
+    """Counters that survive a restart; ``fingerprint`` records what the data order depends on, ``course``
+    where the run ends and how far along it is (``batching.Course``; empty in older checkpoints)."""
 
     step: int = 0
     tokens: int = 0
     samples: int = 0
     loss: float | None = None
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    course: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,13 +130,50 @@ def _tensors_problem(folder: Path) -> str | None:
     return None
 
 
+# --- ownership -----------------------------------------------------------------------------------
+
+
+def take_over(root: Path, job: JobRef, ctx: DistContext) -> None:
+    """Collective: make this attempt of ``job`` the owner of the checkpoint folder, before anything is
+    read from it. An attempt that finds a later attempt of the same job owning it was superseded and
+    stops; a job recreated under the same name (a new uid, resuming a kept folder) takes over."""
+    owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
+    if owner is not None and owner[0] == job.uid and owner[1] > job.attempt:
+        raise _superseded(root, job, owner, "as it starts")
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"{TMP_PREFIX}{CHECKPOINT_OWNER_FILE}-{job.attempt}"
+        _write_text(tmp, json.dumps({"job": job.uid, "attempt": job.attempt}) + "\n")
+        os.replace(tmp, root / CHECKPOINT_OWNER_FILE)
+        _fsync_dir(root)
+    ctx.barrier()
+
+
+def _owner(root: Path) -> tuple[str, int] | None:
+    try:
+        owner = json.loads((root / CHECKPOINT_OWNER_FILE).read_text())
+        return str(owner["job"]), int(owner["attempt"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _superseded(root: Path, job: JobRef, owner: tuple[str, int], when: str) -> TrainerError:
+    by = f"attempt {owner[1]}" if owner[0] == job.uid else f"job {owner[0] or '(local)'}"
+    return TrainerError(
+        ExitCode.PREEMPTED,
+        f"attempt {job.attempt} was superseded by {by}, which owns {root}: stopping {when}",
+    )
+
+
 # --- saving --------------------------------------------------------------------------------------
 
 
-def save(root: Path, state: TrainState, parts: Trainables, ctx: DistContext, keep: int) -> Path:
+def save(
+    root: Path, state: TrainState, parts: Trainables, ctx: DistContext, *, keep: int, job: JobRef
+) -> Path:
     """Collective: every rank calls it. Returns the final path of the new checkpoint."""
     name = f"{CHECKPOINT_PREFIX}{state.step}"
-    tmp, final = root / f"{TMP_PREFIX}{name}", root / name
+    tmp, final = root / f"{TMP_PREFIX}{name}-attempt-{job.attempt}", root / name
     try:
         if ctx.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -146,6 +190,11 @@ def save(root: Path, state: TrainState, parts: Trainables, ctx: DistContext, kee
                 _save_file(parts.scaler.state_dict(), tmp / SCALER_FILE)
             _write_text(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
         ctx.barrier()
+        owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
+        if owner is not None and owner != (job.uid, job.attempt):
+            if ctx.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _superseded(root, job, owner, f"without committing its checkpoint of step {state.step}")
         if ctx.is_main:
             _fsync_dir(tmp / TENSORS_DIR)
             _write_text(tmp / CHECKPOINT_COMPLETE_MARKER, f"step {state.step} saved {time.time():.0f}\n")

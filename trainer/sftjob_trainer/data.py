@@ -1,42 +1,42 @@
-"""Reading SFT rows (JSONL, Parquet, hub datasets) and turning them into token ids with loss masks.
+"""Turning SFT rows (read by ``sources.py``) into token ids with loss masks, and counting what is lost.
 
 Three row formats: ``messages`` (a chat rendered with the tokenizer's chat template), ``alpaca``
 (instruction / input / output, rendered as a one-turn chat) and ``text`` (plain language modelling).
 For chats the loss covers only the assistant turns. A malformed row is counted and skipped with a log
 line; more than ``dataset.max_bad_row_fraction`` of them, or no usable row at all, fails with DataError.
+Examples are cut to the longest sequence training takes (``dataset.max_seq_length``, or the packed-row
+length when shorter); one left without any target token is dropped, and past the fractions below the run
+warns, then fails with DataError, rather than train on what is left.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from sftjob.config import DatasetSource
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer.failures import load_failure
+from sftjob_trainer.sources import BadRow, read_rows
 
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 ROLES = frozenset({"system", "user", "assistant"})
 _SHOWN_BAD_ROWS = 10
 _DETECT_ROWS = 20
+# Examples cut to the sequence length: past the first fraction a warning, past the second (of examples
+# left without any target token) DataError. Documented in docs/trainer.md.
+CUT_WARN_FRACTION = 0.01
+WITHOUT_TARGET_FAIL_FRACTION = 0.5
 
 # Used when the tokenizer has no chat template of its own (documented in docs/trainer.md).
 FALLBACK_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-
-
-class BadRow(ValueError):
-    """A row that cannot be used; the message says why, in words a user can act on."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,13 @@ class DataStats:
             self.bad_examples.append(f"{where}: {reason}")
 
 
-def load_examples(source: DatasetSource, tokenizer: Any) -> tuple[list[Example], DataStats, str]:
-    """Read, validate and tokenize the whole dataset; returns examples, counts and the format used."""
+def load_examples(
+    source: DatasetSource, tokenizer: Any, row_length: int | None = None
+) -> tuple[list[Example], DataStats, str]:
+    """Read, validate and tokenize the whole dataset; returns examples, counts and the format used.
+
+    Examples are cut to ``dataset.max_seq_length`` or, when packing into shorter rows, to ``row_length``.
+    """
     rows = read_rows(source)
     head: list[tuple[str, Any]] = []
     for item in rows:
@@ -74,18 +79,19 @@ def load_examples(source: DatasetSource, tokenizer: Any) -> tuple[list[Example],
         raise TrainerError(ExitCode.DATA_ERROR, f"dataset {_where(source)} is empty")
     fmt = source.format if source.format != "auto" else detect_format([r for _, r in head])
     ensure_chat_template(tokenizer)
+    limit = min(source.max_seq_length, row_length or source.max_seq_length)
     stats = DataStats()
     examples: list[Example] = []
     for where, row in _chain(head, rows):
         stats.rows += 1
         try:
-            example = tokenize_row(row, fmt, tokenizer, source.max_seq_length, stats)
+            example = tokenize_row(row, fmt, tokenizer, limit, stats)
         except BadRow as exc:
             stats.bad(where, str(exc))
             continue
         if example is not None:
             examples.append(example)
-    _check_quality(source, stats, len(examples))
+    _check_quality(source, stats, limit, len(examples))
     log.info(
         "data: %d rows (%s format), %d malformed skipped, %d truncated to %d tokens, %d without a target"
         " after truncation, %d examples",
@@ -93,14 +99,14 @@ def load_examples(source: DatasetSource, tokenizer: Any) -> tuple[list[Example],
         fmt,
         stats.bad_rows,
         stats.truncated,
-        source.max_seq_length,
+        limit,
         stats.without_target,
         len(examples),
     )
     return examples, stats, fmt
 
 
-def _check_quality(source: DatasetSource, stats: DataStats, usable: int) -> None:
+def _check_quality(source: DatasetSource, stats: DataStats, limit: int, usable: int) -> None:
     fraction = stats.bad_rows / stats.rows
     if fraction > source.max_bad_row_fraction:
         raise TrainerError(
@@ -109,8 +115,39 @@ def _check_quality(source: DatasetSource, stats: DataStats, usable: int) -> None
             f" more than dataset.maxBadRowFraction={source.max_bad_row_fraction};"
             f" first: {stats.bad_examples[0]}",
         )
+    if usable + stats.without_target > 0:
+        _check_cuts(source, stats, limit, usable + stats.without_target)
     if usable == 0:
         raise TrainerError(ExitCode.DATA_ERROR, f"dataset {_where(source)} has no usable rows")
+
+
+def _check_cuts(source: DatasetSource, stats: DataStats, limit: int, examples: int) -> None:
+    """Examples cut to ``limit`` train on a cut answer, or are dropped when no target token is left:
+    warn past :data:`CUT_WARN_FRACTION` of them, fail past :data:`WITHOUT_TARGET_FAIL_FRACTION` dropped."""
+    bound, advice = f"dataset.maxSeqLength={source.max_seq_length}", "raise dataset.maxSeqLength"
+    if limit < source.max_seq_length:
+        bound += f"; packed rows of {limit} tokens from training.packingLength or an OOM re-plan"
+        advice = "raise training.packingLength (or give the GPU more memory)"
+    cut, dropped = stats.truncated / examples, stats.without_target / examples
+    if dropped > WITHOUT_TARGET_FAIL_FRACTION:
+        raise TrainerError(
+            ExitCode.DATA_ERROR,
+            f"{stats.without_target} of {examples} examples ({dropped:.1%}) in {_where(source)} have no"
+            f" target token left once cut to {limit} tokens ({bound}), more than"
+            f" {WITHOUT_TARGET_FAIL_FRACTION:.0%}: {advice} or shorten the prompts",
+        )
+    if max(cut, dropped) > CUT_WARN_FRACTION:
+        log.warning(
+            "%d of %d examples (%.1f%%) are longer than %d tokens (%s) and cut there: %d (%.1f%%) are left"
+            " without a target token and dropped, the others train on a cut answer",
+            stats.truncated,
+            examples,
+            cut * 100,
+            limit,
+            bound,
+            stats.without_target,
+            dropped * 100,
+        )
 
 
 def _where(source: DatasetSource) -> str:
@@ -120,85 +157,6 @@ def _where(source: DatasetSource) -> str:
 def _chain(head: list[tuple[str, Any]], rest: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
     yield from head
     yield from rest
-
-
-# --- reading -------------------------------------------------------------------------------------
-
-
-def read_rows(source: DatasetSource) -> Iterator[tuple[str, Any]]:
-    """Yield ``(location, row)``; a row that is not even JSON comes through as a :class:`BadRow`."""
-    if source.path is not None:
-        return _read_path(Path(source.path))
-    return _read_hub(source)
-
-
-def _read_path(path: Path) -> Iterator[tuple[str, Any]]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
-        if not files:
-            raise TrainerError(
-                ExitCode.DATA_ERROR, f"dataset folder {path} has no .jsonl/.json/.parquet files"
-            )
-    elif path.is_file():
-        if path.suffix not in DATA_SUFFIXES:
-            raise TrainerError(ExitCode.DATA_ERROR, f"dataset file {path} is not .jsonl, .json or .parquet")
-        files = [path]
-    else:
-        raise TrainerError(ExitCode.DATA_ERROR, f"dataset path {path} does not exist")
-    return _read_files(files)
-
-
-def _read_files(files: list[Path]) -> Iterator[tuple[str, Any]]:
-    for file in files:
-        try:
-            if DATA_SUFFIXES[file.suffix] == "parquet":
-                yield from _read_parquet(file)
-            else:
-                yield from _read_jsonl(file)
-        except OSError as exc:
-            unreadable = TrainerError(ExitCode.DATA_ERROR, f"dataset file {file} is unreadable: {exc}")
-            raise load_failure(exc, f"dataset file {file}") or unreadable from exc  # a failing disk: retried
-
-
-def _read_jsonl(file: Path) -> Iterator[tuple[str, Any]]:
-    with file.open(encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{file.name}:{number}", json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield f"{file.name}:{number}", BadRow(f"not valid JSON ({exc.msg})")
-
-
-def _read_parquet(file: Path) -> Iterator[tuple[str, Any]]:
-    pa = importlib.import_module("pyarrow")
-    pq = importlib.import_module("pyarrow.parquet")
-
-    try:
-        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
-        number = 0
-        for batch in batches:
-            for row in batch.to_pylist():
-                number += 1
-                yield f"{file.name}:row {number}", row
-    except pa.ArrowException as exc:
-        raise TrainerError(
-            ExitCode.DATA_ERROR, f"dataset file {file} is not readable Parquet: {exc}"
-        ) from exc
-
-
-def _read_hub(source: DatasetSource) -> Iterator[tuple[str, Any]]:
-    import datasets
-
-    what = f"hub dataset {source.name} split {source.split}"
-    try:
-        dataset = datasets.load_dataset(source.name, split=source.split)
-    except Exception as exc:
-        unusable = TrainerError(ExitCode.DATA_ERROR, f"could not load {what}: {exc}")
-        raise load_failure(exc, what) or unusable from exc
-    for number, row in enumerate(dataset):
-        yield f"{source.name}[{number}]", row
 
 
 # --- formats -------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 The operator classifies an ended attempt from the container's exit code and its termination message
 (``/dev/termination-log``), so every way out of the trainer goes through :func:`classify` and
 :func:`write_termination_message`. The table of codes itself is the shared contract in
-:mod:`sftjob.failures`. Under torchrun every rank of the pod shares that one file and torchrun itself
-exits 1, so the message is all the operator has: when one rank fails (say CUDA out of memory) its peers
-fail next on the broken connection, and their echo must not replace the cause.
+:mod:`sftjob.failures`. Under torchrun, the container's PID 1, the container exits 1 whatever code a
+rank ended with, so a failure's message starts with its code (``[exit 15] CUDA out of memory: ...``)
+and that is where the operator reads it. Every rank of the pod shares the one file: when one rank
+fails (say CUDA out of memory) its peers fail next on the broken connection, and their echo must not
+replace the cause.
 """
 
 from __future__ import annotations
@@ -19,12 +21,13 @@ from collections.abc import Iterator
 from pydantic import ValidationError
 
 from sftjob.constants import TERMINATION_LOG
-from sftjob.failures import ExitCode, TrainerError
+from sftjob.failures import ExitCode, TrainerError, tag_exit_code
 
 log = logging.getLogger(__name__)
 
 TERMINATION_LOG_ENV = "SFTJOB_TERMINATION_LOG"
-# Kubernetes keeps at most 4096 bytes of the message; one line of this length is plenty.
+# The kubelet keeps the last 4096 bytes of the file: 1000 characters are at most 4000 bytes of UTF-8, so
+# the whole line, exit-code tag first, always arrives.
 _MAX_REASON_CHARS = 1000
 
 _OOM_PATTERNS = (
@@ -63,8 +66,6 @@ _NETWORK_ERRORS = frozenset(
 )
 # HTTP answers that mean "not now" rather than "no": request timeout, rate limit (and every 5xx).
 _RETRYABLE_HTTP_STATUS = frozenset({408, 429})
-# The operator reads this from the termination message when torchrun's exit code 1 hides ours.
-NETWORK_REASON = "hub or network unavailable"
 
 
 def one_line(text: str) -> str:
@@ -97,7 +98,9 @@ def load_failure(exc: BaseException, what: str) -> TrainerError | None:
     for cause in causes(exc):
         if is_network_error(cause):
             detail = f"{exc}" if cause is exc else f"{exc} ({type(cause).__name__}: {cause})"
-            return TrainerError(ExitCode.NETWORK_ERROR, f"{NETWORK_REASON} while loading {what}: {detail}")
+            return TrainerError(
+                ExitCode.NETWORK_ERROR, f"hub or network unavailable while loading {what}: {detail}"
+            )
         code, reason = classify(cause)
         if code in (ExitCode.STORAGE_ERROR, ExitCode.CUDA_OOM):
             return TrainerError(code, f"{reason} (loading {what})")
@@ -145,19 +148,23 @@ def termination_log_path() -> str:
     return os.environ.get(TERMINATION_LOG_ENV, TERMINATION_LOG)
 
 
-def write_termination_message(reason: str, unless_written_since: float | None = None) -> None:
-    """Write the one-line reason where Kubernetes reads it; never raise (we are already exiting).
+def write_termination_message(
+    reason: str, code: ExitCode = ExitCode.OK, unless_written_since: float | None = None
+) -> None:
+    """Write the one-line reason where Kubernetes reads it, a failure's tagged with the exit ``code`` the
+    trainer is about to end with; never raise (we are already exiting).
 
     With ``unless_written_since`` (a ``time.time()``) a message another process wrote since then is
     kept: a rank failing only because a peer failed first leaves the peer's reason in place.
     """
     path = termination_log_path()
+    line = one_line(reason) if code == ExitCode.OK else tag_exit_code(code, one_line(reason))
     try:
         if unless_written_since is not None and _written_since(path, unless_written_since):
-            log.info("keeping the termination message another rank wrote: %s", reason)
+            log.info("keeping the termination message another rank wrote: %s", line)
             return
         with open(path, "w", encoding="utf-8") as fh:
-            fh.write(one_line(reason) + "\n")
+            fh.write(line + "\n")
     except OSError as exc:
         log.warning("could not write the termination message to %s: %s", path, exc)
 

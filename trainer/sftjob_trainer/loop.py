@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from sftjob.config import TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.batching import Course
 from sftjob_trainer.checkpoints import Trainables
 from sftjob_trainer.distributed import DistContext, no_sync
 from sftjob_trainer.model import PrecisionPlan
@@ -60,13 +62,47 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr, fused=fused or None)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, training: TrainingSettings, total_steps: int) -> Any:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    training: TrainingSettings,
+    total_steps: int,
+    course: Course | None = None,
+) -> Any:
+    """The learning-rate schedule of a run of ``total_steps``; for a replanned ``course`` (a resume changed
+    the layout), the schedule the run was first planned with, followed at the course's pace."""
     from transformers import get_scheduler
 
-    warmup = math.ceil(training.warmup_ratio * total_steps)
-    return get_scheduler(
-        training.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+    steps = course.schedule_steps if course is not None else total_steps
+    warmup = math.ceil(training.warmup_ratio * steps)
+    scheduler = get_scheduler(
+        training.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=steps
     )
+    if course is None or not course.replanned:
+        return scheduler
+    factors = [_at_pace(shape, course) for shape in scheduler.lr_lambdas]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+def _at_pace(shape: Callable[[float], float], course: Course) -> Callable[[int], float]:
+    """The learning-rate factor of a step, read from the planned schedule at the course's position (a
+    plain function: LambdaLR keeps no state of it in the checkpoint)."""
+
+    def factor(step: int) -> float:
+        return shape(course.position(step))
+
+    return factor
+
+
+def follow_course(parts: Trainables, training: TrainingSettings, course: Course) -> None:
+    """Swap in the schedule of a course replanned on a resume, keeping the restored step and learning rates
+    (the first steps after the resume continue from them)."""
+    optimizer = parts.optimizer
+    restored = parts.scheduler.state_dict()
+    rates = [group["lr"] for group in optimizer.param_groups]
+    parts.scheduler = build_scheduler(optimizer, training, course.total, course)
+    parts.scheduler.load_state_dict(restored)
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
 
 
 def make_scaler(

@@ -78,7 +78,7 @@ class TrainerMetrics:
         self.last_checkpoint_time = gauge(
             "sftjob_train_last_checkpoint_timestamp_seconds", "Unix time of the newest checkpoint"
         )
-        self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (0 = first)")
+        self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (1 = first)")
         self.bad_rows = counter("sftjob_train_bad_rows", "Malformed dataset rows skipped")
         info = Gauge(
             "sftjob_train_info",

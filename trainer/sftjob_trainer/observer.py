@@ -67,6 +67,11 @@ class Observer:
         self._window: list[tuple[StepResult, float, float]] = []  # (result, seconds, flops)
         self._reported = clock()  # when the last progress report was sent
 
+    def follow(self, schedule: Schedule, total: int) -> None:
+        """The course this attempt follows once resumed (a changed data layout ends it at another step)."""
+        self.schedule, self.total = schedule, total
+        self.metrics.total_steps.set(total)
+
     def phase(self, name: str, step: int, loss: float | None = None) -> None:
         """A setup phase is done: report it, so the stall clock restarts after a long download or load
         instead of running from container start to the first logging step."""

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
 from sftjob_trainer import checkpoints
 from sftjob_trainer.attention import FLATTENED
-from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
+from sftjob_trainer.batching import Course, Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.data import load_examples
 from sftjob_trainer.distributed import (
@@ -40,7 +41,7 @@ from sftjob_trainer.distributed import (
 )
 from sftjob_trainer.failures import classify, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
-from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
+from sftjob_trainer.loop import build_optimizer, build_scheduler, follow_course, make_scaler, train_step
 from sftjob_trainer.model import (
     build_model,
     count_parameters,
@@ -115,7 +116,7 @@ def run(config_path: str) -> ExitCode:
         log.error("exiting with %s (%d): %s", code.name, code, reason)
         # A peer rank's failure breaks the collectives of the others: its reason is the one to keep.
         echo = code == ExitCode.COMMUNICATION_ERROR and ctx is not None and ctx.active
-        write_termination_message(reason, unless_written_since=started if echo else None)
+        write_termination_message(reason, code, unless_written_since=started if echo else None)
         return code
     finally:
         stop.uninstall()
@@ -160,14 +161,14 @@ class Training:
 
         # Data: every rank tokenizes the same rows the same way; the schedule picks its share.
         tokenizer = load_tokenizer(config.model)
-        examples, stats, fmt = load_examples(config.dataset, tokenizer)
         packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
+        examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
         units = make_units(examples, packing_length)
         schedule = Schedule(
             len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
         )
         schedule.validate()
-        total = schedule.total_steps(t.epochs, t.max_steps)
+        planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (continue_course)
         longest = max(n for unit in units for n in unit.lengths)
         attention = resolve_attention(
             t.attention, ctx.device, t.packing, load_model_config(config.model), longest
@@ -178,7 +179,7 @@ class Training:
             len(units),
             f"packed into {packing_length}-token rows" if t.packing else "one example each",
             schedule.steps_per_epoch,
-            total,
+            planned,
         )
 
         # Observability (rank 0) from here on: each setup phase below is a progress report, so the
@@ -186,13 +187,18 @@ class Training:
         root = Path(config.checkpoints.dir)
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
         gpu_label, peak = peak_flops(device_name, ctx.world_size)
-        observer = Observer(config, ctx, gpu_label, peak, total, schedule) if ctx.is_main else None
+        observer = Observer(config, ctx, gpu_label, peak, planned, schedule) if ctx.is_main else None
         try:
             if observer is not None:
                 observer.metrics.bad_rows.inc(stats.bad_rows)
                 observer.phase("data ready", checkpoints.newest_complete_step(root))
-            summary = self.train(tokenizer, units, schedule, layout, attention, total, observer)
-            summary |= {"format": fmt, "badRows": stats.bad_rows}
+            summary = self.train(tokenizer, units, schedule, layout, attention, planned, observer)
+            summary |= {
+                "format": fmt,
+                "badRows": stats.bad_rows,
+                "truncated": stats.truncated,
+                "withoutTarget": stats.without_target,
+            }
             if ctx.is_main:
                 _write_json(Path(config.output_dir) / SUMMARY_FILE, summary)
                 log.info("done: %s", json.dumps(summary))
@@ -208,7 +214,7 @@ class Training:
         schedule: Schedule,
         layout: Layout,
         attention: str,
-        total: int,
+        planned: int,
         observer: Observer | None,
     ) -> dict[str, Any]:
         """Model, optimizer, resume, the loop and the output; returns this attempt's summary."""
@@ -235,7 +241,7 @@ class Training:
         parts = Trainables(
             model,
             optimizer,
-            build_scheduler(optimizer, t, total),
+            build_scheduler(optimizer, t, planned),
             make_scaler(plan, ctx.device, shards(config, ctx)),
         )
         if observer is not None:
@@ -249,6 +255,7 @@ class Training:
             "seed": t.seed,
             "packing": t.packing,
         }
+        checkpoints.take_over(root, config.job, ctx)
         resumed = checkpoints.load_latest(root, parts, ctx)
         if rank0_weights and not resumed:
             # A fresh start: rank 0 reads the pretrained weights and broadcasts them into the shards. A
@@ -267,7 +274,10 @@ class Training:
                 state.step,
             )
         state.fingerprint = fingerprint
+        course = self.continue_course(state, parts, planned)
+        schedule = replace(schedule, offset=course.offset)
         if observer is not None:
+            observer.follow(schedule, course.total)
             if resumed:
                 observer.checkpoint_saved(state.step, str(resumed[1]), 0.0)
             observer.phase("resumed" if resumed else "starting", state.step, state.loss)
@@ -275,9 +285,9 @@ class Training:
         seconds, tokens = self.loop(
             parts,
             plan,
-            StepBatches(units, schedule, layout, ctx.rank, state.step, total),
+            StepBatches(units, schedule, layout, ctx.rank, state.step, course.total),
             state,
-            total,
+            course.total,
             observer,
             flops,
         )
@@ -285,7 +295,7 @@ class Training:
         return {
             "finalLoss": state.loss,
             "steps": state.step,
-            "totalSteps": total,
+            "totalSteps": course.total,
             "tokens": state.tokens,
             "samples": state.samples,
             "seconds": round(seconds, 3),
@@ -293,6 +303,27 @@ class Training:
             "resumedFromStep": resumed_from,
             "method": config.method,
         }
+
+    def continue_course(self, state: TrainState, parts: Trainables, planned: int) -> Course:
+        """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
+        (``planned``; an OOM re-plan halved the rows) keeps the fraction of the run already done: it ends
+        after the share still to do and follows the learning-rate schedule at the new pace."""
+        before = Course(**state.course) if state.course else Course.fresh(planned)
+        course = before.resumed(state.step, planned)
+        state.course = asdict(course)
+        if course != before:
+            log.warning(
+                "resuming at step %d with a data layout that takes %d steps for the whole run instead of %d:"
+                " %.1f%% of the run is done, so it ends at step %d, the learning rate continuing from there",
+                state.step,
+                planned,
+                before.total + before.offset,
+                100 * course.from_position / course.schedule_steps,
+                course.total,
+            )
+        if course.replanned:
+            follow_course(parts, self.t, course)
+        return course
 
     def loop(
         self,
@@ -338,7 +369,9 @@ class Training:
             )
             if stopping or (due and state.step < total):
                 saved = time.monotonic()
-                path = checkpoints.save(Path(every.dir), state, parts, ctx, every.keep)
+                path = checkpoints.save(
+                    Path(every.dir), state, parts, ctx, keep=every.keep, job=self.config.job
+                )
                 last_save = time.monotonic()
                 if observer is not None:
                     observer.checkpoint_saved(state.step, str(path), last_save - saved)

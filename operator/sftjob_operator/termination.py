@@ -1,0 +1,128 @@
+"""What a trainer container's termination message says: the trainer's exit code and a one-line summary.
+
+The container's PID 1 is torchrun, which exits 1 whatever code a failed rank ended with, so the trainer
+starts its one-line message with that code (``[exit 11] dataset /data/train.jsonl is empty``, see
+:func:`sftjob.failures.tag_exit_code`). When the trainer wrote nothing (a segfault, the NCCL watchdog's
+SIGABRT, a SIGKILLed rank) the pod's ``FallbackToLogsOnError`` policy makes the message the last 2048
+bytes of the log instead, and those end with torchrun's own traceback and its report on the ranks::
+
+    torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB    <- the rank's last words
+    E1130 09:00:10.722000 1 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) ...
+    Traceback (most recent call last):
+      File ".../torch/distributed/run.py", line 1142, in <module>
+    ...
+    torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+    ============================================================
+    sftjob_trainer.train FAILED
+    ------------------------------------------------------------
+    Failures:
+      <NO_OTHER_FAILURES>
+    ------------------------------------------------------------
+    Root Cause (first observed failure):
+    [0]:
+      time      : 2026-11-30_09:00:10
+      host      : llama-sft-1-0
+      rank      : 1 (local_rank: 1)
+      exitcode  : -6 (pid: 10526)  (SIGABRT)
+      error_file: <N/A>
+      traceback : Signal 6 (SIGABRT) received by PID 10526
+    ============================================================
+
+Such a tail is summed up as the root cause's rank and how it ended, then the last line the ranks wrote
+before torchrun took over: ``rank 1 killed by SIGABRT: <last line>``. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+from sftjob.failures import read_exit_tag
+
+# The heading of the last block of torchrun's report (torch.distributed.elastic.multiprocessing.errors).
+_ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
+_RULE = re.compile(r"^\s*([=*-])\1{2,}\s*$")  # the report's =/- rules, torchrun's ***** banner
+_REPORT_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
+# torchrun's own log lines: they name its modules, and even cut short end in glog's "<file>.py:<line>] ".
+_TORCHRUN_LOG = re.compile(r"torch/distributed/elastic/|\.py:\d+\] ")
+_ALPHANUMERIC = re.compile(r"[A-Za-z0-9]")
+
+
+@dataclass(frozen=True, slots=True)
+class TerminationMessage:
+    """``exit_code``: the trainer's own (its tag, or the root cause's in torchrun's report), None when
+    neither says; ``text``: the message without the tag, for signatures; ``summary``: one line for people."""
+
+    exit_code: int | None
+    text: str
+    summary: str
+
+
+def read_message(message: str) -> TerminationMessage:
+    """Read a container's ``terminated.message``: the trainer's tagged line or a log tail."""
+    code, text = read_exit_tag(message)
+    lines = text.splitlines()
+    heading = max((i for i, line in enumerate(lines) if line.strip() == _ROOT_CAUSE_HEADING), default=None)
+    if heading is None:
+        return TerminationMessage(code, text, _last_words(lines))
+    top = max((i for i in range(heading) if _RULE.match(lines[i]) and "=" in lines[i]), default=0)
+    rank, exitcode = _root_cause(lines[heading + 1 :])
+    before = lines[:top]
+    while before and _torchrun_trailer(before[-1]):
+        before.pop()
+    last = _last_words(before)
+    root = _describe(rank, exitcode)
+    summary = f"{root}: {last}" if root and last else root or last
+    if code is None and exitcode is not None and exitcode > 0:
+        code = exitcode  # the rank ended with a code of its own but could not write the message
+    return TerminationMessage(code, text, summary)
+
+
+def _root_cause(block: list[str]) -> tuple[int | None, int | None]:
+    """The rank and exit code (negative: killed by that signal) in the report's root-cause block."""
+    fields: dict[str, int] = {}
+    for line in block:
+        if _RULE.match(line):
+            break
+        match = _REPORT_FIELD.match(line)
+        if match:
+            fields.setdefault(match[1], int(match[2]))
+    return fields.get("rank"), fields.get("exitcode")
+
+
+def _describe(rank: int | None, exitcode: int | None) -> str:
+    if exitcode is None:
+        return ""
+    who = f"rank {rank}" if rank is not None else "a rank"
+    if exitcode >= 0:
+        return f"{who} exited with code {exitcode}"
+    try:
+        return f"{who} killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"{who} killed by signal {-exitcode}"
+
+
+def _torchrun_trailer(line: str) -> bool:
+    """A line of what torchrun prints after a rank fails: its log lines and its own traceback."""
+    stripped = line.strip()
+    return (
+        not stripped
+        or line[0].isspace()  # the traceback's File and source lines
+        or stripped == "Traceback (most recent call last):"
+        or "ChildFailedError" in stripped
+        or _TORCHRUN_LOG.search(stripped) is not None
+        or _RULE.match(stripped) is not None
+    )
+
+
+def _last_words(lines: list[str]) -> str:
+    """The last line with letters or digits that is not a rule: where a traceback puts the error."""
+    return next(
+        (
+            s
+            for s in (line.strip() for line in reversed(lines))
+            if _ALPHANUMERIC.search(s) and not _RULE.match(s)
+        ),
+        "",
+    )

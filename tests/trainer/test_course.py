@@ -1,0 +1,115 @@
+"""A resume whose data layout changed (an OOM re-plan halved the packed rows) keeps the fraction of the run
+already done: it still covers the planned epochs and the learning rate continues without a jump."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from sftjob.config import TrainingSettings
+from sftjob.failures import ExitCode
+from sftjob_trainer.batching import Course, Schedule
+from sftjob_trainer.checkpoints import Trainables, checkpoint_dirs
+from sftjob_trainer.loop import build_scheduler, follow_course
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig
+
+pytestmark = pytest.mark.trainer
+
+SETTINGS = TrainingSettings()  # cosine, 3% warmup, 2e-4
+
+
+def _stepped(parts: Trainables, steps: int) -> list[float]:
+    """The learning rate of each of ``steps`` optimizer steps."""
+    rates = []
+    for _ in range(steps):
+        rates.append(parts.optimizer.param_groups[0]["lr"])
+        parts.optimizer.step()
+        parts.scheduler.step()
+    return rates
+
+
+def _parts(total: int) -> Trainables:
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=SETTINGS.learning_rate)
+    return Trainables(torch.nn.Linear(1, 1), optimizer, build_scheduler(optimizer, SETTINGS, total), None)
+
+
+def test_halved_rows_after_20_of_33_steps_end_the_run_after_its_one_epoch() -> None:
+    # 3200 examples of 600 tokens: 1067 rows of 2048 (33 steps of 32) or 3200 rows of 1024 (100 steps).
+    rows_2048 = Schedule(units=1067, micro_batch_size=1, accumulation=32, world_size=1, seed=0)
+    rows_1024 = Schedule(units=3200, micro_batch_size=1, accumulation=32, world_size=1, seed=0)
+    course = Course.fresh(rows_2048.total_steps(1.0, None))
+    assert course.resumed(20, 33) == course  # the same layout: an exact resume
+
+    resumed = course.resumed(20, rows_1024.total_steps(1.0, None))
+    assert resumed.total == 20 + 40  # 13 of 33 steps left: 39.4 of the new 100
+    assert resumed.resumed(45, 100) == resumed  # a second restart with the same layout changes nothing
+    schedule = Schedule(3200, 1, 32, 1, 0, offset=resumed.offset)
+    assert schedule.epoch_of(20) == pytest.approx(0.6) and schedule.epoch_of(resumed.total) == 1.0
+    assert resumed.position(20) == 20 and resumed.position(resumed.total) == pytest.approx(33)
+
+
+def test_the_learning_rate_continues_from_the_same_fraction_of_the_run_after_a_layout_change() -> None:
+    uninterrupted = _parts(33)
+    expected = _stepped(uninterrupted, 33)
+
+    interrupted = _parts(33)
+    before = _stepped(interrupted, 20)
+    saved = interrupted.scheduler.state_dict(), interrupted.optimizer.state_dict()
+    resumed = _parts(100)  # the trainer builds the new layout's schedule, then loads the checkpoint
+    resumed.optimizer.load_state_dict(saved[1])
+    resumed.scheduler.load_state_dict(saved[0])
+    course = Course.fresh(33).resumed(20, 100)
+    follow_course(resumed, SETTINGS, course)
+    after = _stepped(resumed, course.total - 20)
+
+    assert before == expected[:20]
+    assert after[0] == expected[20]  # step 21 runs at the rate the interrupted run had set
+    assert all(b <= a for a, b in itertools.pairwise(after))  # cosine: only down, no jump
+    assert after[-1] <= expected[-1] + 1e-12 and after[-1] < 1e-6  # and down to ~0 at the end
+    assert course.position(40) == 26.5 and expected[27] < after[20] < expected[26]  # step 41, not 1.84e-4
+
+
+def test_a_resume_with_halved_rows_ends_after_the_planned_epoch_with_a_smooth_learning_rate(
+    trainer_config: MakeConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    overrides = {
+        "rows": 256,
+        "training": {"maxSteps": None, "epochs": 1.0, "packingLength": 128},
+        "checkpoints": {"everySteps": 2, "keep": 20},
+    }
+    config = trainer_config("messages", **overrides)
+    assert run(str(config)) == ExitCode.OK
+    settings = json.loads(config.read_text())
+    output = Path(settings["outputDir"])
+    first = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    planned = first[-1]["step"]
+    assert first[-1]["epoch"] == 1.0
+
+    # Back to step 6, as if it had been killed there, and restart with half the row length.
+    root = Path(settings["checkpoints"]["dir"])
+    for step, path in checkpoint_dirs(root):
+        if step > 6:
+            shutil.rmtree(path)
+    settings["training"]["packingLength"] = 64
+    config.write_text(json.dumps(settings))
+    with caplog.at_level(logging.WARNING):
+        assert run(str(config)) == ExitCode.OK
+    assert "resuming at step 6 with a data layout that takes" in caplog.text
+    lines = (output / "train_log.jsonl").read_text().splitlines()
+    second = [json.loads(line) for line in lines[len(first) :]]
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["resumedFromStep"] == 6
+    assert summary["totalSteps"] == summary["steps"] == second[-1]["step"] > planned  # more, smaller steps
+    assert second[-1]["epoch"] == 1.0  # one epoch in all, as planned
+
+    rates = [record["learningRate"] for record in second]
+    assert rates[0] == first[6]["learningRate"]  # step 7 at the rate of the uninterrupted run
+    assert all(b <= a for a, b in itertools.pairwise(rates))
+    assert rates[-1] <= first[-1]["learningRate"]

@@ -1,0 +1,101 @@
+"""Where rows come from: the split's files of a dataset folder, JSON array files, strict UTF-8, and the
+fallback chat template starting with BOS like the ``text`` format."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sftjob.config import DatasetSource
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.data import load_examples
+from sftjob_trainer.sources import BadRow, read_rows
+from sftjob_trainer.tiny import format_row, make_tokenizer
+
+pytestmark = pytest.mark.trainer
+
+ROW = format_row("repeat: abc", "abc", "alpaca")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return make_tokenizer()
+
+
+def _write(path: Path, rows: int, tag: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(ROW | {"input": tag}) + "\n" for _ in range(rows)))
+
+
+def _tags(source: DatasetSource) -> list[str]:
+    return [row["input"] for _, row in read_rows(source)]
+
+
+def test_a_hub_snapshot_folder_reads_only_the_files_of_the_requested_split(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _write(tmp_path / "data" / "train-00000-of-00002.jsonl", 2, "train")
+    _write(tmp_path / "data" / "train-00001-of-00002.jsonl", 1, "train")
+    _write(tmp_path / "data" / "test-00000-of-00001.jsonl", 5, "test")
+    _write(tmp_path / "validation" / "part-0.jsonl", 7, "validation")
+    with caplog.at_level(logging.INFO):
+        assert _tags(DatasetSource(path=str(tmp_path))) == ["train"] * 3
+    assert "data/train-00000-of-00002.jsonl, data/train-00001-of-00002.jsonl" in caplog.text
+    assert _tags(DatasetSource(path=str(tmp_path), split="test")) == ["test"] * 5
+    assert _tags(DatasetSource(path=str(tmp_path), split="validation")) == ["validation"] * 7
+
+
+def test_a_folder_whose_files_name_no_split_is_read_whole(tmp_path: Path) -> None:
+    _write(tmp_path / "part-0.jsonl", 2, "a")
+    _write(tmp_path / "latest" / "part-1.jsonl", 1, "b")  # "test" inside a word is no split name
+    assert sorted(_tags(DatasetSource(path=str(tmp_path), split="train"))) == ["a", "a", "b"]
+
+
+def test_a_folder_with_split_files_but_none_for_the_split_fails_naming_dataset_split(tmp_path: Path) -> None:
+    _write(tmp_path / "train.jsonl", 1, "train")
+    _write(tmp_path / "test.jsonl", 1, "test")
+    with pytest.raises(TrainerError, match=r"dataset\.split") as raised:
+        _tags(DatasetSource(path=str(tmp_path), split="validation"))
+    assert raised.value.code == ExitCode.DATA_ERROR
+
+
+@pytest.mark.parametrize("indent", [None, 4])
+def test_a_json_file_holding_an_array_is_read_as_rows(
+    tmp_path: Path, tokenizer: Any, indent: int | None
+) -> None:
+    path = tmp_path / "alpaca_data.json"
+    path.write_text(json.dumps([ROW] * 5, indent=indent))
+    examples, stats, fmt = load_examples(DatasetSource(path=str(path)), tokenizer)
+    assert (fmt, stats.rows, stats.bad_rows, len(examples)) == ("alpaca", 5, 0, 5)
+
+
+def test_a_json_file_that_is_a_broken_array_fails_with_where_it_breaks(tmp_path: Path) -> None:
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([ROW] * 3, indent=2)[:-10])
+    with pytest.raises(TrainerError, match=r"not a JSON array: .* line") as raised:
+        list(read_rows(DatasetSource(path=str(path))))
+    assert raised.value.code == ExitCode.DATA_ERROR
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_row_not_replacement_characters(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    good = json.dumps(ROW).encode()
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + good.replace(b"abc", b"ab\xe9") + b"\n" + good + b"\n")
+    rows = [row for _, row in read_rows(DatasetSource(path=str(path)))]
+    assert rows[0] == ROW and rows[2] == ROW  # a byte-order mark on the first line is no error
+    assert isinstance(rows[1], BadRow) and "not UTF-8" in str(rows[1])
+
+
+def test_the_fallback_chat_template_starts_chats_with_bos_like_the_text_format(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    path = tmp_path / "rows.jsonl"
+    for fmt in ("alpaca", "text"):
+        path.write_text(json.dumps(format_row("repeat: abc", "abc", fmt)) + "\n")
+        (example,), _, _ = load_examples(DatasetSource(path=str(path), format=fmt), tokenizer)
+        assert example.input_ids[0] == tokenizer.bos_token_id
+        assert example.input_ids.count(tokenizer.bos_token_id) == 1

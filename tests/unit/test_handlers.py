@@ -1,0 +1,125 @@
+"""A pass applied through a fake API: a status transition is counted and posted once, right after its
+status write, even when what follows (creating the next attempt's pods) fails."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from sftjob.job_status import SFTJobStatus
+from sftjob_operator import handlers
+from sftjob_operator.expectations import Expectations
+from sftjob_operator.kube import Conflict, Forbidden, Rejected
+from sftjob_operator.observe import JobView
+from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, pod, terminated
+
+KEY = ("team", "job")
+
+
+class FakeKube:
+    """The API as the handlers use it; ``refuse`` raises for the pods it names."""
+
+    def __init__(self, refuse: Callable[[str], Exception | None] = lambda name: None) -> None:
+        self.refuse, self.version = refuse, 1
+        self.status: dict[str, object] = {}
+        self.events: list[tuple[str, str]] = []
+        self.conflict = False
+
+    async def run(self, call: Callable[..., Any], *args: Any) -> Any:
+        return call(*args)
+
+    def write_status(self, namespace: str, name: str, version: str, old: Any, new: SFTJobStatus) -> str:
+        if self.conflict:
+            raise Conflict(version)
+        self.status, self.version = new.to_patch(), self.version + 1
+        return str(self.version)
+
+    def ensure(self, manifest: dict[str, Any]) -> bool:
+        error = self.refuse(manifest["metadata"]["name"]) if manifest["kind"] == "Pod" else None
+        if error is not None:
+            raise error
+        return True
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        pass
+
+    def post_event(self, manifest: dict[str, Any]) -> None:
+        self.events.append((manifest["type"], manifest["reason"]))
+
+
+@pytest.fixture
+def kube(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeKube]:
+    def make(refuse: Callable[[str], Exception | None] = lambda name: None) -> FakeKube:
+        fake = FakeKube(refuse)
+        monkeypatch.setattr(handlers.Runtime, "kube", fake, raising=False)
+        return fake
+
+    monkeypatch.setattr(handlers.Runtime, "context", CTX, raising=False)
+    monkeypatch.setattr(handlers.Runtime, "expectations", Expectations())
+    monkeypatch.setattr(handlers, "_now", lambda: NOW)
+    return make
+
+
+def run_pass(kube: FakeKube, pods: list[dict[str, Any]]) -> Exception | None:
+    """One pass over the job as ``kube`` holds it; the error it raised, if any."""
+    meta = {"namespace": "team", "name": "job", "uid": "u", "generation": 1,
+            "resourceVersion": str(kube.version), "creationTimestamp": "2026-01-01T11:00:00Z"}  # fmt: skip
+    job = JobView.of({"metadata": meta, "spec": SPEC, "status": kube.status})
+    nodes = {name: [node] for name, node in NODES.items()}
+    try:
+        asyncio.run(handlers._pass(job, {KEY: pods}, nodes))  # type: ignore[arg-type]
+    except Exception as err:
+        return err
+    return None
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def refuse_second_attempt(name: str) -> Exception | None:
+    return Forbidden(f"Pod {name}: exceeded quota") if name == "job-2-0" else None
+
+
+def test_a_restart_whose_pod_is_refused_still_posts_and_counts_the_failure_and_the_new_attempt(
+    kube: Callable[..., FakeKube], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = kube(refuse_second_attempt)
+    assert run_pass(api, []) is None
+    api.events.clear()
+    restarts = sample("sftjob_restarts_total", failure_class="Preempted")
+    preempted = [pod(phase="Failed", status=terminated(20, "Error", "preempted (SIGTERM)"))]
+    assert isinstance(run_pass(api, preempted), Forbidden)
+    assert api.status["attempt"] == 2
+    assert api.events == [("Warning", "Preempted"), ("Normal", "PodsCreated"), ("Warning", "FailedCreate")]
+    assert sample("sftjob_restarts_total", failure_class="Preempted") == restarts + 1
+    monkeypatch.setattr(handlers, "_now", lambda: NOW + timedelta(seconds=5))
+    assert isinstance(run_pass(api, preempted), Forbidden)  # the retry has no transition left to say
+    assert api.events[3:] == [] and sample("sftjob_restarts_total", failure_class="Preempted") == restarts + 1
+
+
+def test_a_pod_rejected_as_invalid_fails_the_job_and_counts_it_failed(kube: Callable[..., FakeKube]) -> None:
+    api = kube(lambda name: Rejected(f"Pod {name}: spec.containers[0].image: Required value"))
+    failed = sample("sftjob_jobs_finished_total", result="Failed")
+    assert run_pass(api, []) is None
+    assert api.status["phase"] == "Failed"
+    assert api.events == [("Normal", "PodsCreated"), ("Warning", "ChildRejected")]
+    assert sample("sftjob_jobs_finished_total", result="Failed") == failed + 1
+    assert run_pass(api, []) is None
+    assert sample("sftjob_jobs_finished_total", result="Failed") == failed + 1
+
+
+def test_a_status_write_lost_to_a_conflict_posts_and_counts_nothing(kube: Callable[..., FakeKube]) -> None:
+    api = kube()
+    assert run_pass(api, []) is None
+    api.events.clear()
+    api.conflict = True
+    restarts = sample("sftjob_restarts_total", failure_class="Preempted")
+    preempted = [pod(phase="Failed", status=terminated(20, "Error", "preempted (SIGTERM)"))]
+    assert isinstance(run_pass(api, preempted), Conflict)
+    assert api.events == [] and sample("sftjob_restarts_total", failure_class="Preempted") == restarts

@@ -1,0 +1,184 @@
+"""Where SFT rows come from: JSON Lines, JSON array and Parquet files, dataset folders, hub datasets.
+
+A folder is read like the datasets library reads a hub snapshot: only the files of ``dataset.split``
+when file or folder names carry split names (``data/train-00000-of-00001.parquet`` beside
+``data/test-...``), every file when none does. Text is decoded strictly: a JSON Lines line that is not
+UTF-8 or not JSON comes through as a :class:`BadRow`, counted with the other malformed rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sftjob.config import DatasetSource
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.failures import load_failure
+
+log = logging.getLogger(__name__)
+
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Split names in file and folder names, as the datasets library reads the files of a hub snapshot:
+# ``data/train-00000-of-00001.parquet``, ``test.jsonl``, ``validation/part-0.json``.
+SPLIT_NAMES = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SPLIT_SEPARATOR = r"[-._ 0-9]"
+_SHOWN_FILES = 20
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+class BadRow(ValueError):
+    """A row that cannot be used; the message says why, in words a user can act on."""
+
+
+def read_rows(source: DatasetSource) -> Iterator[tuple[str, Any]]:
+    """Yield ``(location, row)``; a row that is not even JSON comes through as a :class:`BadRow`."""
+    if source.path is not None:
+        return _read_path(Path(source.path), source.split)
+    return _read_hub(source)
+
+
+def _read_path(path: Path, split: str) -> Iterator[tuple[str, Any]]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+        if not files:
+            raise TrainerError(
+                ExitCode.DATA_ERROR, f"dataset folder {path} has no .jsonl/.json/.parquet files"
+            )
+        files = split_files(path, files, split)
+    elif path.is_file():
+        if path.suffix not in DATA_SUFFIXES:
+            raise TrainerError(ExitCode.DATA_ERROR, f"dataset file {path} is not .jsonl, .json or .parquet")
+        files = [path]
+    else:
+        raise TrainerError(ExitCode.DATA_ERROR, f"dataset path {path} does not exist")
+    return _read_files(files)
+
+
+def split_files(folder: Path, files: list[Path], split: str) -> list[Path]:
+    """The files of ``split`` in a dataset folder, named as the datasets library expects (a split name in
+    the file's name or in a folder's, between separators); all of them when none names any split."""
+    names = [p.relative_to(folder).as_posix() for p in files]
+    known = {name for names_of in SPLIT_NAMES.values() for name in names_of} | {split}
+    if not any(_names_split(name, known) for name in names):
+        chosen = names
+    else:
+        chosen = [name for name in names if _names_split(name, set(SPLIT_NAMES.get(split, (split,))))]
+        if not chosen:
+            raise TrainerError(
+                ExitCode.DATA_ERROR,
+                f"dataset folder {folder} names splits in its files but none is split {split!r}"
+                f" (dataset.split): {_shown(names)}",
+            )
+    log.info(
+        "dataset folder %s, split %s: reading %d file(s): %s", folder, split, len(chosen), _shown(chosen)
+    )
+    return [folder / name for name in chosen]
+
+
+def _names_split(relative: str, splits: set[str]) -> bool:
+    words = "|".join(re.escape(s) for s in sorted(splits))
+    pattern = rf"(?:^|{_SPLIT_SEPARATOR}|/)(?:{words})(?:{_SPLIT_SEPARATOR}|/)"
+    return re.search(pattern, relative, flags=re.IGNORECASE) is not None
+
+
+def _shown(names: list[str]) -> str:
+    more = len(names) - _SHOWN_FILES
+    return ", ".join(names[:_SHOWN_FILES]) + (f" and {more} more" if more > 0 else "")
+
+
+def _read_files(files: list[Path]) -> Iterator[tuple[str, Any]]:
+    for file in files:
+        try:
+            if DATA_SUFFIXES[file.suffix] == "parquet":
+                yield from _read_parquet(file)
+            elif file.suffix == ".json" and _starts_with(file, b"["):
+                yield from _read_json_array(file)
+            else:
+                yield from _read_jsonl(file)
+        except OSError as exc:
+            unreadable = TrainerError(ExitCode.DATA_ERROR, f"dataset file {file} is unreadable: {exc}")
+            raise load_failure(exc, f"dataset file {file}") or unreadable from exc  # a failing disk: retried
+
+
+def _starts_with(file: Path, char: bytes) -> bool:
+    with file.open("rb") as fh:
+        head = fh.read(4096).removeprefix(_UTF8_BOM).lstrip()
+    return head.startswith(char)
+
+
+def _read_jsonl(file: Path) -> Iterator[tuple[str, Any]]:
+    """JSON Lines, each line decoded as UTF-8 on its own: a line that is not is a bad row, not a
+    replacement character in the training text."""
+    with file.open("rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            where = f"{file.name}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, BadRow(f"not UTF-8 text (byte {exc.start} of the line: {exc.reason})")
+                continue
+            if number == 1:
+                line = line.removeprefix("\ufeff")
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, BadRow(f"not valid JSON ({exc.msg})")
+
+
+def _read_json_array(file: Path) -> Iterator[tuple[str, Any]]:
+    """A ``.json`` file holding one JSON array of rows (the layout of alpaca_data.json)."""
+    try:
+        rows = json.loads(file.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise TrainerError(
+            ExitCode.DATA_ERROR, f"dataset file {file} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from exc
+    except json.JSONDecodeError as exc:
+        raise TrainerError(
+            ExitCode.DATA_ERROR,
+            f"dataset file {file} starts with '[' but is not a JSON array: {exc.msg} at line {exc.lineno}"
+            f" column {exc.colno}",
+        ) from exc
+    for number, row in enumerate(rows, start=1):
+        yield f"{file.name}[{number}]", row
+
+
+def _read_parquet(file: Path) -> Iterator[tuple[str, Any]]:
+    pa = importlib.import_module("pyarrow")
+    pq = importlib.import_module("pyarrow.parquet")
+
+    try:
+        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+        number = 0
+        for batch in batches:
+            for row in batch.to_pylist():
+                number += 1
+                yield f"{file.name}:row {number}", row
+    except pa.ArrowException as exc:
+        raise TrainerError(
+            ExitCode.DATA_ERROR, f"dataset file {file} is not readable Parquet: {exc}"
+        ) from exc
+
+
+def _read_hub(source: DatasetSource) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    what = f"hub dataset {source.name} split {source.split}"
+    try:
+        dataset = datasets.load_dataset(source.name, split=source.split)
+    except Exception as exc:
+        unusable = TrainerError(ExitCode.DATA_ERROR, f"could not load {what}: {exc}")
+        raise load_failure(exc, what) or unusable from exc
+    for number, row in enumerate(dataset):
+        yield f"{source.name}[{number}]", row
