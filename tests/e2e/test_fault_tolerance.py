@@ -84,12 +84,13 @@ def trainer_config(jobs: Jobs, name: str) -> dict[str, Any]:
 
 
 def avoided_nodes(pod: dict[str, Any]) -> set[str]:
+    """Nodes the pod prefers not to land on (used only when no other node fits)."""
     affinity = (pod["spec"].get("affinity") or {}).get("nodeAffinity") or {}
-    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    preferred = affinity.get("preferredDuringSchedulingIgnoredDuringExecution") or []
     return {
         value
-        for term in required.get("nodeSelectorTerms") or []
-        for field in term.get("matchFields") or []
+        for term in preferred
+        for field in term["preference"].get("matchFields") or []
         if field["key"] == "metadata.name" and field["operator"] == "NotIn"
         for value in field["values"]
     }
@@ -191,7 +192,7 @@ def test_unknown_failures_back_off_then_exhaust_max_restarts(jobs: Jobs) -> None
     jobs.wait_phase("flaky", "Restarting")
     second = pod_of(jobs, "flaky", 2)
     assert waited(second, record) >= timedelta(seconds=4)
-    assert has_event(jobs, "flaky", "Warning", "Restarting", "attempt 2 starts in")
+    assert has_event(jobs, "flaky", "Warning", "Restarting", "attempt 2 starts at")
 
     fail(jobs, "flaky", 2, 1, "boom again")
     cond = failed_with(jobs, "flaky", "RestartLimitExceeded")

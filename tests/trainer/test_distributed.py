@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from sftjob.constants import CHECKPOINT_COMPLETE_MARKER
+from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode
 from sftjob_trainer.checkpoints import REQUIRED_FILES, TENSORS_DIR, checkpoint_dirs, problem, rng_file
 from sftjob_trainer.observer import TRAIN_LOG_FILE
@@ -121,7 +121,8 @@ def test_two_ranks_write_one_complete_copy_of_each_checkpoint_and_resume_like_an
     assert len(train_log_file.read_text().splitlines()) == STEPS  # rank 0 alone writes it
 
     root = _checkpoint_root(config)
-    assert sorted(p.name for p in root.iterdir()) == ["checkpoint-2", "checkpoint-4"]  # no step-6: the end
+    # No step-6 checkpoint: the run ended there. OWNER names the attempt the folder belongs to.
+    assert sorted(p.name for p in root.iterdir()) == [CHECKPOINT_OWNER_FILE, "checkpoint-2", "checkpoint-4"]
     expected_files = {
         *REQUIRED_FILES,
         TENSORS_DIR,
