@@ -43,7 +43,8 @@ from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.kube import Conflict, Forbidden, Kube, Rejected
 from sftjob_operator.observe import JobView, trim_node, trim_pod
-from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
+from sftjob_operator.reconcile import reconcile
+from sftjob_operator.reconcile_io import Actions, Context, Observed
 from sftjob_operator.status import failed_create, parse_status, reject
 from sftjob_operator.status_draft import Event
 from sftjob_operator.workqueue import WorkQueue

@@ -22,7 +22,7 @@ from sftjob.spec import IMAGE
 from sftjob_operator import handlers, metrics
 from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.kube import Kube, connect
-from sftjob_operator.reconcile import Context
+from sftjob_operator.reconcile_io import Context
 from sftjob_operator.scheduling import default_products, parse_products
 
 DEFAULT_PEERING = "sftjob-operator"

@@ -20,20 +20,18 @@ running one. The steps, in order:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import UTC, timedelta
 
 from pydantic import ValidationError
 
 from sftjob.attempts import AttemptRecord
 from sftjob.config import JobRef
 from sftjob.failures import FailureClass
-from sftjob.job_status import SFTJobStatus
 from sftjob.spec import SFTJobSpec, valid_job_name
-from sftjob_operator import builders, observe, pods, restarts
-from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt, numbered
+from sftjob_operator import builders, observe, pods
+from sftjob_operator.attempt_policy import GiveUp, NextAttempt, numbered
 from sftjob_operator.classify import (
     Classification,
     Outcome,
@@ -48,19 +46,16 @@ from sftjob_operator.conditions import get as get_condition
 from sftjob_operator.defaults import JobDefaults, effective
 from sftjob_operator.planning import (
     CandidatePlans,
-    PlanFn,
     PlanningError,
     check_checkpoint_volume,
     plan_candidates,
     plan_status,
-    planner_plan,
 )
-from sftjob_operator.scheduling import ProductMap, node_affinity
+from sftjob_operator.reconcile_io import Actions, Context, Manifest, Obj, Observed
+from sftjob_operator.scheduling import node_affinity
 from sftjob_operator.status import gpu_status, node_of_rank, read_status, validation_message
 from sftjob_operator.status_draft import Event, StatusDraft
 
-Obj = Mapping[str, Any]
-Manifest = dict[str, Any]
 # A pod of the current attempt that the index has not shown within this long after the attempt
 # started is looked up directly (``Actions.check_pods``): only the API server's 404 (``Observed.gone``)
 # says it was deleted behind the operator's back; the index alone may simply be behind under load.
@@ -68,52 +63,6 @@ POD_APPEARANCE_GRACE = timedelta(seconds=60)
 # Pods created by the pass that started the attempt take a moment to reach the index; only after this
 # long is a missing pod re-created (after an operator crash between the status write and the pods).
 POD_INDEX_SETTLE = timedelta(seconds=3)
-
-
-@dataclass(frozen=True)
-class Observed:
-    """Everything a pass reads: the job (as the API returned it), its pods, the nodes, the time."""
-
-    name: str
-    namespace: str
-    uid: str
-    generation: int
-    spec: Obj
-    status: Obj
-    pods: Sequence[Obj]
-    nodes: Mapping[str, Obj]
-    now: datetime
-    # Pods of the current attempt a direct read (asked for by ``Actions.check_pods``) found absent.
-    gone: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class Context:
-    """Operator configuration the decision depends on."""
-
-    products: ProductMap
-    image: str
-    # The driver major the operator's image needs (None: no constraint); jobs naming an image get none.
-    image_min_driver_major: int | None = None
-    plan_fn: PlanFn = planner_plan
-    attempt_policy: AttemptPolicy = restarts.next_attempt
-    defaults: JobDefaults = field(default_factory=JobDefaults)
-
-
-@dataclass
-class Actions:
-    """The pass's verdict, applied in this order: status, children, pod deletions, job deletion."""
-
-    status: SFTJobStatus
-    status_changed: bool
-    children: list[Manifest] = field(default_factory=list)  # created if missing (ConfigMap/Role: replaced)
-    delete_pods: list[str] = field(default_factory=list)
-    delete_job: bool = False
-    events: list[Event] = field(default_factory=list)
-    requeue_after: float | None = None
-    # Pods the index lacks past their grace: read them directly and decide again with the answer
-    # (found: add them to ``Observed.pods``; 404: ``Observed.gone``). Nothing else is applied.
-    check_pods: list[str] = field(default_factory=list)
 
 
 def reconcile(obs: Observed, ctx: Context) -> Actions:

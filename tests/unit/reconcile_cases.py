@@ -12,7 +12,8 @@ from sftjob.config import DistributedSettings, TrainingSettings
 from sftjob.gpus import GpuProfile
 from sftjob.plan import MemoryEstimate, Plan, PodResources
 from sftjob.spec import SFTJobSpec
-from sftjob_operator.reconcile import Actions, Context, Observed, reconcile
+from sftjob_operator.reconcile import reconcile
+from sftjob_operator.reconcile_io import Actions, Context, Observed
 from sftjob_operator.scheduling import default_products
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

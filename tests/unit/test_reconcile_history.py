@@ -10,7 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 from sftjob import constants as c
-from sftjob_operator.reconcile import Actions, reconcile
+from sftjob_operator.reconcile import reconcile
+from sftjob_operator.reconcile_io import Actions
 from tests.unit.reconcile_cases import (
     CTX,
     NODES,

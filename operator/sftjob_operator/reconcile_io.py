@@ -1,0 +1,66 @@
+"""What a reconcile pass reads and what it returns: the boundary between the pure decision
+(``reconcile.reconcile``) and the handlers that do the I/O (``handlers.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sftjob.job_status import SFTJobStatus
+from sftjob_operator import restarts
+from sftjob_operator.attempt_policy import AttemptPolicy
+from sftjob_operator.defaults import JobDefaults
+from sftjob_operator.planning import PlanFn, planner_plan
+from sftjob_operator.scheduling import ProductMap
+from sftjob_operator.status_draft import Event
+
+Obj = Mapping[str, Any]
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything a pass reads: the job (as the API returned it), its pods, the nodes, the time."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: Obj
+    status: Obj
+    pods: Sequence[Obj]
+    nodes: Mapping[str, Obj]
+    now: datetime
+    # Pods of the current attempt a direct read (asked for by ``Actions.check_pods``) found absent.
+    gone: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Context:
+    """Operator configuration the decision depends on."""
+
+    products: ProductMap
+    image: str
+    # The driver major the operator's image needs (None: no constraint); jobs naming an image get none.
+    image_min_driver_major: int | None = None
+    plan_fn: PlanFn = planner_plan
+    attempt_policy: AttemptPolicy = restarts.next_attempt
+    defaults: JobDefaults = field(default_factory=JobDefaults)
+
+
+@dataclass
+class Actions:
+    """The pass's verdict, applied in this order: status, children, pod deletions, job deletion."""
+
+    status: SFTJobStatus
+    status_changed: bool
+    children: list[Manifest] = field(default_factory=list)  # created if missing (ConfigMap/Role: replaced)
+    delete_pods: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+    # Pods the index lacks past their grace: read them directly and decide again with the answer
+    # (found: add them to ``Observed.pods``; 404: ``Observed.gone``). Nothing else is applied.
+    check_pods: list[str] = field(default_factory=list)
