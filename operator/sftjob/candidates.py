@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from sftjob.architectures import Architecture
 from sftjob.config import Attention, LoraSettings, Method, Precision, Sharding, TrainingOverrides
@@ -38,18 +38,10 @@ class PlanRequest(BaseModel):
     nodes: int = Field(default=1, ge=1)
     overrides: TrainingOverrides = TrainingOverrides()
     safety_fraction: float = Field(default=0.9, gt=0, le=1)
-    # Packed-row length the user fixed (at most max_seq_length); None: max_seq_length, and the OOM
+    # Packed-row length the user fixed (at most max_seq_length: ``spec.to_plan_request``); None:
+    # max_seq_length, and the OOM
     # ladder may shorten it.
     packing_length: int | None = Field(default=None, ge=16)
-
-    @model_validator(mode="after")
-    def _packed_rows_fit_the_sequence_length(self) -> PlanRequest:
-        if self.packing_length is not None and self.packing_length > self.max_seq_length:
-            raise ValueError(
-                f"packing length {self.packing_length} exceeds the maximum sequence length"
-                f" {self.max_seq_length}"
-            )
-        return self
 
     @property
     def world_size(self) -> int:

@@ -28,7 +28,7 @@ from sftjob.gpus import PROFILES, GpuProfile, profile_for_key
 from sftjob.job_plan import plan_job
 from sftjob.plan import Plan
 from sftjob.planner import PlanRequest
-from sftjob.spec import ANY_ORDER, SFTJobSpec, to_plan_request
+from sftjob.spec import ANY_ORDER, SFTJobSpec, packing_problem, to_plan_request
 from sftjob.storage import too_small
 
 EXIT_NOTHING_FITS = 1
@@ -125,9 +125,12 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
     else:
         raise InputError("give -f sftjob.yaml, or --model (a hub id) and/or --parameters")
     try:
-        return SFTJobSpec.model_validate(doc), where, named
+        spec = SFTJobSpec.model_validate(doc)
     except ValidationError as e:
         raise InputError(where + _name_flags(_problems(e), named)) from e
+    if problem := packing_problem(spec):  # the CRD's rule, which admission applies
+        raise InputError(where + _name_flags(problem, named))
+    return spec, where, named
 
 
 def _profiles(names: list[str]) -> list[GpuProfile]:

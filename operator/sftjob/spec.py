@@ -361,16 +361,6 @@ class SFTJobSpec(_Spec):
             )
         return self
 
-    @model_validator(mode="after")
-    def _packed_rows_fit_the_sequence_length(self) -> SFTJobSpec:
-        length = self.training.packing_length
-        if length is not None and length > self.dataset.max_seq_length:
-            raise ValueError(
-                f"spec.training.packingLength {length} exceeds spec.dataset.maxSeqLength"
-                f" {self.dataset.max_seq_length}: packed rows hold at most maxSeqLength tokens"
-            )
-        return self
-
     @property
     def target_modules(self) -> list[str] | Literal["all-linear"]:
         """``spec.lora.targetModules``; a list holding only ``all-linear`` means the peft shorthand."""
@@ -390,6 +380,19 @@ def valid_job_name(name: str) -> bool:
     return len(name) <= MAX_JOB_NAME and re.match(JOB_NAME_PATTERN, name) is not None
 
 
+def packing_problem(spec: SFTJobSpec) -> str | None:
+    """Packed rows longer than the sequence length: refused at admission by the CRD's rule, and by the
+    CLI, but not by this model: a job admitted before the rule existed keeps running, its rows planned at
+    ``maxSeqLength`` (:func:`to_plan_request`), as they were then."""
+    length = spec.training.packing_length
+    if length is not None and length > spec.dataset.max_seq_length:
+        return (
+            f"spec.training.packingLength {length} exceeds spec.dataset.maxSeqLength"
+            f" {spec.dataset.max_seq_length}: packed rows hold at most maxSeqLength tokens"
+        )
+    return None
+
+
 def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanRequest:
     """The planner's question for this job on ``nodes`` x ``gpus_per_node`` GPUs of one type.
 
@@ -404,6 +407,7 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
         spec.model.architecture,
         spec.model.parameters,
     )
+    packing = spec.training.packing_length
     return PlanRequest(
         architecture=architecture,
         method=spec.method,
@@ -412,5 +416,5 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
         gpus_per_node=gpus_per_node,
         nodes=nodes,
         overrides=spec.training,
-        packing_length=spec.training.packing_length,
+        packing_length=(None if packing is None else min(packing, spec.dataset.max_seq_length)),
     )

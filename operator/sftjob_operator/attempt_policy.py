@@ -32,7 +32,7 @@ class NextAttempt:
 
     attempt: int
     plans: CandidatePlans
-    avoid_nodes: tuple[str, ...] = ()  # nodes that failed the job: used only when no other node fits
+    avoid_nodes: tuple[str, ...] = ()  # nodes that failed the job: preferred against
     not_before: datetime | None = None
     ladder_step: str | None = None
     message: str = ""  # what changed from the previous attempt, for the event

@@ -163,7 +163,7 @@ def attempt_settings(
 
     avoid = avoided_nodes(ended)
     if avoid:
-        changes.append(f"avoiding node(s) {', '.join(avoid)} while others fit")
+        changes.append(f"preferring nodes other than {', '.join(avoid)}")
     result = CandidatePlans(adjusted, plans.profile_by_product)
     return NextAttempt(
         attempt=max((r.attempt for r in history), default=0) + 1,

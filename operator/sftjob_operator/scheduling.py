@@ -4,8 +4,9 @@ Nodes are matched on the ``nvidia.com/gpu.product`` label GPU Feature Discovery 
 becomes a required affinity on that type's products; ``Any`` or an ordered list becomes a required
 affinity on every candidate's products plus preferred terms weighted in the user's order, so the
 scheduler picks the first preference with free GPUs and still lands the job elsewhere when it has none.
-Nodes that failed the job before are a preferred term too, weighted above any GPU-type preference: a
-retry lands elsewhere whenever another node fits, yet a job on a small pool is not held Pending forever
+Nodes that failed the job before are a preferred term too, weighted above any GPU-type preference: the
+scheduler scores a retry against them (a preference, one score among its others, not a rule), yet a job
+on a small pool is not held Pending forever
 by a node that was lost once and came back (what keeps pods off a node that is still broken is the
 cluster's own state: its NotReady taint, a cordon, the device plugin withdrawing unhealthy GPUs).
 The mapping is operator configuration (``--gpu-products``); the default comes from ``sftjob.gpus``.
@@ -76,7 +77,7 @@ def node_affinity(
     """The pod's ``affinity.nodeAffinity`` for GPU types in preference order.
 
     ``allowed_products`` narrows the candidates (products whose plan does not fit are left out);
-    ``avoid_nodes`` (nodes that failed the job before) are used only when no other node fits;
+    ``avoid_nodes`` (nodes that failed the job before) are preferred against;
     ``min_driver_major`` keeps the pods off nodes whose NVIDIA driver (GPU Feature Discovery's label)
     is too old for the image.
     """
@@ -102,8 +103,9 @@ def node_affinity(
     if len(preferred) == 1:  # a single type: every allowed node matches it, the term ranks nothing
         preferred = []
     if avoid_nodes:
-        not_failed = {"key": HOSTNAME_FIELD, "operator": "NotIn", "values": list(avoid_nodes)}
-        preferred.append({"weight": AVOID_WEIGHT, "preference": {"matchFields": [not_failed]}})
+        # One requirement per node (ANDed): the API server takes one value in a field selector's NotIn.
+        not_failed = [{"key": HOSTNAME_FIELD, "operator": "NotIn", "values": [node]} for node in avoid_nodes]
+        preferred.append({"weight": AVOID_WEIGHT, "preference": {"matchFields": not_failed}})
     if preferred:
         affinity["preferredDuringSchedulingIgnoredDuringExecution"] = preferred
     return affinity

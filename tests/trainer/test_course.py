@@ -113,3 +113,22 @@ def test_a_resume_with_halved_rows_ends_after_the_planned_epoch_with_a_smooth_le
     assert rates[0] == first[6]["learningRate"]  # step 7 at the rate of the uninterrupted run
     assert all(b <= a for a, b in itertools.pairwise(rates))
     assert rates[-1] <= first[-1]["learningRate"]
+
+
+def test_a_job_recreated_with_more_steps_over_its_kept_checkpoints_runs_them_all_on_a_new_schedule(
+    trainer_config: MakeConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = trainer_config("text", training={"maxSteps": 8}, checkpoints={"everySteps": 2, "keep": 20})
+    assert run(str(config)) == ExitCode.OK
+    settings = json.loads(config.read_text())
+    root = Path(settings["checkpoints"]["dir"])
+    for step, path in checkpoint_dirs(root):
+        if step > 4:
+            shutil.rmtree(path)
+    settings["training"]["maxSteps"] = 12  # not a layout change: the user asked for a longer run
+    config.write_text(json.dumps(settings))
+    with caplog.at_level(logging.WARNING):
+        assert run(str(config)) == ExitCode.OK
+    assert "another run length (maxSteps 12, was maxSteps 8)" in caplog.text
+    summary = json.loads((Path(settings["outputDir"]) / "summary.json").read_text())
+    assert summary["resumedFromStep"] == 4 and summary["totalSteps"] == summary["steps"] == 12

@@ -261,7 +261,7 @@ def test_lost_and_faulty_nodes_and_repeated_nccl_breakers_are_avoided() -> None:
     ]
     decision = restart(policy_decision(history, RestartPolicy(max_restarts=10)))
     assert decision.avoid_nodes == ("flaky", "lost", "old-driver", "xid")
-    assert "avoiding node(s) flaky, lost, old-driver, xid" in decision.message
+    assert "preferring nodes other than flaky, lost, old-driver, xid" in decision.message
 
 
 def test_a_communication_error_on_pcie_only_gpus_disables_nccl_p2p() -> None:

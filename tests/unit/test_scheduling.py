@@ -46,3 +46,16 @@ def test_a_healthy_node_of_any_candidate_type_outscores_a_failed_node_of_the_pre
 def test_a_single_type_with_no_failed_node_has_no_preferences() -> None:
     affinity = node_affinity(["L40S"], PRODUCTS)
     assert "preferredDuringSchedulingIgnoredDuringExecution" not in affinity
+
+
+def test_each_failed_node_is_its_own_field_requirement_as_the_api_server_takes_one_value_each() -> None:
+    affinity = node_affinity(["A800"], PRODUCTS, avoid_nodes=("a800-1", "a800-2"))
+    [avoid] = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert avoid["preference"]["matchFields"] == [
+        {"key": "metadata.name", "operator": "NotIn", "values": ["a800-1"]},
+        {"key": "metadata.name", "operator": "NotIn", "values": ["a800-2"]},
+    ]
+    for node in ("a800-1", "a800-2"):
+        assert preferred_score(affinity, node, "NVIDIA-A800-SXM4-80GB") < preferred_score(
+            affinity, "a800-3", "NVIDIA-A800-SXM4-80GB"
+        )

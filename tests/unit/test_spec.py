@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from sftjob.architectures import KNOWN_ARCHITECTURES, ModelFamily
 from sftjob.job_status import SFTJobStatus
-from sftjob.spec import SFTJobSpec, to_plan_request, valid_job_name
+from sftjob.spec import SFTJobSpec, packing_problem, to_plan_request, valid_job_name
 
 PVC = {"persistentVolumeClaim": {"claimName": "models"}}
 
@@ -59,7 +59,6 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
         {"model": {"name": "a/b", "tokenSecretRef": {"name": "hf", "key": ".."}}},
         {"dataset": {"path": "d", "volume": {"hostPath": {"path": "/data/../etc"}}}},
         {"gpus": 2},
-        {"training": {"packingLength": 4096}},
         {"dataset": {"name": "org/chats", "maxBadRowFraction": 1.5}},
     ],
 )
@@ -206,10 +205,17 @@ def test_every_family_of_the_built_in_table_is_one_a_spec_can_name() -> None:
     assert {arch.family for _, _, arch in KNOWN_ARCHITECTURES} == set(get_args(ModelFamily))
 
 
-def test_packed_rows_longer_than_the_sequence_length_are_refused_naming_both_fields() -> None:
-    with pytest.raises(
-        ValidationError, match=r"spec\.training\.packingLength 4096 exceeds spec\.dataset\.maxSeqLength 2048"
-    ):
-        spec(training={"packingLength": 4096})
+def test_packed_rows_longer_than_the_sequence_length_are_a_problem_naming_both_fields() -> None:
+    too_long = spec(training={"packingLength": 4096})
+    assert packing_problem(too_long) == (
+        "spec.training.packingLength 4096 exceeds spec.dataset.maxSeqLength 2048: packed rows hold at most"
+        " maxSeqLength tokens"
+    )
     fits = spec(dataset={"name": "org/chats", "maxSeqLength": 4096}, training={"packingLength": 4096})
+    assert packing_problem(fits) is None
     assert to_plan_request(fits, 1, 1).packing_length == 4096
+
+
+def test_a_job_admitted_before_the_packing_rule_keeps_planning_its_rows_at_the_sequence_length() -> None:
+    admitted_earlier = spec(training={"packingLength": 4096})  # the model parses it: no job fails on upgrade
+    assert to_plan_request(admitted_earlier, 1, 1).packing_length == 2048

@@ -18,7 +18,7 @@ import bisect
 import itertools
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import Dataset
@@ -159,7 +159,8 @@ class Course:
     at ``total`` after the share of ``planned`` steps still to do, follows the schedule at that pace
     (:meth:`position`, so the learning rate continues smoothly) and reads the last steps of the new
     layout's epochs (``offset``: the run's end meets the end of its planned data). A resume with an
-    unchanged layout keeps the course as it is.
+    unchanged layout keeps the course as it is. ``length`` is the run length the user asked for
+    (``epochs`` or ``maxSteps``): a job recreated with another one starts a new course instead.
     """
 
     schedule_steps: int
@@ -167,10 +168,11 @@ class Course:
     from_step: int = 0
     from_position: float = 0.0
     offset: int = 0
+    length: str = field(default="", compare=False)
 
     @classmethod
-    def fresh(cls, planned: int) -> Course:
-        return cls(planned, planned)
+    def fresh(cls, planned: int, length: str = "") -> Course:
+        return cls(planned, planned, length=length)
 
     @property
     def replanned(self) -> bool:
@@ -188,7 +190,7 @@ class Course:
             return self
         position = self.position(step)
         total = self._end(step, position, planned)
-        return Course(self.schedule_steps, total, step, position, offset=planned - total)
+        return Course(self.schedule_steps, total, step, position, offset=planned - total, length=self.length)
 
     def _end(self, step: int, position: float, planned: int) -> int:
         left = max(0.0, (self.schedule_steps - position) * planned / self.schedule_steps)

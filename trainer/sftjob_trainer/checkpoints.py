@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 from sftjob.config import JobRef
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE, CHECKPOINT_PREFIX
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.distributed import DistContext, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,8 @@ def take_over(root: Path, job: JobRef, ctx: DistContext) -> None:
         _write_text(tmp, json.dumps({"job": job.uid, "attempt": job.attempt}) + "\n")
         os.replace(tmp, root / CHECKPOINT_OWNER_FILE)
         _fsync_dir(root)
+        for leftover in root.glob(f"{TMP_PREFIX}{CHECKPOINT_PREFIX}*"):  # saves no attempt can commit now
+            shutil.rmtree(leftover, ignore_errors=True)
     ctx.barrier()
 
 
@@ -217,9 +219,18 @@ def _tensors(parts: Trainables) -> dict[str, Any]:
     """The trainable weights and their optimizer state as this rank holds them (its shards under FSDP),
     keyed by parameter name: the tensors themselves, so that loading writes straight into them. Before
     the first step torch creates the optimizer state with a zero-learning-rate step, for loading to fill.
+
+    Only trainable parameters: the state dict also holds what is not a parameter (bitsandbytes' 4-bit
+    quantisation statistics of the frozen base, about 1 GiB for a 70B QLoRA model) and a tied head a
+    second time. Should a trainable parameter's name not be found (a wrapper renaming it), everything
+    is kept: a bigger checkpoint, never a missing weight.
     """
+    model = get_model_state_dict(parts.model, options=_TRAINABLE)
+    trainable = {name for name, p in unwrap(parts.model).named_parameters() if p.requires_grad}
+    if trainable <= model.keys():
+        model = {name: tensor for name, tensor in model.items() if name in trainable}
     return {
-        "model": get_model_state_dict(parts.model, options=_TRAINABLE),
+        "model": model,
         "optimizer": get_optimizer_state_dict(parts.model, parts.optimizer, options=_TRAINABLE),
     }
 

@@ -307,8 +307,24 @@ class Training:
     def continue_course(self, state: TrainState, parts: Trainables, planned: int) -> Course:
         """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
         (``planned``; an OOM re-plan halved the rows) keeps the fraction of the run already done: it ends
-        after the share still to do and follows the learning-rate schedule at the new pace."""
-        before = Course(**state.course) if state.course else Course.fresh(planned)
+        after the share still to do and follows the learning-rate schedule at the new pace. A run length
+        the user changed (a job recreated over its kept checkpoints) starts a new schedule instead."""
+        t = self.t
+        length = f"maxSteps {t.max_steps}" if t.max_steps is not None else f"epochs {t.epochs:g}"
+        before = Course(**state.course) if state.course else None
+        if before is None or before.length != length:
+            course = Course.fresh(planned, length)
+            if before is not None:
+                log.warning(
+                    "resuming at step %d with another run length (%s, was %s): the learning-rate schedule"
+                    " is laid out over %d steps",
+                    state.step,
+                    length,
+                    before.length or "unknown",
+                    planned,
+                )
+            state.course = asdict(course)
+            return course
         course = before.resumed(state.step, planned)
         state.course = asdict(course)
         if course != before:

@@ -1,4 +1,4 @@
-"""The checkpoint folder belongs to one attempt: an older attempt still running commits nothing."""
+"""What a checkpoint folder holds (the trainable parameters only) and who owns it: one attempt at a time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from sftjob.config import JobRef
 from sftjob.constants import CHECKPOINT_OWNER_FILE
@@ -73,3 +74,46 @@ def test_a_job_recreated_under_the_same_name_takes_over_the_folder_it_kept(tmp_p
         checkpoints.save(
             tmp_path, TrainState(step=2), _trainables(), ONE_PROCESS, keep=2, job=_attempt(3, "old")
         )
+
+
+def test_an_attempt_taking_over_removes_the_unfinished_saves_of_the_attempts_before_it(
+    tmp_path: Path,
+) -> None:
+    leftover = tmp_path / ".tmp-checkpoint-4-attempt-1" / checkpoints.TENSORS_DIR
+    leftover.mkdir(parents=True)  # attempt 1 was killed while saving step 4
+    checkpoints.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_OWNER_FILE]
+
+
+def test_a_checkpoint_holds_the_trainable_parameters_only_not_buffers_frozen_weights_or_a_tied_copy(
+    tmp_path: Path,
+) -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 4)
+            self.head = torch.nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight  # tied, as in small Llama and Qwen models
+            self.frozen = torch.nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+            self.register_buffer("absmax", torch.ones(4))  # like bitsandbytes' quantisation statistics
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.frozen(self.embed(ids)) * self.absmax)
+
+    model = Tied()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    parts = Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
+    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    path = checkpoints.save(tmp_path, TrainState(step=1), parts, ONE_PROCESS, keep=1, job=_attempt(1))
+
+    saved = FileSystemReader(path / checkpoints.TENSORS_DIR).read_metadata().state_dict_metadata
+    assert {key for key in saved if key.startswith("model.")} == {"model.embed.weight"}
+
+    before = model.embed.weight.detach().clone()
+    with torch.no_grad():
+        model.embed.weight.zero_()
+    assert checkpoints.load_latest(tmp_path, parts, ONE_PROCESS) is not None
+    assert torch.equal(model.head.weight, before)  # the tied head came back with its embedding
