@@ -49,7 +49,9 @@ def volume_need(spec: SFTJobSpec, plan: Plan) -> VolumeNeed:
     if spec.output.volume is not None:
         final = 0.0
     elif spec.method == "full":
-        final = n * FULL_STATE_BYTES["weights"] / GIB  # save_pretrained keeps the fp32 master weights
+        # Written in the precision it trained in (trainer/sftjob_trainer/model.py ``save_output``).
+        trained_in = FULL_STATE_BYTES["weights"] if plan.training.precision == "fp32" else BF16_BYTES
+        final = n * trained_in / GIB
     else:
         lora = spec.lora
         final = architecture.lora_parameters(lora.r, lora.target_modules) * FULL_STATE_BYTES["weights"] / GIB

@@ -291,12 +291,36 @@ def count_parameters(model: Any) -> ParameterCounts:
     return ParameterCounts(total, non_embedding, trainable)
 
 
-def save_output(model: Any, tokenizer: Any, output_dir: str, state_dict: dict[str, Any] | None) -> None:
-    """The adapter (LoRA/QLoRA) or the whole model, with the tokenizer, as save_pretrained writes them."""
+def save_output(
+    model: Any, tokenizer: Any, output_dir: str, state_dict: dict[str, Any] | None, dtype: torch.dtype | None
+) -> None:
+    """The adapter (LoRA/QLoRA) or the whole model, with the tokenizer, as save_pretrained writes them.
+
+    A fully fine-tuned model is written in ``dtype``, the precision it trained in (bf16 in every plan),
+    like the base it came from, rather than as its fp32 master weights: half the disk, and a config
+    whose ``dtype`` says what the files hold (save_pretrained would write the parameters' fp32). Tensors
+    are converted one at a time on the CPU, tied ones once.
+    """
     try:
+        if dtype is not None:
+            state_dict = _converted(state_dict if state_dict is not None else model.state_dict(), dtype)
         model.save_pretrained(output_dir, state_dict=state_dict)
+        if dtype is not None:
+            model.config.dtype = dtype
+            model.config.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
     except OSError as exc:
         raise TrainerError(
             ExitCode.STORAGE_ERROR, f"could not save the output to {output_dir}: {exc}"
         ) from exc
+
+
+def _converted(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # by storage: state_dict() detaches each tie
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point():
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key not in done:
+                done[key] = tensor.detach().to("cpu", dtype)
+            state_dict[name] = done[key]
+    return state_dict

@@ -407,7 +407,9 @@ class Training:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state_dict = get_model_state_dict(model, options=options)
         if self.ctx.is_main:
-            save_output(unwrap(model), tokenizer, self.config.output_dir, state_dict)
+            full = self.config.method == "full"
+            dtype = precision_plan(self.config.method, self.t.precision).compute_dtype if full else None
+            save_output(unwrap(model), tokenizer, self.config.output_dir, state_dict, dtype)
             log.info(
                 "saved the %s to %s",
                 "adapter" if self.config.method != "full" else "model",
