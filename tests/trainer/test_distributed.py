@@ -146,12 +146,10 @@ def test_two_ranks_write_one_complete_copy_of_each_checkpoint_and_resume_like_an
 def test_sigterm_to_torchrun_stops_both_ranks_after_the_same_step_with_one_checkpoint(
     trainer_config: MakeConfig, termination_log: Path
 ) -> None:
-    config = trainer_config(
-        "messages",
-        name="preempted",
-        **_batch(RANKS, steps=400),
-        checkpoints={"everySteps": 1000},
-    )
+    batch = _batch(RANKS, steps=400)
+    # With dataloader workers, as planned: torchrun signals the whole process group, workers included.
+    batch["training"]["dataloaderWorkers"] = 2
+    config = trainer_config("messages", name="preempted", **batch, checkpoints={"everySteps": 1000})
     proc = start_torchrun(config, termination_log)
     try:
         wait_for_step(config, proc, 3)

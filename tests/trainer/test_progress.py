@@ -37,7 +37,7 @@ class Recorder:
     def progress(self, record: dict[str, Any]) -> None:
         self.progress_records.append(record)
 
-    def checkpoint(self, step: int, path: str) -> None:
+    def checkpoint(self, step: int, path: str, saved_at: float | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -82,18 +82,18 @@ def _step(observer: Observer, clock: Clock, step: int, seconds: float) -> None:
     observer.step(TrainState(step=step), result, seconds, 0.0, FlopsModel(6.0, 0.0))
 
 
-def test_a_slow_step_is_reported_once_the_report_interval_has_passed_even_between_logging_steps(
+def test_slow_steps_are_reported_before_the_next_would_leave_an_interval_without_a_report(
     tmp_path: Path, recorder: Recorder
 ) -> None:
     clock = Clock()
     observer = _observer(tmp_path, clock, every=10)
-    slow = PROGRESS_REPORT_INTERVAL_SECONDS * 0.6
-    for step in (1, 2, 3):
-        _step(observer, clock, step, slow)
-    # Steps end 0.6, 1.2 and 1.8 intervals after the start: step 2 is reported, step 3 waits.
-    assert [r["step"] for r in recorder.progress_records] == [2]
+    for step in range(1, 7):
+        _step(observer, clock, step, PROGRESS_REPORT_INTERVAL_SECONDS * 0.3)
+    # Steps end 0.3, 0.6, 0.9 ... intervals in: waiting past step 3 would leave 1.2 intervals unreported.
+    assert [r["step"] for r in recorder.progress_records] == [3, 6]
     assert [r["step"] for r in map(json.loads, (tmp_path / "train_log.jsonl").read_text().splitlines())] == [
-        2
+        3,
+        6,
     ]
 
 
@@ -125,7 +125,7 @@ def test_a_setup_phase_restarts_the_report_interval(tmp_path: Path, recorder: Re
     observer = _observer(tmp_path, clock, every=10)
     clock.now += 10 * PROGRESS_REPORT_INTERVAL_SECONDS  # a long model load
     observer.phase("model loaded", 0)
-    _step(observer, clock, 1, PROGRESS_REPORT_INTERVAL_SECONDS / 2)
+    _step(observer, clock, 1, PROGRESS_REPORT_INTERVAL_SECONDS / 4)
     assert recorder.progress_records == [
         {"step": 0, "totalSteps": 100, "epoch": 0.0, "phase": "model loaded"}
     ]

@@ -89,8 +89,12 @@ class TrainerMetrics:
         info.labels(**self._labels, model=model, method=method, precision=precision).set(1)
 
     def serve(self, port: int) -> int:
-        """Start the HTTP endpoint (port 0 picks a free one); returns the bound port."""
-        self._server, _thread = start_http_server(port, registry=self.registry)
+        """Start the HTTP endpoint (port 0 picks a free one); returns the bound port. It listens on both
+        IPv6 and IPv4 (an IPv6-only cluster scrapes it too), on IPv4 alone where the kernel has no IPv6."""
+        try:
+            self._server, _thread = start_http_server(port, addr="::", registry=self.registry)
+        except OSError:
+            self._server, _thread = start_http_server(port, registry=self.registry)
         bound = int(self._server.server_port)
         log.info("metrics on :%d/metrics", bound)
         return bound
@@ -134,7 +138,9 @@ class TrainerMetrics:
             self.memory_peak.set(torch.cuda.max_memory_allocated(device))
             self.memory_total.set(torch.cuda.get_device_properties(device).total_memory)
 
-    def record_checkpoint(self, step: int, seconds: float) -> None:
-        self.checkpoint_save.observe(seconds)
+    def record_checkpoint(self, step: int, seconds: float | None, saved_at: float | None = None) -> None:
+        """A save that took ``seconds``; or (``seconds`` None) the checkpoint a run resumed from."""
+        if seconds is not None:
+            self.checkpoint_save.observe(seconds)
         self.last_checkpoint_step.set(step)
-        self.last_checkpoint_time.set(time.time())
+        self.last_checkpoint_time.set(time.time() if saved_at is None else saved_at)

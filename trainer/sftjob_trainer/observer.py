@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sftjob.config import TrainerConfig
-from sftjob.constants import PROGRESS_REPORT_INTERVAL_SECONDS
+from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, PROGRESS_REPORT_INTERVAL_SECONDS
 from sftjob_trainer.batching import Schedule
 from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.distributed import DistContext
@@ -88,9 +88,11 @@ class Observer:
         self.reporter.progress(record)
         self._reported = self.clock()
 
-    def _due(self, step: int) -> bool:
-        """A logging step, the last step, or the first step to end an interval after the last report."""
-        overdue = self.clock() - self._reported >= PROGRESS_REPORT_INTERVAL_SECONDS
+    def _due(self, step: int, seconds: float) -> bool:
+        """A logging step, the last step, or a step after which the next (as long as this one, ``seconds``)
+        would end more than an interval after the last report: reports are never further apart than the
+        interval plus one step, so only a step longer than the stall timeout's remainder looks stalled."""
+        overdue = self.clock() - self._reported + seconds >= PROGRESS_REPORT_INTERVAL_SECONDS
         return step % self.every == 0 or step == self.total or overdue
 
     def step(self, state: TrainState, result: StepResult, seconds: float, waited: float, flops: Any) -> None:
@@ -107,7 +109,7 @@ class Observer:
             dataloader_wait=waited,
         )
         self._window.append((result, seconds, flops.step_flops(result.tokens, result.attention_pairs)))
-        if not self._due(state.step):
+        if not self._due(state.step, seconds):
             return
         elapsed = sum(s for _, s, _ in self._window) or 1e-9
         rates = WindowRates(
@@ -147,6 +149,13 @@ class Observer:
     def checkpoint_saved(self, step: int, path: str, seconds: float) -> None:
         self.metrics.record_checkpoint(step, seconds)
         self.reporter.checkpoint(step, path)
+
+    def resumed_from(self, step: int, path: Path) -> None:
+        """The checkpoint this run resumed from, as old as it is (its completion marker's time): not a
+        save of this run, so the save-duration histogram is left alone."""
+        saved_at = (path / CHECKPOINT_COMPLETE_MARKER).stat().st_mtime
+        self.metrics.record_checkpoint(step, None, saved_at)
+        self.reporter.checkpoint(step, str(path), saved_at)
 
     def close(self) -> None:
         self.reporter.close()

@@ -24,8 +24,10 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 REQUEST_TIMEOUT_SECONDS = 10
 
 
-def rfc3339_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def rfc3339_now(at: float | None = None) -> str:
+    """``at`` (seconds since the epoch; now when None) as the API server writes times."""
+    moment = datetime.now(UTC) if at is None else datetime.fromtimestamp(at, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class ProgressReporter:
@@ -73,8 +75,8 @@ class ProgressReporter:
     def progress(self, record: dict[str, Any]) -> None:
         self._set(ANNOTATION_PROGRESS, record | {"updated": rfc3339_now()})
 
-    def checkpoint(self, step: int, path: str) -> None:
-        self._set(ANNOTATION_CHECKPOINT, {"step": step, "path": path, "time": rfc3339_now()})
+    def checkpoint(self, step: int, path: str, saved_at: float | None = None) -> None:
+        self._set(ANNOTATION_CHECKPOINT, {"step": step, "path": path, "time": rfc3339_now(saved_at)})
 
     def _set(self, key: str, value: dict[str, Any]) -> None:
         if self._api is None:

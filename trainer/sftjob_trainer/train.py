@@ -84,6 +84,13 @@ class GracefulStop:
         self.requested = True
 
 
+def _ignore_sigterm(_worker: int) -> None:
+    """DataLoader workers are in the trainer's process group, which torchrun signals as a whole: a worker
+    dying of SIGTERM would end the step with an error instead of a checkpoint. They keep serving batches
+    until the trainer, which handles the signal, finishes its step and stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(int(run(os.environ.get(CONFIG_ENV, f"{CONFIG_MOUNT}/{CONFIG_FILE}"))))
@@ -164,6 +171,7 @@ class Training:
         packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
         examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
         units = make_units(examples, packing_length)
+        del examples  # the units hold the tokens now; every rank (and its workers) would keep both
         schedule = Schedule(
             len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
         )
@@ -192,6 +200,7 @@ class Training:
             if observer is not None:
                 observer.metrics.bad_rows.inc(stats.bad_rows)
                 observer.phase("data ready", checkpoints.newest_complete_step(root))
+            self.stop_if_asked("after loading the data")
             summary = self.train(tokenizer, units, schedule, layout, attention, planned, observer)
             summary |= {
                 "format": fmt,
@@ -246,6 +255,7 @@ class Training:
         )
         if observer is not None:
             observer.phase("model loaded", checkpoints.newest_complete_step(root))
+        self.stop_if_asked("after loading the model")
 
         # Resume.
         fingerprint = {
@@ -279,7 +289,7 @@ class Training:
         if observer is not None:
             observer.follow(schedule, course.total)
             if resumed:
-                observer.checkpoint_saved(state.step, str(resumed[1]), 0.0)
+                observer.resumed_from(state.step, resumed[1])
             observer.phase("resumed" if resumed else "starting", state.step, state.loss)
 
         seconds, tokens = self.loop(
@@ -303,6 +313,14 @@ class Training:
             "resumedFromStep": resumed_from,
             "method": config.method,
         }
+
+    def stop_if_asked(self, where: str) -> None:
+        """SIGTERM during setup (a long download, tokenization or load): stop at the next phase with
+        nothing to save, well inside the grace period, instead of being killed at its end."""
+        if self.stop.requested:
+            raise TrainerError(
+                ExitCode.PREEMPTED, f"preempted (SIGTERM) {where}, before training: no checkpoint"
+            )
 
     def continue_course(self, state: TrainState, parts: Trainables, planned: int) -> Course:
         """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
@@ -360,6 +378,7 @@ class Training:
             num_workers=t.dataloader_workers,
             pin_memory=ctx.device.type == "cuda",
             generator=torch.Generator().manual_seed(t.seed),
+            worker_init_fn=_ignore_sigterm,
         )
         if self.stop.requested:
             raise TrainerError(ExitCode.PREEMPTED, f"SIGTERM before training resumed at step {state.step}")
