@@ -154,7 +154,7 @@ def test_packed_gemma2_examples_under_eager_attention_get_the_logits_they_have_a
         packed = model(**model_inputs(batch, CPU), use_cache=False).logits[0]
         bounds = [0, *itertools.accumulate(unit.lengths)]
         for start, end in itertools.pairwise(bounds):
-            alone = model(input_ids=torch.tensor([unit.input_ids[start:end]])).logits[0]
+            alone = model(input_ids=torch.tensor([unit.input_ids[start:end].tolist()])).logits[0]
             assert torch.allclose(packed[start:end], alone, atol=1e-5)
 
         for layer in model.model.layers:  # what dropping the soft-capping would compute
