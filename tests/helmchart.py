@@ -40,9 +40,13 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 def template_args(
-    values: tuple[Path, ...] = (), sets: tuple[str, ...] = (), *, namespace: str = NAMESPACE
+    values: tuple[Path, ...] = (),
+    sets: tuple[str, ...] = (),
+    *,
+    namespace: str = NAMESPACE,
+    release: str = RELEASE,
 ) -> list[str]:
-    args = ["template", RELEASE, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION]
+    args = ["template", release, str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION]
     for f in values:
         args += ["--values", str(f)]
     for s in sets:

@@ -20,7 +20,10 @@ from sftjob.gpus import profile_for_product
 from sftjob_operator.builders import VARIANT_KEY
 
 # Set by the runner itself (or meaningless outside a pod): never copied from the pod spec.
-RUNNER_ENV = frozenset({c.CONFIG_ENV, "POD_NAME", "POD_NAMESPACE", "NODE_NAME", "KUBECONFIG"})
+# The runner sets these itself; HOME and the Triton cache stay the developer's on a local run.
+RUNNER_ENV = frozenset(
+    {c.CONFIG_ENV, "POD_NAME", "POD_NAMESPACE", "NODE_NAME", "KUBECONFIG", "HOME", "TRITON_CACHE_DIR"}
+)
 
 
 def localize_path(path: str, mounts: Mapping[str, Path]) -> str:

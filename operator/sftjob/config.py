@@ -15,8 +15,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from sftjob.constants import MIN_DRIVER_VERSION
-
 Method = Literal["lora", "qlora", "full"]
 # No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -151,12 +149,17 @@ class CheckpointSettings(_Strict):
 
 
 class GpuExpectation(_Strict):
-    """What preflight checks before heavy work. ``required=False`` is an explicit CPU run (tests)."""
+    """What preflight checks before heavy work. ``required=False`` is an explicit CPU run (tests).
+
+    Whatever the image, preflight requires a driver that supports the CUDA major version its PyTorch
+    was built for: that is the real incompatibility. ``min_driver`` is an extra floor ("": none, which
+    trainers of every version read as no floor). The operator sets none: the image decides which
+    drivers can run it (a CUDA 12 build of the trainer runs on drivers older than the default's 580).
+    """
 
     required: bool = True
-    product: str | None = None  # e.g. "NVIDIA A800-SXM4-80GB" as the driver names it
     memory_gib: float | None = None  # free memory the plan needs per GPU
-    min_driver: str = MIN_DRIVER_VERSION
+    min_driver: str = ""  # e.g. "580.65.06"
 
 
 class ReportSettings(_Strict):

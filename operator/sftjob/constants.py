@@ -10,6 +10,9 @@ LABEL_JOB = "sftjob.io/job"
 LABEL_ATTEMPT = "sftjob.io/attempt"
 LABEL_ROLE = "sftjob.io/role"
 LABEL_RANK = "sftjob.io/node-rank"
+# The uid of the SFTJob that owns the object (like batch.kubernetes.io/controller-uid): a job deleted and
+# created again under the same name is a new uid, and must not take its predecessor's pods for its own.
+LABEL_CONTROLLER_UID = "sftjob.io/controller-uid"
 # Written by the trainer on its own Pod (JSON); read by the operator. The trainer never opens a
 # connection to the operator and the operator never connects to a pod: both go through the API server.
 ANNOTATION_PROGRESS = "sftjob.io/progress"
@@ -46,12 +49,19 @@ OUTPUT_MOUNT = "/output"
 MODEL_MOUNT = "/model"
 DATASET_MOUNT = "/data"
 TERMINATION_LOG = "/dev/termination-log"
+# A writable scratch folder (an emptyDir) that is also the pod's HOME: a job's own image may have no home
+# its uid 1000 can write, and Triton (Liger's kernels) compiles into a cache under it.
+SCRATCH_MOUNT = "/tmp"
 TRAINER_METRICS_PORT = 9401
 # The longest gap between the trainer's progress reports while steps complete: well under the smallest
 # spec.restartPolicy.stallTimeoutSeconds (60), so only a step or setup phase that itself takes longer
 # than the stall timeout can look stalled.
 PROGRESS_REPORT_INTERVAL_SECONDS = 30.0
 TORCHRUN_PORT = 29500
+# How long torchrun's rank 0 of a multi-node job waits for the other nodes (static rendezvous; torch's
+# default is 600 s) when the job sets no activeDeadlineSeconds: a peer Pending for capacity, pulling a
+# cold image or waiting for GPUs the previous attempt still holds in its grace period is waited for.
+RENDEZVOUS_TIMEOUT_SECONDS = 86_400
 
 # Checkpoint layout: a checkpoint is complete only when its marker file exists.
 CHECKPOINT_PREFIX = "checkpoint-"

@@ -37,7 +37,7 @@ def with_user_resources(spec: SFTJobSpec, plan: Plan, profile: GpuProfile) -> Pl
     update: dict[str, Any] = {"resources": resources}
     if wanted.cpu is not None:
         per_gpu = max(1, math.floor(quantity_value(wanted.cpu) / spec.gpu.count))
-        env = pod_environment(profile, spec.gpu.count, spec.gpu.nodes, per_gpu)
+        env = pod_environment(spec.gpu.count, spec.gpu.nodes, per_gpu)
         update["env"] = {**plan.env, "OMP_NUM_THREADS": env["OMP_NUM_THREADS"]}
         update["training"] = plan.training.model_copy(
             update={"dataloader_workers": workers_per_process(per_gpu)}

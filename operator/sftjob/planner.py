@@ -81,7 +81,7 @@ def _assemble(
         distributed=DistributedSettings(
             nnodes=request.nodes, nproc_per_node=request.gpus_per_node, sharding=c.sharding
         ),
-        env=pod_environment(gpu, request.gpus_per_node, request.nodes, cpus_per_gpu),
+        env=pod_environment(request.gpus_per_node, request.nodes, cpus_per_gpu),
         resources=resources,
         checkpoint_gib=round(
             checkpoint_gib(request.architecture, request.method, request.lora, OPTIMIZER), 2

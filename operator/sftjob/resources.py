@@ -14,7 +14,6 @@ import math
 
 from sftjob.architectures import Architecture
 from sftjob.config import LoraSettings, Method, Optimizer
-from sftjob.gpus import GpuProfile
 from sftjob.memory import ADAPTER_STATE_BYTES, BF16_BYTES, FULL_STATE_BYTES, GIB, OPTIMIZER_BYTES
 from sftjob.plan import PodResources
 
@@ -84,14 +83,16 @@ def pod_resources(architecture: Architecture, method: Method, gpus_per_node: int
     ), cpus // gpus_per_node
 
 
-def pod_environment(gpu: GpuProfile, gpus_per_node: int, nodes: int, cpus_per_gpu: int) -> dict[str, str]:
+def pod_environment(gpus_per_node: int, nodes: int, cpus_per_gpu: int) -> dict[str, str]:
     """Environment for the trainer container.
 
     - ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``: the fix for the seed guide's "memory free
       but allocation fails" fragmentation problem.
-    - NVLink cards (A800 SXM4): P2P only over NVLink (``NCCL_P2P_LEVEL=NVL``). PCIe-only cards (A40,
-      L40S): NCCL's own topology detection decides P2P; a host whose ACS/IOMMU setup breaks P2P needs
-      ``NCCL_P2P_DISABLE=1``, an operator-level knob, not a default (research §3.1).
+    - P2P is left to NCCL's own topology detection, which prefers NVLink where there is one. No
+      ``NCCL_P2P_LEVEL``: it only restricts, and the pod's environment comes from the first candidate
+      card's plan wherever the pod lands, so NVLink-only P2P set for an A800 SXM4 plan would turn P2P
+      off on a PCIe card. A host whose ACS/IOMMU setup breaks PCIe P2P shows as a communication error;
+      the next attempts then keep P2P to NVLink (``sftjob_operator.restarts``, research §3.1).
     - Single node: no network transport (``NCCL_IB_DISABLE=1``). Multi-GPU: NCCL logs its init and
       the transport per channel ("via P2P/IPC", "via SHM") once, so a slow PCIe path is visible.
     """
@@ -103,8 +104,6 @@ def pod_environment(gpu: GpuProfile, gpus_per_node: int, nodes: int, cpus_per_gp
     }
     if gpus_per_node * nodes > 1:
         env |= {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV"}
-        if gpu.nvlink_gbs:
-            env["NCCL_P2P_LEVEL"] = "NVL"
         if nodes == 1:
             env["NCCL_IB_DISABLE"] = "1"
     return env

@@ -1,7 +1,8 @@
 """Pure builders: an SFTJob and its plans in, the manifests of its children out. No I/O.
 
-Every child has a deterministic name and an ownerReference to the SFTJob, so creating it twice is a
-409 the operator shrugs off and deleting the job lets the garbage collector remove it:
+Every child has a deterministic name, an ownerReference to the SFTJob and its uid as a label, so
+creating it twice is a 409 the operator shrugs off (once it has checked the object is this job's, not
+an earlier job's of the same name) and deleting the job lets the garbage collector remove it:
 
 - ``<job>-config``       ConfigMap: the trainer configuration (one per candidate GPU profile)
 - ``<job>-checkpoints``  PersistentVolumeClaim, when the spec names no checkpoint volume
@@ -14,6 +15,7 @@ Every child has a deterministic name and an ownerReference to the SFTJob, so cre
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Sequence
 from typing import Any
 
 from sftjob import constants as c
@@ -94,6 +96,7 @@ def owner_reference(job: JobRef) -> Manifest:
 def labels(job: JobRef, *, attempt: int | None = None, rank: int | None = None) -> dict[str, str]:
     out = {
         c.LABEL_JOB: job.name,
+        c.LABEL_CONTROLLER_UID: job.uid,
         "app.kubernetes.io/name": "sftjob",
         "app.kubernetes.io/instance": job.name,
         "app.kubernetes.io/managed-by": MANAGED_BY,
@@ -195,7 +198,8 @@ def checkpoint_pvc(job: JobRef, spec: SFTJobSpec) -> Manifest:
 
 
 def rendezvous_service(job: JobRef) -> Manifest:
-    """Headless Service giving each pod a DNS name (``<pod>.<job>``) before it is ready."""
+    """Headless Service giving each pod a DNS name (``<pod>.<job>``) before it is ready; it selects by
+    the job's uid too, so never a pod of an earlier job of that name that is still terminating."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -203,19 +207,24 @@ def rendezvous_service(job: JobRef) -> Manifest:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {c.LABEL_JOB: job.name},
+            "selector": {c.LABEL_JOB: job.name, c.LABEL_CONTROLLER_UID: job.uid},
             "ports": [{"name": "rendezvous", "port": c.TORCHRUN_PORT, "targetPort": c.TORCHRUN_PORT}],
         },
     }
 
 
-def service_account(job: JobRef) -> Manifest:
-    return {
+def service_account(job: JobRef, image_pull_secrets: Sequence[str] = ()) -> Manifest:
+    """The trainer pods' identity. Kubernetes adds its ``image_pull_secrets`` (Secret names in the job's
+    namespace) to every pod that runs as it, so trainer images can come from a private registry."""
+    account: Manifest = {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
         "metadata": metadata(job, trainer_account_name(job.name)),
         "automountServiceAccountToken": False,  # only the trainer pods mount it, explicitly
     }
+    if image_pull_secrets:
+        account["imagePullSecrets"] = [{"name": name} for name in image_pull_secrets]
+    return account
 
 
 def role(job: JobRef, pod_names: list[str]) -> Manifest:

@@ -60,6 +60,10 @@ MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
         (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
     )
 )
+# torchrun's rendezvous gave up on a peer that never came (rank 0: "Timed out after 600 seconds waiting for
+# clients. 1/2 clients joined."; the others: "The client socket has timed out after 600000ms while trying
+# to connect to (host, port)."): a CommunicationError, yet no sign of a broken link or a bad node.
+PEER_NEVER_JOINED = re.compile(r"waiting for clients|timed out after \S+ while trying to connect to", re.I)
 
 
 class Outcome(StrEnum):
@@ -130,7 +134,7 @@ def classify_pod(
         return _failed(FailureClass.NODE_LOST, None, f"node {node_name} is gone or NotReady", node_name)
     terminating = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
     if phase == "Running" and stall_timeout_seconds is not None and not terminating:
-        since = max((t for t in (last_progress, _running_since(status)) if t is not None), default=None)
+        since = max((t for t in (last_progress, running_since(status)) if t is not None), default=None)
         if since is not None and (now - since).total_seconds() > stall_timeout_seconds:
             return _failed(
                 FailureClass.STALLED,
@@ -202,6 +206,14 @@ def end_record(
             "lost_steps": lost,
         }
     )
+
+
+def peer_never_joined(record: AttemptRecord) -> bool:
+    """The attempt ended because a node never joined torchrun's rendezvous (it was Pending, pulling its
+    image, or waiting for GPUs), not because communication broke."""
+    if record.reason is not FailureClass.COMMUNICATION_ERROR:
+        return False
+    return PEER_NEVER_JOINED.search(record.message) is not None
 
 
 def describe_failure(record: AttemptRecord) -> str:
@@ -283,7 +295,8 @@ def _terminated_state(status: Obj) -> Obj | None:
     return next((s for s in ended if s.get("exitCode") != 0), ended[0] if ended else None)
 
 
-def _running_since(status: Obj) -> datetime | None:
+def running_since(status: Obj) -> datetime | None:
+    """When the pod's container started running (None: not running)."""
     for cs in status.get("containerStatuses") or []:
         started = ((cs.get("state") or {}).get("running") or {}).get("startedAt")
         if started:

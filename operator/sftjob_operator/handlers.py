@@ -11,9 +11,11 @@ How the kopf handler kinds map onto a level-based operator:
 - ``WORKERS`` workers, started with the operator, take keys off the queue and run one pass each (a
   key is never in two passes at once). A pass asks to be run again after its requeue delay, at the
   latest after ``RESYNC_SECONDS``; an API error backs the key off; a job gone from the index is
-  forgotten. There is no task per job and no finalizer: deleting a job needs nothing from the
-  operator (the garbage collector removes its children by ownerReference), and a finalizer an older
-  version added is removed by kopf.
+  forgotten; so is a ghost the index kept after a watch gap once its status write answers 404, and
+  a pass takes the newest entry of a key, not a ghost beside it (:mod:`~sftjob_operator.ghosts`).
+  There is no task per job and no finalizer: deleting a job needs nothing from the operator (the
+  garbage collector removes its children by ownerReference), and a finalizer an older version added
+  is removed by kopf.
 
 Each pass calls :func:`sftjob_operator.reconcile.reconcile` with a snapshot and applies its actions.
 Children created by this process are remembered (:mod:`~sftjob_operator.expectations`) so a pass that
@@ -38,10 +40,11 @@ import kopf
 from sftjob import constants as c
 from sftjob.config import JobRef
 from sftjob.job_status import SFTJobStatus
-from sftjob_operator import builders, metrics
+from sftjob_operator import builders, metrics, observe
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
-from sftjob_operator.kube import Conflict, Forbidden, Kube, Rejected
+from sftjob_operator.ghosts import Tombstones, is_gone
+from sftjob_operator.kube import Conflict, CreateFailed, Kube, Manifest, Rejected
 from sftjob_operator.observe import JobView, trim_node, trim_pod
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.reconcile_io import Actions, Context, Observed
@@ -78,6 +81,7 @@ class Runtime:
     # newer one), and the current error backoff.
     outdated: ClassVar[dict[JobKey, tuple[str, float]]] = {}
     backoff: ClassVar[dict[JobKey, float]] = {}
+    gone = Tombstones()  # index entries of jobs the API server said are gone
     workers: ClassVar[list[asyncio.Task[None]]] = []
 
 
@@ -105,6 +109,9 @@ async def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=c.API_GROUP)
     settings.persistence.diffbase_storage = NoDiffBase()
     settings.watching.server_timeout = 300
+    # Only trainer pods are watched and listed: the labels= of the pod handlers filter in the operator,
+    # this selector in the API server (a cluster's other pods never reach the operator).
+    settings.watching.label_selectors["v1", "pods"] = c.LABEL_JOB
     # kopf hands its indexes (empty until the first listings) to handlers as keyword arguments.
     indexes = kwargs["sftjobs"], kwargs["trainer_pods"], kwargs["gpu_nodes"]
     Runtime.workers = [asyncio.create_task(_work(*indexes)) for _ in range(WORKERS)]
@@ -160,7 +167,7 @@ async def _work(jobs: kopf.Index[Any, Any], pods: kopf.Index[Any, Any], nodes: k
 async def _reconcile(
     key: JobKey, jobs: kopf.Index[Any, Any], pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any]
 ) -> None:
-    job: JobView | None = next(iter(jobs.get(key, ())), None)
+    job = Runtime.gone.select(key, jobs.get(key, ()))
     if job is None:  # deleted: its children go by ownerReference; forget what this process kept
         _forget(key)
         return
@@ -179,11 +186,14 @@ async def _reconcile(
     except Conflict as stale:
         _wait_for_newer(key, stale.resource_version)
         return
-    except Forbidden as err:  # said in the job's status and events by _apply; retried like an error
-        log.warning("creating a child of %s/%s was refused: %s", *key, err)
+    except CreateFailed as err:  # said in the job's status and events by _apply; retried like an error
+        log.warning("creating a child of %s/%s failed: %s", *key, err)
         _back_off(key, result="refused")
         return
-    except Exception:  # an API or programming error: say so, back off, try again
+    except Exception as err:  # an API or programming error: say so, back off, try again
+        if is_gone(err, job):
+            _bury(job)
+            return
         log.exception("reconcile of %s/%s failed; retrying in %.0f s", *key, _back_off(key, result="error"))
         return
     queue.add_after(key, delay)
@@ -201,6 +211,15 @@ def _back_off(key: JobKey, *, result: str) -> float:
 def _wait_for_newer(key: JobKey, version: str) -> None:
     Runtime.outdated[key] = (version, time.monotonic() + CONSISTENCY_TIMEOUT)
     Runtime.queue.add_after(key, CONSISTENCY_TIMEOUT)
+
+
+def _bury(job: JobView) -> None:
+    """The job is gone though the index holds it (a DELETED event lost in a watch gap): forget it and
+    never pass over this entry again. A job created under its name later is queued by its own event."""
+    key = (job.namespace, job.name)
+    log.info("%s/%s (uid %s) no longer exists: forgotten, its index entry is ignored", *key, job.uid)
+    Runtime.gone.bury(key, job.uid)
+    _forget(key)
 
 
 def _forget(key: JobKey) -> None:
@@ -222,13 +241,13 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         generation=job.generation,
         spec=job.spec(),
         status=job.status(),
-        pods=list(pods.get(key, [])),
+        pods=observe.owned(pods.get(key, []), job.uid),  # not an earlier job's of this name
         nodes=_NodeView(nodes),
         now=now,
     )
     actions = reconcile(observed, Runtime.context)
     if actions.check_pods:  # the index lacks pods long after their attempt started: ask, then decide
-        found, gone = await _look_up(job.namespace, actions.check_pods)
+        found, gone = await _look_up(job, actions.check_pods)
         observed = dataclasses.replace(observed, pods=[*observed.pods, *found], gone=gone)
         actions = reconcile(observed, Runtime.context)
     log.debug(
@@ -238,7 +257,7 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     )  # fmt: skip
     if job.deleting:
         return Runtime.resync_seconds  # being deleted (another finalizer holds it): create nothing more
-    written = await _apply(job, observed.status, actions, now=now)
+    written = await _apply(job, observed, actions, now=now)
     metrics.track_job(job.namespace, job.name, written)
     metrics.RECONCILES.labels(result="success").inc()
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
@@ -248,20 +267,41 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     return min(due, Runtime.resync_seconds)
 
 
-async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions, *, now: datetime) -> SFTJobStatus:
+async def _apply(job: JobView, observed: Observed, actions: Actions, *, now: datetime) -> SFTJobStatus:
     """Write the status, say what changed, create the children, delete pods (and the job); returns the
     status the job has now."""
-    namespace, name, uid = job.namespace, job.name, job.uid
-    key = (namespace, name)
-    kube, expected, attempt = Runtime.kube, Runtime.expectations, actions.status.attempt
+    namespace, name, kube = job.namespace, job.name, Runtime.kube
     version = job.resource_version
     if actions.status_changed:
-        version = await kube.run(kube.write_status, namespace, name, version, old, actions.status)
-    await _announce(job, parse_status(old), actions.status, actions.events, now=now)
+        version = await kube.run(kube.write_status, namespace, name, version, observed.status, actions.status)
+    await _announce(job, parse_status(observed.status), actions.status, actions.events, now=now)
+    rejected = await _create(job, actions, version, now=now)
+    if rejected is not None:
+        return rejected
+    uids = {observe.name(p): observe.uid_of(p) for p in observed.pods}  # every pod it deletes is one of them
+    for pod in actions.delete_pods:
+        await kube.run(kube.delete_pod, namespace, pod, uids[pod])
+    if actions.delete_job:
+        await kube.run(kube.delete_job, namespace, name, job.uid)
+    return actions.status
+
+
+# Children are created in batches, each once the one before it is there: first what the pods refer to
+# (ServiceAccount, Role, ConfigMap, claim, Service) at once, then the RoleBinding (the operator may bind
+# a Role only if the API server can check the Role's rules against its own, so the Role must exist),
+# then the pods (admission needs their ServiceAccount). Other kinds go in the first batch.
+_CREATE_BATCH = {"RoleBinding": 1, "Pod": 2}
+
+
+async def _create(job: JobView, actions: Actions, version: str, *, now: datetime) -> SFTJobStatus | None:
+    """Create the children the pass asks for that this process has not just created; returns the failed
+    status when the API server rejected one as invalid. Any other failure to create one is said in the
+    status (Scheduled=False, FailedCreate: the pods it is missing are created again, never judged
+    deleted) and raised, for the pass to be retried after a backoff."""
+    key, uid, attempt = (job.namespace, job.name), job.uid, actions.status.attempt
+    kube, expected = Runtime.kube, Runtime.expectations
     children = [m for m in actions.children if not expected.pending(key, uid, attempt, m)]
-    # What the pods refer to (ServiceAccount, Role, RoleBinding, ConfigMap, claim, Service) is created
-    # together, then the pods: admission needs their ServiceAccount to exist.
-    for batch in ([m for m in children if m["kind"] != "Pod"], [m for m in children if m["kind"] == "Pod"]):
+    for batch in _batches(children):
         results = await asyncio.gather(*(kube.run(kube.ensure, m) for m in batch), return_exceptions=True)
         for manifest, result in zip(batch, results, strict=True):
             if isinstance(result, bool):
@@ -271,23 +311,26 @@ async def _apply(job: JobView, old: Mapping[str, Any], actions: Actions, *, now:
         error = next((r for r in results if isinstance(r, BaseException)), None)
         if isinstance(error, Rejected):
             failed = reject(actions.status, str(error), generation=job.generation, now=_now())
-            await kube.run(kube.write_status, namespace, name, version, actions.status.to_patch(), failed)
+            await kube.run(kube.write_status, *key, version, actions.status.to_patch(), failed)
             rejected = Event("Warning", Reason.CHILD_REJECTED, str(error))
             await _announce(job, actions.status, failed, [rejected], now=now)
             return failed
-        if isinstance(error, Forbidden):
+        if isinstance(error, CreateFailed):
             refused = failed_create(actions.status, str(error), generation=job.generation, now=_now())
             if refused != actions.status:  # said once per new refusal, not on every retry
-                old_status = actions.status.to_patch()
-                await kube.run(kube.write_status, namespace, name, version, old_status, refused)
+                await kube.run(kube.write_status, *key, version, actions.status.to_patch(), refused)
                 await _post(job, "Warning", Reason.FAILED_CREATE, str(error))
         if error is not None:
             raise error
-    for pod in actions.delete_pods:
-        await kube.run(kube.delete_pod, namespace, pod)
-    if actions.delete_job:
-        await kube.run(kube.delete_job, namespace, name)
-    return actions.status
+    return None
+
+
+def _batches(children: Sequence[Manifest]) -> list[list[Manifest]]:
+    """``children`` in creation batches (``_CREATE_BATCH``), empty batches left out."""
+    batches: list[list[Manifest]] = [[] for _ in range(max(_CREATE_BATCH.values()) + 1)]
+    for manifest in children:
+        batches[_CREATE_BATCH.get(manifest["kind"], 0)].append(manifest)
+    return [batch for batch in batches if batch]
 
 
 async def _announce(
@@ -306,12 +349,14 @@ async def _post(job: JobView, type: str, reason: str, message: str) -> None:
     await Runtime.kube.run(Runtime.kube.post_event, manifest)
 
 
-async def _look_up(namespace: str, names: list[str]) -> tuple[list[dict[str, Any]], frozenset[str]]:
-    """Read pods directly: the trimmed ones that exist, and the names the API server answers 404 for."""
+async def _look_up(job: JobView, names: list[str]) -> tuple[list[observe.Obj], frozenset[str]]:
+    """Read the job's pods directly: the trimmed ones that exist, and the names it has no pod of (the API
+    server answers 404, or the pod of that name is another job's, an earlier one of this name)."""
     kube = Runtime.kube
-    bodies = await asyncio.gather(*(kube.run(kube.read_pod, namespace, n) for n in names))
-    found = [trim_pod(b) for b in bodies if b is not None]
-    return found, frozenset(n for n, b in zip(names, bodies, strict=True) if b is None)
+    bodies = await asyncio.gather(*(kube.run(kube.read_pod, job.namespace, n) for n in names))
+    found = observe.owned((trim_pod(b) for b in bodies if b is not None), job.uid)
+    there = {observe.name(p) for p in found}
+    return found, frozenset(n for n in names if n not in there)
 
 
 class _NodeView(Mapping[str, Any]):

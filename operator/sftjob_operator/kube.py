@@ -1,13 +1,23 @@
 """Thin Kubernetes API I/O for the reconcile's actions, through the official client.
 
-Children are created by name and a 409 means "already there": ConfigMaps and Roles, whose content
-follows the attempt, are then patched to the rendered content; everything else is left as it is.
-The status is written with the job's ``resourceVersion`` as a precondition, so a pass that decided
-from a stale view loses with a 409 and the next pass decides again from fresh state.
+Children are created by name. A 409 means "already there" once the object's controller is checked to
+be this job (the uid in its ownerReference): an object of that name that belongs to someone else (an
+earlier SFTJob of the same name that the garbage collector is still removing) is left alone and the
+create is tried again later. A ConfigMap or Role of this job, whose content follows the attempt, is
+then patched to the rendered content; everything else is left as it is. Any other failure to create
+(403, 429, 5xx, a timeout) is :class:`CreateFailed`, which the caller says in the job's status and
+retries; only a 422 (:class:`Rejected`) is final.
 
-The client blocks, so the reconcile loops call it through :meth:`Kube.run` on the operator's own
-thread pool, as wide as the client's HTTP connection pool (``API_CONCURRENCY``), rather than through
-asyncio's small default executor (which kopf shares).
+The status is written with the job's ``resourceVersion`` as a precondition, so a pass that decided
+from a stale view loses with a 409 and the next pass decides again from fresh state. Deletes carry the
+object's uid as a precondition, so they never remove a newer object that took the name meanwhile.
+
+Every call has a timeout and the connections TCP keepalive: a call on a connection that died without
+a word (an API server or load balancer restarted) fails within the timeout instead of holding one of
+the API threads for the kernel's ~15 minutes of retransmissions. The client blocks, so the reconcile
+loops call it through :meth:`Kube.run` on the operator's own thread pool, as wide as the client's HTTP
+connection pool (``API_CONCURRENCY``), rather than through asyncio's small default executor (which
+kopf shares).
 """
 
 from __future__ import annotations
@@ -16,21 +26,27 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from contextlib import contextmanager
+from typing import Any, NamedTuple, TypeVar, cast
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 from sftjob import constants as c
 from sftjob.job_status import SFTJobStatus
+from sftjob_operator.observe import controller_uid
 
 log = logging.getLogger(__name__)
 Manifest = dict[str, Any]
 T = TypeVar("T")
 # Concurrent API calls: the client's HTTP connections and the threads that make the calls.
 API_CONCURRENCY = 32
+# Every call's (connect, read) timeouts in seconds. Admission webhooks answer within 30 s at most; a
+# create that timed out is tried again, and finds its object (409) if it was made after all.
+REQUEST_TIMEOUT = (5.0, 30.0)
 # Kinds whose content the operator keeps equal to what it renders (the attempt's plan, its pod names).
 FOLLOWS_ATTEMPT = frozenset({"ConfigMap", "Role"})
 
@@ -47,9 +63,17 @@ class Rejected(Exception):
     """The API server refused a child as invalid (HTTP 422): retrying the same manifest cannot help."""
 
 
-class Forbidden(Exception):
-    """The API server refused to create a child now (HTTP 403: a ResourceQuota, Pod Security admission,
-    a webhook): the same manifest may be admitted later, so it is retried with a backoff."""
+class CreateFailed(Exception):
+    """A child could not be created now (HTTP 403, 429, 5xx, a timeout, its name taken): the same
+    manifest may be created later, so it is retried with a backoff."""
+
+
+class Forbidden(CreateFailed):
+    """HTTP 403: a ResourceQuota, Pod Security admission, a webhook, missing RBAC."""
+
+
+class NameTaken(CreateFailed):
+    """An object of the child's name exists and is not this job's: retried once it is gone."""
 
 
 def connect() -> client.ApiClient:
@@ -60,7 +84,16 @@ def connect() -> client.ApiClient:
         config.load_kube_config()
     settings = client.Configuration.get_default_copy()
     settings.connection_pool_maxsize = API_CONCURRENCY
+    settings.keep_alive = True  # TCP keepalive with client-go's timings (probes after 30 s idle)
     return client.ApiClient(settings)
+
+
+class _Verbs(NamedTuple):
+    """The client's calls for one child kind (``create_namespaced_config_map``...)."""
+
+    create: Callable[..., Any]
+    read: Callable[..., Any]
+    patch: Callable[..., Any]
 
 
 class Kube:
@@ -78,7 +111,9 @@ class Kube:
     def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod as the API server has it now (camelCase), or None when it does not exist."""
         try:
-            response: Any = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+            response: Any = self.core.read_namespaced_pod(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -95,7 +130,7 @@ class Kube:
         patch = {"metadata": {"resourceVersion": resource_version}, "status": {**body, **dropped}}
         try:
             written = self.custom.patch_namespaced_custom_object_status(
-                c.API_GROUP, c.API_VERSION, namespace, c.PLURAL, name, patch
+                c.API_GROUP, c.API_VERSION, namespace, c.PLURAL, name, patch, _request_timeout=REQUEST_TIMEOUT
             )
         except ApiException as err:
             if err.status == 409:
@@ -104,52 +139,69 @@ class Kube:
         return str(cast(dict[str, Any], written)["metadata"]["resourceVersion"])
 
     def ensure(self, manifest: Manifest) -> bool:
-        """Create the child; True when it was created now, False when it already existed."""
+        """Create the child; True when it was created now, False when this job's child of that name
+        already existed. Raises :class:`Rejected` (422) or :class:`CreateFailed` (anything else)."""
         kind, meta = manifest["kind"], manifest["metadata"]
-        create, patch = self._verbs(kind)
-        try:
-            create(meta["namespace"], manifest)
-            return True
-        except ApiException as err:
-            if err.status == 422:
-                raise Rejected(f"{kind} {meta['name']}: {_message(err)}") from err
-            if err.status == 403:
-                raise Forbidden(f"{kind} {meta['name']}: {_message(err)}") from err
-            if err.status != 409:
-                raise
-        if kind in FOLLOWS_ATTEMPT:
-            patch(meta["name"], meta["namespace"], manifest)
+        namespace, name = meta["namespace"], meta["name"]
+        verbs = self._verbs(kind)
+        with _create_errors(f"{kind} {name}"):
+            try:
+                verbs.create(namespace, manifest, _request_timeout=REQUEST_TIMEOUT)
+                return True
+            except ApiException as err:
+                if err.status != 409:
+                    raise
+            owner = controller_uid(manifest)
+            if owner is not None:  # a claim kept on delete has no owner: any claim of its name is it
+                response = verbs.read(
+                    name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+                )
+                _check_owner(kind, name, owner, json.loads(response.data))
+            if kind in FOLLOWS_ATTEMPT:
+                verbs.patch(name, namespace, manifest, _request_timeout=REQUEST_TIMEOUT)
         return False
 
     def post_event(self, manifest: Manifest) -> None:
         """Events are a courtesy to whoever reads them: one that cannot be posted is logged, not raised."""
         try:
             body: Any = manifest  # the client sends a dict as it is
-            self.core.create_namespaced_event(body["metadata"]["namespace"], body, _preload_content=False)
-        except ApiException as err:
-            log.warning("could not post event %s: %s", manifest["reason"], _message(err))
+            self.core.create_namespaced_event(
+                body["metadata"]["namespace"], body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except (ApiException, HTTPError) as err:
+            log.warning("could not post event %s: %s", manifest["reason"], _describe(err))
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the pod ``name`` if it is still the one with ``uid``. Gone (404), or replaced by a newer
+        pod of that name (409, the precondition failed), leaves nothing to do: that pod's watch event
+        brings the pass that decides about it."""
+        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
         try:
-            self.core.delete_namespaced_pod(name, namespace)
+            self.core.delete_namespaced_pod(name, namespace, body=options, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as err:
-            if err.status != 404:
+            if err.status not in (404, 409):
                 raise
+            log.debug("pod %s/%s (uid %s): nothing to delete (HTTP %d)", namespace, name, uid, err.status)
 
-    def delete_job(self, namespace: str, name: str) -> None:
+    def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        """Delete the job with ``uid`` (its children go in the background); never a job created again
+        under its name meanwhile."""
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(uid=uid), propagation_policy="Background"
+        )
         try:
             self.custom.delete_namespaced_custom_object(
-                c.API_GROUP, c.API_VERSION, namespace, c.PLURAL, name, propagation_policy="Background"
-            )
+                c.API_GROUP, c.API_VERSION, namespace, c.PLURAL, name, body=options,
+                _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
         except ApiException as err:
-            if err.status != 404:
+            if err.status not in (404, 409):
                 raise
 
-    def _verbs(self, kind: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """The client's create and patch calls for a child kind (``create_namespaced_config_map``...)."""
+    def _verbs(self, kind: str) -> _Verbs:
         api = self.rbac if kind in ("Role", "RoleBinding") else self.core
         snake = _SNAKE[kind]
-        return getattr(api, f"create_namespaced_{snake}"), getattr(api, f"patch_namespaced_{snake}")
+        return _Verbs(*(getattr(api, f"{verb}_namespaced_{snake}") for verb in ("create", "read", "patch")))
 
 
 _SNAKE = {
@@ -164,8 +216,45 @@ _SNAKE = {
 _STATUS_KEYS = frozenset(f.alias or n for n, f in SFTJobStatus.model_fields.items())
 
 
-def _message(err: ApiException) -> str:
+def _check_owner(kind: str, name: str, owner: str, existing: Mapping[str, Any]) -> None:
+    """Raise :class:`NameTaken` unless ``existing`` (the object a create answered 409 for) is controlled
+    by the job with uid ``owner``."""
+    theirs = controller_uid(existing)
+    if theirs == owner:
+        return
+    if theirs is None:
+        raise NameTaken(
+            f"{kind} {name} already exists and belongs to no SFTJob: delete it or give the job another name"
+        )
+    raise NameTaken(
+        f"{kind} {name} already exists and belongs to another owner (uid {theirs}), such as an earlier"
+        " SFTJob of this name still being deleted: created once that one is gone"
+    )
+
+
+@contextmanager
+def _create_errors(what: str) -> Iterator[None]:
+    """The API and connection errors of creating ``what`` as :class:`Rejected` (422) or
+    :class:`CreateFailed` (anything else), each saying what failed and the HTTP status."""
     try:
-        return str(json.loads(err.body or "{}").get("message") or err.reason)
+        yield
+    except ApiException as err:
+        text = f"{what}: {_describe(err)}"
+        if err.status == 422:
+            raise Rejected(text) from err
+        if err.status == 403:
+            raise Forbidden(text) from err
+        raise CreateFailed(text) from err
+    except HTTPError as err:  # urllib3: a timeout, a refused or reset connection
+        raise CreateFailed(f"{what}: {_describe(err)}") from err
+
+
+def _describe(err: ApiException | HTTPError) -> str:
+    """The API server's message and the HTTP status, or what the connection said."""
+    if not isinstance(err, ApiException):
+        return f"{type(err).__name__}: {err}"
+    try:
+        message = json.loads(err.body or "{}").get("message") or err.reason
     except ValueError:
-        return str(err.reason)
+        message = err.reason
+    return f"{message} (HTTP {err.status})"

@@ -2,14 +2,17 @@
 
 Events are posted explicitly on job transitions only (kopf's own posting is turned down to WARNING),
 logs are JSON, liveness is kopf's endpoint (default ``:8081/healthz``) and metrics are served apart
-(default ``:8080/metrics``). Run one replica: ``--peering`` names the kopf peering that keeps a second
-operator (a developer's, an old pod during a rollout) paused, ``--standalone`` skips peering.
+(default ``:8080/metrics``). Run one operator for a set of jobs: ``--peering`` names the kopf peering
+object (``--standalone`` skips peering), whose pause stops kopf's watch streams when a second operator
+joins, but not this operator's own workers, which keep passing over the jobs they last saw; the pause
+tells that two run, it does not make that safe (docs/install.md, "Peering and replicas").
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 from pathlib import Path
@@ -18,7 +21,7 @@ import kopf
 from pydantic import ValidationError
 
 from sftjob import constants as c
-from sftjob.spec import IMAGE
+from sftjob.spec import DNS_SUBDOMAIN, IMAGE
 from sftjob_operator import handlers, metrics
 from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.kube import Kube, connect
@@ -28,6 +31,8 @@ from sftjob_operator.scheduling import default_products, parse_products
 DEFAULT_PEERING = "sftjob-operator"
 DEFAULT_LIVENESS = "http://0.0.0.0:8081/healthz"
 DEFAULT_METRICS_PORT = 8080
+# Below this a quiet job's resync is a busy loop.
+MIN_RESYNC_SECONDS = 1.0
 # The flag that sets each job default, for error messages.
 DEFAULT_FLAGS = {
     "storage_class_name": "--checkpoint-storage-class",
@@ -70,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pods of --image only go to nodes whose nvidia.com/cuda.driver.major is at least this (0: any)",
     )
     p.add_argument(
+        "--trainer-image-pull-secrets",
+        default=env("SFTJOB_TRAINER_IMAGE_PULL_SECRETS", ""),
+        help="comma-separated Secrets (in each job's namespace) trainer pods pull their image with",
+    )
+    p.add_argument(
         "--gpu-products",
         default=env("SFTJOB_GPU_PRODUCTS"),
         help="JSON object (or @file) mapping GPU type to nvidia.com/gpu.product labels",
@@ -77,8 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--resync-seconds",
         type=float,
-        default=float(env("SFTJOB_RESYNC_SECONDS", handlers.RESYNC_SECONDS)),
-        help="longest time between two passes over a job",
+        default=env("SFTJOB_RESYNC_SECONDS", str(handlers.RESYNC_SECONDS)),
+        help="longest time between two passes over a job (at least 1)",
     )
     p.add_argument("--log-format", choices=["json", "plain"], default=env("SFTJOB_LOG_FORMAT", "json"))
     p.add_argument("-v", "--verbose", action="store_true")
@@ -110,8 +120,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{DEFAULT_FLAGS.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors()
         )
         p.error(f"invalid job default: {problems}")
+    if not (math.isfinite(args.resync_seconds) and args.resync_seconds >= MIN_RESYNC_SECONDS):
+        p.error(
+            f"--resync-seconds / SFTJOB_RESYNC_SECONDS must be a finite number of seconds >= "
+            f"{MIN_RESYNC_SECONDS:g}, got {args.resync_seconds:g}"
+        )
     if args.image_min_driver_major < 0:
         p.error("--image-min-driver-major / SFTJOB_IMAGE_MIN_DRIVER_MAJOR must be >= 0 (0: any driver)")
+    args.trainer_image_pull_secrets = tuple(
+        name.strip() for name in args.trainer_image_pull_secrets.split(",") if name.strip()
+    )
+    bad = [name for name in args.trainer_image_pull_secrets if not re.fullmatch(DNS_SUBDOMAIN, name)]
+    if bad:
+        p.error(
+            "--trainer-image-pull-secrets / SFTJOB_TRAINER_IMAGE_PULL_SECRETS must be comma-separated "
+            f"Secret names (lowercase DNS subdomains), got {', '.join(map(repr, bad))}"
+        )
     if not re.fullmatch(IMAGE, args.image):
         p.error(
             f"--image / SFTJOB_TRAINER_IMAGE must be an image reference without spaces, got {args.image!r}"
@@ -138,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         products=products_from(args.gpu_products),
         image=args.image,
         image_min_driver_major=args.image_min_driver_major or None,
+        trainer_image_pull_secrets=args.trainer_image_pull_secrets,
         defaults=args.defaults,
     )
     handlers.Runtime.kube = Kube(connect())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -68,11 +68,18 @@ class JobView:
 
 
 def trim_pod(body: Obj) -> dict[str, Any]:
-    """The parts of a trainer pod the reconcile and the failure classifier read."""
+    """The parts of a trainer pod the reconcile and the failure classifier read, and its identity: its
+    uid (deletes are conditioned on it) and its controller's (the job it belongs to)."""
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}
     return {
         "metadata": {
             "name": meta.get("name"),
+            "uid": meta.get("uid"),
+            "ownerReferences": [
+                {"uid": ref.get("uid"), "controller": True}
+                for ref in meta.get("ownerReferences") or []
+                if ref.get("controller")
+            ],
             "labels": dict(meta.get("labels") or {}),
             "annotations": {
                 k: v
@@ -126,8 +133,24 @@ def trim_node(body: Obj) -> dict[str, Any]:
     }
 
 
+def controller_uid(obj: Obj) -> str | None:
+    """The uid of the object's controller (its ``controller: true`` ownerReference), if it has one."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((str(ref.get("uid")) for ref in refs if ref.get("controller")), None)
+
+
+def owned(pods: Iterable[Obj], uid: str) -> list[Obj]:
+    """The pods whose controller is the job with ``uid``. Pods are indexed by the job's name, which a
+    job deleted and created again shares with its predecessor, whose pods may take minutes to go."""
+    return [p for p in pods if controller_uid(p) == uid]
+
+
 def name(pod: Obj) -> str:
     return str(pod["metadata"]["name"])
+
+
+def uid_of(pod: Obj) -> str:
+    return str(pod["metadata"]["uid"])
 
 
 def label_int(pod: Obj, key: str) -> int | None:

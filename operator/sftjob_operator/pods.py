@@ -1,9 +1,10 @@
 """The trainer pods of an attempt, and everything the attempt needs, in creation order. Pure, no I/O.
 
-One pod per node runs torchrun with one process per GPU; its grace period covers a checkpoint save on
-SIGTERM, and torchrun stops its workers just inside it. The pod mounts its config (the ConfigMap's row
-for each candidate card), the checkpoint claim, a memory-backed /dev/shm and, when the spec names them,
-the model, dataset and output volumes; it meets the restricted Pod Security profile.
+One pod per node runs torchrun with one process per GPU; its grace period covers the step under way and
+a checkpoint save on SIGTERM, and torchrun stops its workers just inside it. The pod mounts its config
+(the ConfigMap's row for each candidate card), the checkpoint claim, a memory-backed /dev/shm, a scratch
+/tmp that is also its HOME and, when the spec names them, the model, dataset and output volumes; it
+meets the restricted Pod Security profile.
 """
 
 from __future__ import annotations
@@ -38,14 +39,18 @@ Manifest = dict[str, Any]
 CONTAINER = "trainer"
 TRAINER_MODULE = "sftjob_trainer.train"
 HF_HOME = posixpath.join(c.CHECKPOINT_MOUNT, ".cache", "huggingface")  # downloads survive restarts
-# The trainer finishes its step and saves a checkpoint on SIGTERM; give it time to: a base for the step
-# and the process exit, plus the checkpoint's write at an assumed 0.5 GiB/s to the checkpoint volume.
+TRITON_CACHE_DIR = posixpath.join(c.SCRATCH_MOUNT, "triton")
+# The trainer acts on SIGTERM after the optimizer step under way and then saves a checkpoint; give it
+# time to: a base for setup, agreement and the process exit, the rest of the step (at most one whole
+# step at the planner's throughput, with a margin for its error, capped), plus the checkpoint's write at
+# an assumed 0.5 GiB/s to the checkpoint volume.
 TERMINATION_GRACE_SECONDS = 120
+STEP_GRACE_MARGIN = 1.5
+STEP_GRACE_CAP_SECONDS = 1800
 SAVE_SECONDS_PER_GIB = 2.0
 # torchrun SIGKILLs its workers this long after forwarding SIGTERM (its default is 30 s): just inside the
 # pod's grace, so the save can finish and torchrun still exits before the kubelet's SIGKILL.
 TORCHRUN_SHUTDOWN_MARGIN_SECONDS = 10
-# How often the trainer annotates its pod with progress (the operator shows it within this).
 
 
 def attempt_children(
@@ -56,10 +61,12 @@ def attempt_children(
     affinity: Manifest,
     image: str,
     ranks: Sequence[int],
+    image_pull_secrets: Sequence[str] = (),
 ) -> list[Manifest]:
     """Everything attempt ``job.attempt`` needs, in creation order (pods last, only those of ``ranks``)."""
     pod_names = [pod_name(job.name, job.attempt, r) for r in range(spec.gpu.nodes)]
-    out = [service_account(job), role(job, pod_names), role_binding(job), config_map(job, spec, plans)]
+    account = service_account(job, image_pull_secrets)
+    out = [account, role(job, pod_names), role_binding(job), config_map(job, spec, plans)]
     if spec.checkpoints.volume is None:
         out.append(checkpoint_pvc(job, spec))
     if spec.gpu.nodes > 1:
@@ -67,9 +74,23 @@ def attempt_children(
     return out + [trainer_pod(job, spec, plans.first, rank=r, affinity=affinity, image=image) for r in ranks]
 
 
-def grace_seconds(plan: Plan) -> int:
+def grace_seconds(spec: SFTJobSpec, plan: Plan) -> int:
     """The pod's terminationGracePeriodSeconds: long enough for a step and one checkpoint of this plan."""
-    return TERMINATION_GRACE_SECONDS + math.ceil(plan.checkpoint_gib * SAVE_SECONDS_PER_GIB)
+    step = math.ceil(min(STEP_GRACE_CAP_SECONDS, step_seconds(spec, plan) * STEP_GRACE_MARGIN))
+    return TERMINATION_GRACE_SECONDS + step + math.ceil(plan.checkpoint_gib * SAVE_SECONDS_PER_GIB)
+
+
+def step_seconds(spec: SFTJobSpec, plan: Plan) -> float:
+    """One optimizer step at the planner's throughput (rows are at most the packed or maximum length)."""
+    t = plan.training
+    tokens = t.global_batch_size * (t.packing_length or spec.dataset.max_seq_length)
+    speed = plan.predicted_tokens_per_second
+    return tokens / speed if speed > 0 else math.inf
+
+
+def rendezvous_timeout(spec: SFTJobSpec) -> int:
+    """How long rank 0 waits for the other nodes: as long as the job may run."""
+    return spec.active_deadline_seconds or c.RENDEZVOUS_TIMEOUT_SECONDS
 
 
 def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int, *, grace: int) -> list[str]:
@@ -85,6 +106,8 @@ def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int, *, grace: int) ->
         f"--node-rank={rank}",
         f"--master-addr={master}",
         f"--master-port={c.TORCHRUN_PORT}",
+        # The static rendezvous (torchrun's with --master-addr) gives up after 600 s unless told.
+        f"--rdzv-conf=timeout={rendezvous_timeout(spec)}",
         shutdown,
         "-m",
         TRAINER_MODULE,
@@ -102,6 +125,8 @@ def _env(job: JobRef, spec: SFTJobSpec, plan: Plan) -> list[Manifest]:
         {"name": "POD_NAMESPACE", **field("metadata.namespace")},
         {"name": "NODE_NAME", **field("spec.nodeName")},
         {"name": "HF_HOME", "value": HF_HOME},
+        {"name": "HOME", "value": c.SCRATCH_MOUNT},
+        {"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_DIR},
     ]
     token = spec.model.token_secret_ref
     if token is not None:
@@ -118,6 +143,7 @@ def _volumes(job: JobRef, spec: SFTJobSpec, plan: Plan) -> tuple[list[Manifest],
     volumes: list[Manifest] = [
         {"name": "config", "configMap": {"name": config_map_name(job.name)}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": plan.resources.shm_size}},
+        {"name": "scratch", "emptyDir": {}},
         {
             "name": "checkpoints",
             **(
@@ -130,6 +156,7 @@ def _volumes(job: JobRef, spec: SFTJobSpec, plan: Plan) -> tuple[list[Manifest],
     mounts: list[Manifest] = [
         {"name": "config", "mountPath": c.CONFIG_MOUNT, "readOnly": True},
         {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "scratch", "mountPath": c.SCRATCH_MOUNT},
         {"name": "checkpoints", "mountPath": c.CHECKPOINT_MOUNT},
     ]
     extra = (
@@ -163,7 +190,7 @@ def trainer_pod(
     container: Manifest = {
         "name": CONTAINER,
         "image": image,
-        "command": torchrun_command(job, spec, rank, grace=grace_seconds(plan)),
+        "command": torchrun_command(job, spec, rank, grace=grace_seconds(spec, plan)),
         "env": _env(job, spec, plan),
         "ports": ports,
         "resources": {
@@ -181,7 +208,7 @@ def trainer_pod(
         "serviceAccountName": trainer_account_name(job.name),
         "automountServiceAccountToken": True,  # progress reports go through the API server
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": grace_seconds(plan),
+        "terminationGracePeriodSeconds": grace_seconds(spec, plan),
         "affinity": {"nodeAffinity": affinity},
         "tolerations": gpu_tolerations()
         + [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations],

@@ -39,6 +39,7 @@ from sftjob_operator.classify import (
     classify_pod,
     describe_failure,
     end_record,
+    running_since,
 )
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason
@@ -59,6 +60,9 @@ from sftjob_operator.status_draft import Event, StatusDraft
 # A pod of the current attempt that the index has not shown within this long after the attempt
 # started is looked up directly (``Actions.check_pods``): only the API server's 404 (``Observed.gone``)
 # says it was deleted behind the operator's back; the index alone may simply be behind under load.
+# Only pods the status once showed bound are judged so: a pod missing before that may never have been
+# created (its create failed, or the operator stopped between the status write and the creates) and
+# is created again.
 POD_APPEARANCE_GRACE = timedelta(seconds=60)
 # Pods created by the pass that started the attempt take a moment to reach the index; only after this
 # long is a missing pod re-created (after an operator crash between the status write and the pods).
@@ -197,9 +201,12 @@ class _Pass(StatusDraft):
         rendering = replace(rendering, attempt=record.attempt)  # its pods' names, whatever history was lost
         by_rank = {observe.rank_of(p): p for p in self.current}
         missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
-        # A pod whose create the API server refused (FailedCreate) was never there: retry, never judge it.
-        grace_over = not self.failed_create() and (
-            record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE
+        # A pod whose create the API server refused (FailedCreate) was never there, nor one the status
+        # never showed bound (an operator stopped before creating it): retry, never judge it.
+        grace_over = (
+            self.all_bound_once(spec)
+            and not self.failed_create()
+            and (record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE)
         )
         names = {r: builders.pod_name(self.obs.name, record.attempt, r) for r in missing}
         if grace_over:
@@ -225,13 +232,19 @@ class _Pass(StatusDraft):
     def classify(self, spec: SFTJobSpec, pod: Obj | None, rank: int) -> Classification:
         """One pod's verdict; a pod that is gone is judged by the node its rank was last seen on."""
         node_name = observe.node_of(pod) if pod is not None else node_of_rank(self.old.gpu, spec, rank)
+        # The stall clock runs once every rank runs, from the last one's start: until then the ranks
+        # running wait in torchrun's rendezvous for the others (Pending for GPUs, pulling the image).
+        started = [running_since(p.get("status") or {}) for p in self.current]
+        everyone = len(started) == spec.gpu.nodes and None not in started
+        last = max([t for t in started if t is not None], default=None) if everyone else None
+        progress = self.status.progress.updated if self.status.progress else None
         return classify_pod(
             pod,
             self.obs.nodes.get(node_name) if node_name else None,
             now=self.now,
             node_name=node_name if pod is None else None,
-            last_progress=self.status.progress.updated if self.status.progress else None,
-            stall_timeout_seconds=spec.restart_policy.stall_timeout_seconds,
+            last_progress=max([t for t in (progress, last) if t is not None], default=None),
+            stall_timeout_seconds=spec.restart_policy.stall_timeout_seconds if everyone else None,
         )
 
     def attempt_over(
@@ -372,10 +385,23 @@ class _Pass(StatusDraft):
             min_driver_major=None if spec.image else self.ctx.image_min_driver_major,
         )
         image = spec.image or self.ctx.image
-        return pods.attempt_children(job, spec, attempt.plans, affinity=affinity, image=image, ranks=ranks)
+        return pods.attempt_children(
+            job,
+            spec,
+            attempt.plans,
+            affinity=affinity,
+            image=image,
+            ranks=ranks,
+            image_pull_secrets=self.ctx.trainer_image_pull_secrets,
+        )
 
     def record(self) -> AttemptRecord | None:
         return self.record_of(self.attempt)
+
+    def all_bound_once(self, spec: SFTJobSpec) -> bool:
+        """The status shows every pod of the current attempt bound to a node (``gpu`` is reset when an
+        attempt starts): they were all created, so one that is missing now was deleted."""
+        return len(self.old.gpu.nodes) == spec.gpu.nodes
 
     def failed_create(self) -> bool:
         """The API server refused to create one of this attempt's children (see ``status.failed_create``)."""

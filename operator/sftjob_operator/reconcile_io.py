@@ -45,6 +45,8 @@ class Context:
     image: str
     # The driver major the operator's image needs (None: no constraint); jobs naming an image get none.
     image_min_driver_major: int | None = None
+    # Secrets every trainer pod pulls its image with (its ServiceAccount's imagePullSecrets).
+    trainer_image_pull_secrets: tuple[str, ...] = ()
     plan_fn: PlanFn = planner_plan
     attempt_policy: AttemptPolicy = restarts.next_attempt
     defaults: JobDefaults = field(default_factory=JobDefaults)

@@ -28,6 +28,7 @@ from sftjob.plan import Plan
 from sftjob.planner import replan_after_oom
 from sftjob.spec import SFTJobSpec, to_plan_request
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
+from sftjob_operator.classify import peer_never_joined
 from sftjob_operator.planning import CandidatePlans
 
 NodeObj = Mapping[str, Any]
@@ -39,8 +40,10 @@ Replanner = Callable[[Plan], Plan]
 HOST_OOM_MEMORY_FACTOR = 1.5
 # A node that produced this many communication errors is avoided by later attempts.
 COMMUNICATION_ERRORS_TO_AVOID_NODE = 2
-# NCCL's slow-but-safe setting for PCIe-only GPUs whose P2P path hangs (ACS/IOMMU): research §3.1.
-SAFE_PCIE_NCCL_ENV = {"NCCL_P2P_DISABLE": "1"}
+# NCCL's slow-but-safe setting for PCIe-only GPUs whose P2P path hangs (ACS/IOMMU), research §3.1: P2P only
+# between GPUs NVLink connects. On PCIe-only cards that is no P2P at all (as NCCL_P2P_DISABLE=1 would
+# be); on NVLink cards P2P goes on as before, so it is safe in a pod that may land on either.
+SAFE_PCIE_NCCL_ENV = {"NCCL_P2P_LEVEL": "NVL"}
 
 ADVICE: dict[FailureClass, str] = {
     FailureClass.CONFIG_ERROR: "fix the SFTJob spec (or the Secret/ConfigMap it names) and apply it again",
@@ -177,8 +180,8 @@ def attempt_settings(
 def _gpu_adjusted(
     policy: RestartPolicy, plans: CandidatePlans, ended: Sequence[AttemptRecord], replan: Replanner
 ) -> tuple[dict[str, Plan], list[str]]:
-    """Each card's plan after the OOM ladder and NCCL fallbacks its own failures call for. A card whose
-    ladder ran out also rules out every candidate card with no more memory."""
+    """Each card's plan after the OOM ladder its own failures call for, and the NCCL fallback. A card
+    whose ladder ran out also rules out every candidate card with no more memory."""
     changes: list[str] = []
     adjusted = {key: _laddered(policy, plan, ended, replan) for key, plan in plans.plans.items()}
     exhausted = [k for k, p in adjusted.items() if plans.plans[k].fits and not p.fits]
@@ -189,18 +192,38 @@ def _gpu_adjusted(
         if plan.fits and profile_for_key(key).memory_gib <= ceiling:
             adjusted[key] = plan.model_copy(update={"fits": False})
             changes.append(f"{key}: skipped, no more GPU memory than {', '.join(exhausted)}")
-        safer = _safer_nccl(adjusted[key], ended)
-        if safer.env != adjusted[key].env:
-            changes.append(f"{key}: NCCL P2P disabled (PCIe only) after a communication error")
-        adjusted[key] = safer
+    broken = pcie_links_broken(list(adjusted), ended)
+    if broken:
+        for key, plan in adjusted.items():
+            adjusted[key] = plan.model_copy(update={"env": {**plan.env, **SAFE_PCIE_NCCL_ENV}})
+        changes.append(f"NCCL P2P over NVLink only after a communication error on {', '.join(broken)}")
     return adjusted, changes
+
+
+def pcie_links_broken(cards: Sequence[str], ended: Sequence[AttemptRecord]) -> list[str]:
+    """The PCIe-only candidate cards on which communication broke. Every candidate's plan then gets
+    ``SAFE_PCIE_NCCL_ENV``: the pod's environment comes from the first fitting plan wherever it lands,
+    so a fallback on the failing card's plan alone would miss a pod whose first card has NVLink. A peer
+    that never joined the rendezvous says nothing about the links and does not count."""
+    pcie = {k for k in cards if profile_for_key(k).nvlink_gbs is None}
+    failed = {
+        r.gpu
+        for r in ended
+        if r.reason is FailureClass.COMMUNICATION_ERROR and r.gpu in pcie and not peer_never_joined(r)
+    }
+    return sorted(k for k in failed if k is not None)
 
 
 def avoided_nodes(ended: Sequence[AttemptRecord]) -> tuple[str, ...]:
     """Nodes that lost a job, failed its GPUs, or broke its communication more than once: the next
     attempts prefer any other node (``scheduling.node_affinity``) but may still use these when nothing
-    else fits, so one lost node on a small pool never holds a job Pending forever."""
-    comm = Counter(r.node for r in ended if r.reason is FailureClass.COMMUNICATION_ERROR and r.node)
+    else fits, so one lost node on a small pool never holds a job Pending forever. A rendezvous that
+    timed out waiting for a peer is no fault of the node that waited."""
+    comm = Counter(
+        r.node
+        for r in ended
+        if r.reason is FailureClass.COMMUNICATION_ERROR and r.node and not peer_never_joined(r)
+    )
     bad = {r.node for r in ended if r.reason in NODE_FAULT and r.node}
     bad |= {node for node, n in comm.items() if n >= COMMUNICATION_ERRORS_TO_AVOID_NODE}
     return tuple(sorted(bad))
@@ -263,14 +286,6 @@ def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord],
             plan = rung.model_copy(update={"resources": plan.resources})
             if not plan.fits:
                 break
-    return plan
-
-
-def _safer_nccl(plan: Plan, ended: Sequence[AttemptRecord]) -> Plan:
-    """PCIe-only cards fall back to NCCL without P2P after a communication error on that card."""
-    pcie_only = profile_for_key(plan.gpu).nvlink_gbs is None
-    if pcie_only and any(r.reason is FailureClass.COMMUNICATION_ERROR and r.gpu == plan.gpu for r in ended):
-        return plan.model_copy(update={"env": {**plan.env, **SAFE_PCIE_NCCL_ENV}})
     return plan
 
 

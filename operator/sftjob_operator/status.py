@@ -145,9 +145,10 @@ def reject(status: SFTJobStatus, message: str, *, generation: int, now: datetime
 
 
 def failed_create(status: SFTJobStatus, message: str, *, generation: int, now: datetime) -> SFTJobStatus:
-    """The status after the API server refused to create one of the attempt's children for now (HTTP 403:
-    a ResourceQuota, Pod Security admission, a webhook). ``Scheduled`` says why no pod exists; the
-    reconcile keeps that condition and retries the create instead of judging the pod deleted."""
+    """The status after one of the attempt's children could not be created for now (a ResourceQuota,
+    Pod Security admission or a webhook refused it, the API server was overloaded or unreachable, an
+    earlier job's object still holds its name). ``Scheduled`` says why no pod exists; the reconcile
+    keeps that condition and retries the create instead of judging the pod deleted."""
     conditions = set_condition(
         status.conditions, type=T.SCHEDULED, status=False, reason=Reason.FAILED_CREATE,
         message=message[:4096], generation=generation, now=now,

@@ -254,8 +254,8 @@ def test_a_communication_error_on_pcie_gpus_disables_nccl_p2p_next_time(jobs: Jo
     def env(pod: dict[str, Any]) -> dict[str, str]:
         return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0].get("env") or []}
 
-    assert env(second).get("NCCL_P2P_DISABLE") == "1"
-    assert "NCCL_P2P_DISABLE" not in env(first)
+    assert env(second).get("NCCL_P2P_LEVEL") == "NVL"  # P2P over NVLink only: none on PCIe cards
+    assert "NCCL_P2P_LEVEL" not in env(first)
 
 
 def test_a_trainer_that_reports_no_progress_is_ended_as_stalled_and_restarted(jobs: Jobs) -> None:

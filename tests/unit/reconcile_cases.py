@@ -17,6 +17,7 @@ from sftjob_operator.reconcile_io import Actions, Context, Observed
 from sftjob_operator.scheduling import default_products
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+UID = "uid-1"  # the job's
 PRODUCTS = {"a800-0": "NVIDIA-A800-SXM4-80GB", "l40s-0": "NVIDIA-L40S", "a40-0": "NVIDIA-A40"}
 NODES = {
     name: {
@@ -64,6 +65,8 @@ def pod(
     return {
         "metadata": {
             "name": f"job-{attempt}-{rank}",
+            "uid": f"pod-{attempt}-{rank}",
+            "ownerReferences": [{"uid": extra.pop("owner", UID), "controller": True}],
             "labels": {c.LABEL_JOB: "job", c.LABEL_ATTEMPT: str(attempt), c.LABEL_RANK: str(rank)},
             "annotations": extra.pop("annotations", {}),
         },
@@ -85,7 +88,7 @@ def observed(
     generation: int = 1,
 ) -> Observed:
     return Observed(
-        name="job", namespace="team", uid="uid-1", generation=generation, spec=spec, status=status or {},
+        name="job", namespace="team", uid=UID, generation=generation, spec=spec, status=status or {},
         pods=list(pods), nodes=NODES, now=now,
     )  # fmt: skip
 

@@ -69,7 +69,7 @@ def test_a_single_node_pod_runs_torchrun_standalone_with_one_process_per_gpu() -
         "torchrun",
         "--standalone",
         "--nproc-per-node=8",
-        "--shutdown-timeout=110",
+        "--shutdown-timeout=307",  # 120 s + 1.5 x a 131 s step (64 x 2048 tokens at 1000/s) - 10 s
         "-m",
         "sftjob_trainer.train",
     ]
@@ -78,10 +78,12 @@ def test_a_single_node_pod_runs_torchrun_standalone_with_one_process_per_gpu() -
 
 def test_the_grace_period_covers_a_checkpoint_save_and_torchrun_stops_its_workers_inside_it() -> None:
     s = spec(gpu={"type": "A800", "count": 8})
-    plan = fake_plan(s, profile_for_type("A800")).model_copy(update={"checkpoint_gib": 85.1})
+    plan = fake_plan(s, profile_for_type("A800")).model_copy(
+        update={"checkpoint_gib": 85.1, "predicted_tokens_per_second": 64 * 2048 / 10}  # a 10 s step
+    )
     p = pods.trainer_pod(JOB, s, plan, rank=0, affinity={}, image="trainer:test")
-    assert p["spec"]["terminationGracePeriodSeconds"] == 120 + 171
-    assert "--shutdown-timeout=281" in p["spec"]["containers"][0]["command"]
+    assert p["spec"]["terminationGracePeriodSeconds"] == 120 + 15 + 171
+    assert "--shutdown-timeout=296" in p["spec"]["containers"][0]["command"]
 
 
 def test_multi_node_pods_meet_at_rank_zero_through_the_headless_service() -> None:
@@ -122,7 +124,12 @@ def test_a_pod_mounts_its_config_a_memory_backed_shm_and_the_checkpoint_claim() 
     assert volumes["config"]["configMap"]["name"] == "llama-config"
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "llama-checkpoints"
     mounts = {m["name"]: m["mountPath"] for m in p["spec"]["containers"][0]["volumeMounts"]}
-    assert mounts == {"config": c.CONFIG_MOUNT, "shm": "/dev/shm", "checkpoints": c.CHECKPOINT_MOUNT}
+    assert mounts == {
+        "config": c.CONFIG_MOUNT,
+        "shm": "/dev/shm",
+        "scratch": c.SCRATCH_MOUNT,
+        "checkpoints": c.CHECKPOINT_MOUNT,
+    }
 
 
 def test_a_model_on_a_volume_is_mounted_read_only_where_the_config_points() -> None:

@@ -134,6 +134,7 @@ def test_rendered_manifests_pass_kube_score(value_set: str, tmp_path: Path) -> N
         ("defaults.restartPolicy.onOOM=Shrink", "/defaults/restartPolicy/onOOM"),
         ("defaults.checkpoints.size=lots", "/defaults/checkpoints/size"),
         ("gpuProducts.H100[0]=NVIDIA-H100-80GB-HBM3", "at '/gpuProducts': additional properties 'H100'"),
+        ("defaults.trainerImagePullSecrets={Reg_Cred}", "/defaults/trainerImagePullSecrets/0"),
     ],
 )
 def test_values_schema_rejects_invalid_values_naming_the_field(setting: str, complaint: str) -> None:
@@ -165,6 +166,12 @@ def test_rendered_crd_is_the_published_crd_plus_labels_and_keep() -> None:
     assert rendered["spec"] == published["spec"]
 
 
+def test_chart_kopf_peering_crds_are_a_byte_for_byte_copy_of_the_published_ones() -> None:
+    published = ROOT / "crds" / "kopf-peerings.yaml"
+    copy = CHART / "crds" / "kopf-peerings.yaml"
+    assert published.read_bytes() == copy.read_bytes(), f"run: cp {published} {copy}"
+
+
 def test_crds_can_be_left_to_kubectl_apply() -> None:
     docs = render(sets=("crds.enabled=false",))
     assert find(docs, "CustomResourceDefinition", "sftjobs.sftjob.io") == []
@@ -173,6 +180,17 @@ def test_crds_can_be_left_to_kubectl_apply() -> None:
         "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev",
     }
+
+
+def test_the_published_crds_are_every_crd_the_chart_installs() -> None:
+    """`kubectl apply -f crds/` (before `helm install --skip-crds`, or without Helm) leaves none out."""
+    published = {
+        doc["metadata"]["name"]
+        for path in (ROOT / "crds").glob("*.yaml")
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    }
+    assert published == {d["metadata"]["name"] for d in find(render(), "CustomResourceDefinition")}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,12 +244,24 @@ def test_chart_defaults_are_the_operators_own_defaults() -> None:
     assert env == {
         "SFTJOB_TRAINER_IMAGE": c.DEFAULT_TRAINER_IMAGE,
         "SFTJOB_IMAGE_MIN_DRIVER_MAJOR": str(c.MIN_DRIVER_MAJOR),
+        "SFTJOB_TRAINER_IMAGE_PULL_SECRETS": "",
         "SFTJOB_CHECKPOINT_STORAGE_CLASS": "",
         "SFTJOB_CHECKPOINT_SIZE": CheckpointSpec().size,
         "SFTJOB_MAX_RESTARTS": str(policy.max_restarts),
         "SFTJOB_BACKOFF_SECONDS": str(policy.backoff_seconds),
         "SFTJOB_ON_OOM": policy.on_oom,
     }
+
+
+def test_kopf_takes_the_operators_peering_identity_from_the_pod_name() -> None:
+    # kopf reads POD_ID: a container restarted in the same pod then owns its predecessor's keep-alive
+    # instead of waiting for it to expire as a live peer's.
+    from_fields = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in operator_container(render())["env"]
+        if "valueFrom" in e
+    }
+    assert from_fields == {"POD_ID": "metadata.name"}
 
 
 def test_gpu_product_mapping_reaches_the_operator_in_the_form_it_parses() -> None:
@@ -282,9 +312,11 @@ def test_namespaced_install_grants_job_permissions_only_in_the_watched_namespace
     assert {r["metadata"]["namespace"] for r in roles} == {"team-a", "team-b"}
     assert {b["metadata"]["namespace"] for b in find(docs, "RoleBinding")} == {"team-a", "team-b"}
     (cluster_role,) = find(docs, "ClusterRole")
+    # namespaces: kopf checks that the watched ones exist, and serves nothing for a minute if refused.
     assert {r for rule in cluster_role["rules"] for r in rule["resources"]} == {
         "nodes",
         "customresourcedefinitions",
+        "namespaces",
     }
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_role["rules"])
     args = operator_container(docs)["args"]
@@ -296,6 +328,18 @@ def test_namespaced_install_grants_job_permissions_only_in_the_watched_namespace
         ("team-b", RELEASE),
     }
     assert f"--peering={RELEASE}" in args
+
+
+@pytest.mark.parametrize("value_set", ["default", "namespaced"])
+def test_the_operator_may_set_block_owner_deletion_on_its_jobs_children(value_set: str) -> None:
+    # The children's ownerReferences set blockOwnerDeletion: OwnerReferencesPermissionEnforcement
+    # (OpenShift's default) allows that only to a creator that may update the owner's finalizers.
+    docs = render(value_set)
+    roles = find(docs, "Role") or find(docs, "ClusterRole", f"{RELEASE}-sftjob-operator")
+    assert roles
+    for role in roles:
+        rule = {"apiGroups": ["sftjob.io"], "resources": ["sftjobs/finalizers"], "verbs": ["update"]}
+        assert rule in role["rules"]
 
 
 def test_user_roles_aggregate_into_the_built_in_edit_and_view_roles() -> None:

@@ -26,6 +26,7 @@ VARIABLES = {
     "defaults.restartPolicy.onOOM": "SFTJOB_ON_OOM",
     "defaults.trainerImage": "SFTJOB_TRAINER_IMAGE",
     "defaults.trainerImageMinDriverMajor": "SFTJOB_IMAGE_MIN_DRIVER_MAJOR",
+    "defaults.trainerImagePullSecrets": "SFTJOB_TRAINER_IMAGE_PULL_SECRETS",
 }
 # (--set value, whether the operator starts with it)
 CASES = [
@@ -45,6 +46,8 @@ CASES = [
     ("defaults.trainerImage=my trainer", False),
     ("defaults.trainerImageMinDriverMajor=0", True),
     ("defaults.trainerImageMinDriverMajor=-1", False),
+    ("defaults.trainerImagePullSecrets={regcred,mirror.example.com}", True),
+    ("defaults.trainerImagePullSecrets=Reg_Cred", False),  # a string, not a list: the schema says so
 ]
 
 
@@ -81,3 +84,16 @@ def test_the_schema_holds_the_spec_models_patterns() -> None:
     assert checkpoints["size"]["pattern"] == POSITIVE_QUANTITY
     assert checkpoints["storageClassName"]["pattern"] == f"^$|{DNS_SUBDOMAIN}"
     assert defaults["trainerImage"]["pattern"] == IMAGE
+    assert defaults["trainerImagePullSecrets"]["items"]["pattern"] == DNS_SUBDOMAIN
+
+
+def test_trainer_pull_secrets_reach_the_operator_as_the_list_of_names_it_parses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rendered = helm(*template_args(sets=("defaults.trainerImagePullSecrets={regcred,mirror.example.com}",)))
+    deployment = next(d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    variable = VARIABLES["defaults.trainerImagePullSecrets"]
+    (value,) = [e["value"] for e in container["env"] if e["name"] == variable]
+    monkeypatch.setenv(variable, value)
+    assert parse_args([]).trainer_image_pull_secrets == ("regcred", "mirror.example.com")

@@ -17,10 +17,12 @@ from sftjob_operator.classify import (
     classify_pod,
     describe_failure,
     end_record,
+    peer_never_joined,
 )
 
 NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
 NODE = "gpu-a800-0"
+RECORD = AttemptRecord(attempt=1, node=NODE, start_time=NOW - timedelta(hours=1))
 
 
 def ts(seconds_ago: float) -> str:
@@ -281,6 +283,47 @@ def test_an_nccl_watchdog_abort_is_a_communication_error_named_by_its_signal() -
     result = classify(pod("Failed", state=exited(1, message=tail)))
     assert result.failure_class is FailureClass.COMMUNICATION_ERROR
     assert result.message.startswith("rank 3 killed by SIGABRT: [rank3]:[E501")
+
+
+# torchrun's own traceback when its static rendezvous gives up (torch 2.15, `--nnodes=2`, one node only).
+_ELASTIC = "/opt/conda/lib/python3.11/site-packages/torch/distributed/elastic"
+RENDEZVOUS_TRACEBACK = f"""\
+  File "{_ELASTIC}/agent/server/api.py", line 527, in _rendezvous
+    rdzv_info = spec.rdzv_handler.next_rendezvous()
+                ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "{_ELASTIC}/rendezvous/static_tcp_rendezvous.py", line 67, in next_rendezvous
+    self._store = TCPStore(  # type: ignore[call-arg]
+                  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+"""
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        "torch.distributed.DistStoreError: Timed out after 86401 seconds waiting for clients."
+        " 1/2 clients joined.",
+        "torch.distributed.DistNetworkError: The client socket has timed out after 86400000ms while trying to"
+        " connect to (llama-3-0.llama, 29500).",
+    ],
+)
+def test_a_rendezvous_that_gave_up_on_a_peer_is_a_communication_error_of_nobodys_links(error: str) -> None:
+    result = classify(pod("Failed", state=exited(1, message=RENDEZVOUS_TRACEBACK + error + "\n")))
+    assert (result.failure_class, result.message) == (FailureClass.COMMUNICATION_ERROR, error)
+    assert peer_never_joined(
+        end_record(RECORD, result, end_time=NOW, progress_step=None, checkpoint_step=None)
+    )
+
+
+def test_an_nccl_error_is_not_a_peer_that_never_joined() -> None:
+    watchdog = "[Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42) ran for 600000 ms"
+    result = classify(
+        pod(
+            "Failed",
+            state=exited(1, message=torchrun_tail(watchdog, 3, -6, "Signal 6 (SIGABRT) received by PID 42")),
+        )
+    )
+    record = end_record(RECORD, result, end_time=NOW, progress_step=None, checkpoint_step=None)
+    assert record.reason is FailureClass.COMMUNICATION_ERROR and not peer_never_joined(record)
 
 
 def test_a_tail_that_holds_only_torchruns_report_names_the_root_causes_rank_and_signal() -> None:

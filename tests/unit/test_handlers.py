@@ -16,7 +16,7 @@ from sftjob_operator import handlers
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.kube import Conflict, Forbidden, Rejected
 from sftjob_operator.observe import JobView
-from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, pod, terminated
+from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, pod, terminated
 
 KEY = ("team", "job")
 
@@ -45,7 +45,7 @@ class FakeKube:
             raise error
         return True
 
-    def delete_pod(self, namespace: str, name: str) -> None:
+    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         pass
 
     def post_event(self, manifest: dict[str, Any]) -> None:
@@ -67,7 +67,7 @@ def kube(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeKube]:
 
 def run_pass(kube: FakeKube, pods: list[dict[str, Any]]) -> Exception | None:
     """One pass over the job as ``kube`` holds it; the error it raised, if any."""
-    meta = {"namespace": "team", "name": "job", "uid": "u", "generation": 1,
+    meta = {"namespace": "team", "name": "job", "uid": UID, "generation": 1,
             "resourceVersion": str(kube.version), "creationTimestamp": "2026-01-01T11:00:00Z"}  # fmt: skip
     job = JobView.of({"metadata": meta, "spec": SPEC, "status": kube.status})
     nodes = {name: [node] for name, node in NODES.items()}

@@ -264,12 +264,27 @@ def test_lost_and_faulty_nodes_and_repeated_nccl_breakers_are_avoided() -> None:
     assert "preferring nodes other than flaky, lost, old-driver, xid" in decision.message
 
 
-def test_a_communication_error_on_pcie_only_gpus_disables_nccl_p2p() -> None:
+def test_a_communication_error_on_pcie_only_gpus_keeps_nccl_p2p_to_nvlink_in_every_candidates_plan() -> None:
     plans = candidates(plan(A800), plan(L40S))
     decision = restart(policy_decision(history_of(FailureClass.COMMUNICATION_ERROR, gpu=L40S), plans=plans))
-    assert decision.plans.plans[L40S].env["NCCL_P2P_DISABLE"] == "1"
+    # The pod's environment comes from the first plan (the A800 SXM4's) wherever it lands: it must carry it.
+    assert decision.plans.first.gpu == A800
+    assert all(p.env["NCCL_P2P_LEVEL"] == "NVL" for p in decision.plans.plans.values())
+    assert "NCCL P2P over NVLink only after a communication error on L40S" in decision.message
     nvlink = restart(policy_decision(history_of(FailureClass.COMMUNICATION_ERROR, gpu=A800), plans=plans))
-    assert "NCCL_P2P_DISABLE" not in nvlink.plans.plans[A800].env
+    assert all("NCCL_P2P_LEVEL" not in p.env for p in nvlink.plans.plans.values())
+
+
+def test_a_rendezvous_that_gave_up_on_a_missing_peer_neither_avoids_the_node_nor_disables_p2p() -> None:
+    waited = "DistStoreError: Timed out after 86401 seconds waiting for clients. 1/2 clients joined."
+    history = [
+        r.model_copy(update={"message": waited})
+        for r in history_of(FailureClass.COMMUNICATION_ERROR, FailureClass.COMMUNICATION_ERROR, gpu=L40S)
+    ]
+    decision = restart(policy_decision(history, plans=candidates(plan(L40S))))
+    assert decision.avoid_nodes == ()
+    assert "NCCL_P2P_LEVEL" not in decision.plans.first.env
+    assert decision.not_before is not None  # still a failure of the job's own: it backs off and counts
 
 
 def test_the_decision_after_an_operator_restart_equals_the_decision_before() -> None:

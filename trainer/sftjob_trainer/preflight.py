@@ -128,10 +128,6 @@ def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) ->
             f"{count} GPU(s) visible, the plan needs {local_world_size} on this node",
         )
     name = torch.cuda.get_device_name(local_rank)
-    if expect.product and not same_product(name, expect.product):
-        raise TrainerError(
-            ExitCode.GPU_UNAVAILABLE, f"GPU is {name!r}, the plan was made for {expect.product!r}"
-        )
     free, total = torch.cuda.mem_get_info(local_rank)
     if expect.memory_gib is not None and free / GIB < expect.memory_gib:
         raise TrainerError(
@@ -151,7 +147,7 @@ def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) ->
 
 
 def check_driver(driver: DriverInfo, min_driver: str, runtime_cuda: str | None) -> None:
-    if version_tuple(driver.version) < version_tuple(min_driver):
+    if min_driver and version_tuple(driver.version) < version_tuple(min_driver):
         raise TrainerError(
             ExitCode.DRIVER_MISMATCH, f"NVIDIA driver {driver.version} is older than the minimum {min_driver}"
         )
@@ -175,16 +171,6 @@ def check_driver(driver: DriverInfo, min_driver: str, runtime_cuda: str | None) 
 
 def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.strip().split(".") if part.isdigit())
-
-
-def same_product(device_name: str, planned: str) -> bool:
-    """NVML says "NVIDIA A800-SXM4-80GB", GFD labels say "NVIDIA-A800-SXM4-80GB"; both must match."""
-
-    def norm(s: str) -> str:
-        return s.strip().lower().replace(" ", "-")
-
-    a, b = norm(device_name), norm(planned)
-    return a == b or a.endswith("-" + b) or b.endswith("-" + a)
 
 
 def read_driver_info() -> DriverInfo | None:

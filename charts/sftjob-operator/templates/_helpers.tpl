@@ -4,16 +4,18 @@
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* The release's full name: the release name alone when it already contains the chart's name. */}}
+{{/* The release's full name: the release name alone when it already contains the chart's name.
+       At most 55 characters, so that the longest name made from it, the Service "<fullname>-metrics",
+       fits in the 63 characters of a DNS label. */}}
 {{- define "sftjob.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 55 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- .Release.Name | trunc 55 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 55 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -43,11 +45,19 @@ app.kubernetes.io/part-of: sftjob
 {{- end }}
 {{- end }}
 
+{{/* Fails when the liveness and metrics ports are the same: the second server could not bind. */}}
+{{- define "sftjob.checkPorts" -}}
+{{- if eq (int .Values.liveness.port) (int .Values.metrics.port) }}
+{{- fail (printf "liveness.port and metrics.port are both %d: the operator serves them from two servers, so they must differ" (int .Values.liveness.port)) }}
+{{- end }}
+{{- end }}
+
 {{- define "sftjob.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The namespaces a namespaced install serves; fails early when the list is empty. */}}
+{{/* The namespaces a namespaced install serves. Fails early when the list is empty, and when it is
+       set without scope namespaced (a cluster-scoped install would silently serve every namespace). */}}
 {{- define "sftjob.watchNamespaces" -}}
 {{- if eq .Values.operator.scope "namespaced" }}
 {{- if not .Values.operator.watchNamespaces }}
@@ -55,6 +65,9 @@ app.kubernetes.io/part-of: sftjob
 {{- end }}
 {{- toJson .Values.operator.watchNamespaces }}
 {{- else }}
+{{- if .Values.operator.watchNamespaces }}
+{{- fail (printf "operator.watchNamespaces (%s) is only used with operator.scope=namespaced: set operator.scope=namespaced to serve only these namespaces, or empty the list to serve every namespace" (join ", " .Values.operator.watchNamespaces)) }}
+{{- end }}
 {{- toJson list }}
 {{- end }}
 {{- end }}

@@ -16,27 +16,35 @@ ServiceAccount. docs/install.md lists why each rule exists.
 - apiGroups: ["sftjob.io"]
   resources: ["sftjobs/status"]
   verbs: ["patch"]
+# No request uses it: the children's ownerReferences set blockOwnerDeletion, and clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift's default) refuse that to a creator
+# that may not update the owner's finalizers.
+- apiGroups: ["sftjob.io"]
+  resources: ["sftjobs/finalizers"]
+  verbs: ["update"]
 # Trainer pods: created per attempt, watched (exit codes, progress annotations), deleted on suspend and
 # restart. get and patch are what each job's trainer Role grants on its own pods: Kubernetes lets the
 # operator create that Role only if it holds those verbs itself.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["create", "delete", "list", "watch", "get", "patch"]
+# The job's other children. A create that finds the name taken gets the object to check that it is
+# this job's (its ownerReference) before counting it as made.
 # The trainer config (re-rendered for each attempt) and the per-job trainer Role (its pod names).
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "get", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "get", "patch"]
 # Created once per job and owned by it: the checkpoint volume, the rendezvous Service of multi-node
 # jobs, the trainer's ServiceAccount and its RoleBinding.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims", "services", "serviceaccounts"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["rolebindings"]
-  verbs: ["create"]
+  verbs: ["create", "get"]
 # Job transitions (Created, Running, Failed...) as Kubernetes events.
 - apiGroups: [""]
   resources: ["events"]
@@ -59,6 +67,14 @@ ServiceAccount. docs/install.md lists why each rule exists.
 # kopf notices the SFTJob CRD being installed, upgraded or removed while it runs.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- end }}
+
+{{/* Namespace reads of a namespaced install: kopf lists and watches namespaces to learn whether the
+       ones it serves exist; refused, it retries for about a minute before serving anything. */}}
+{{- define "sftjob.namespaceReadRules" -}}
+- apiGroups: [""]
+  resources: ["namespaces"]
   verbs: ["list", "watch"]
 {{- end }}
 

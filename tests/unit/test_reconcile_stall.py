@@ -1,0 +1,34 @@
+"""A multi-node attempt's stall clock starts when its last rank runs: until then the others wait in
+torchrun's rendezvous, which is not a stall."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sftjob_operator.reconcile import reconcile
+from tests.unit.reconcile_cases import CTX, NOW, SPEC, observed, pod, then
+
+TWO_NODES = {**SPEC, "gpu": {"type": "L40S", "nodes": 2}, "restartPolicy": {"stallTimeoutSeconds": 60}}
+
+
+def _running_since(at: str) -> dict[str, Any]:
+    return {"containerStatuses": [{"name": "trainer", "state": {"running": {"startedAt": at}}}]}
+
+
+def test_ranks_waiting_for_a_pending_peer_are_not_stalled_and_the_clock_starts_with_the_last_rank() -> None:
+    first = observed(spec=TWO_NODES)
+    start = reconcile(first, CTX)
+    waiting = [pod(rank=0), pod(rank=1, phase="Pending", node=None)]  # rank 0 running since 11:59
+    hour_later = then(first, start, pods=waiting, now=NOW + timedelta(hours=1))
+    actions = reconcile(hour_later, CTX)
+    assert not actions.status.attempts[-1].ended, actions.status.attempts[-1]
+
+    both = [pod(rank=0), pod(rank=1, status=_running_since("2026-01-01T12:59:30Z"))]
+    just_joined = then(hour_later, actions, pods=both, now=NOW + timedelta(hours=1))
+    actions = reconcile(just_joined, CTX)
+    assert not actions.status.attempts[-1].ended  # 30 s since the last rank started
+
+    silent = then(just_joined, actions, now=NOW + timedelta(hours=1, minutes=2))
+    ended = reconcile(silent, CTX).status.attempts[-1]
+    assert ended.ended and ended.reason == "Stalled"
