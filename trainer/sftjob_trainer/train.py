@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -56,39 +54,11 @@ from sftjob_trainer.model import (
 )
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.preflight import run_preflight
+from sftjob_trainer.stopping import GracefulStop, ignore_sigterm
 
 log = logging.getLogger("sftjob_trainer")
 
 SUMMARY_FILE = "summary.json"
-
-
-class GracefulStop:
-    """SIGTERM sets a flag; the loop finishes its step, saves a checkpoint and exits PREEMPTED."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if not self.requested:
-            log.warning("SIGTERM received: finishing the current step, then saving a checkpoint")
-        self.requested = True
-
-
-def _ignore_sigterm(_worker: int) -> None:
-    """DataLoader workers are in the trainer's process group, which torchrun signals as a whole: a worker
-    dying of SIGTERM would end the step with an error instead of a checkpoint. They keep serving batches
-    until the trainer, which handles the signal, finishes its step and stops them."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def main() -> None:
@@ -200,7 +170,7 @@ class Training:
             if observer is not None:
                 observer.metrics.bad_rows.inc(stats.bad_rows)
                 observer.phase("data ready", checkpoints.newest_complete_step(root))
-            self.stop_if_asked("after loading the data")
+            self.stop.during_setup("after loading the data")
             summary = self.train(tokenizer, units, schedule, layout, attention, planned, observer)
             summary |= {
                 "format": fmt,
@@ -255,7 +225,7 @@ class Training:
         )
         if observer is not None:
             observer.phase("model loaded", checkpoints.newest_complete_step(root))
-        self.stop_if_asked("after loading the model")
+        self.stop.during_setup("after loading the model")
 
         # Resume.
         fingerprint = {
@@ -314,14 +284,6 @@ class Training:
             "method": config.method,
         }
 
-    def stop_if_asked(self, where: str) -> None:
-        """SIGTERM during setup (a long download, tokenization or load): stop at the next phase with
-        nothing to save, well inside the grace period, instead of being killed at its end."""
-        if self.stop.requested:
-            raise TrainerError(
-                ExitCode.PREEMPTED, f"preempted (SIGTERM) {where}, before training: no checkpoint"
-            )
-
     def continue_course(self, state: TrainState, parts: Trainables, planned: int) -> Course:
         """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
         (``planned``; an OOM re-plan halved the rows) keeps the fraction of the run already done: it ends
@@ -378,10 +340,9 @@ class Training:
             num_workers=t.dataloader_workers,
             pin_memory=ctx.device.type == "cuda",
             generator=torch.Generator().manual_seed(t.seed),
-            worker_init_fn=_ignore_sigterm,
+            worker_init_fn=ignore_sigterm,
         )
-        if self.stop.requested:
-            raise TrainerError(ExitCode.PREEMPTED, f"SIGTERM before training resumed at step {state.step}")
+        self.stop.during_setup(f"before training resumed at step {state.step}")
         started = last_save = time.monotonic()
         tokens_this_attempt = 0
         wait_started = time.monotonic()

@@ -1,0 +1,76 @@
+"""Pods, nodes and container states as the API server reports them, for the classification tests."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sftjob.attempts import AttemptRecord
+from sftjob_operator.classify import Classification, classify_pod
+
+NOW = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
+NODE = "gpu-a800-0"
+RECORD = AttemptRecord(attempt=1, node=NODE, start_time=NOW - timedelta(hours=1))
+
+
+def ts(seconds_ago: float) -> str:
+    return (NOW - timedelta(seconds=seconds_ago)).isoformat().replace("+00:00", "Z")
+
+
+def node(ready: str = "True", since_seconds: float = 3600) -> dict[str, Any]:
+    return {
+        "metadata": {"name": NODE},
+        "status": {
+            "conditions": [{"type": "Ready", "status": ready, "lastTransitionTime": ts(since_seconds)}]
+        },
+    }
+
+
+def pod(
+    phase: str = "Running",
+    *,
+    state: dict[str, Any] | None = None,
+    reason: str | None = None,
+    message: str | None = None,
+    disruption: str | None = None,
+    deleting: bool = False,
+    init_state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": [{"type": "Ready", "status": "True" if phase == "Running" else "False"}],
+        "containerStatuses": [
+            {"name": "trainer", "image": "ghcr.io/sftjob/trainer:0.1.0", "state": state or {}}
+        ],
+    }
+    if reason:
+        status["reason"] = reason
+    if message:
+        status["message"] = message
+    if disruption:
+        status["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
+    if init_state:
+        status["initContainerStatuses"] = [{"name": "fetch", "image": "busybox", "state": init_state}]
+    metadata: dict[str, Any] = {"name": "job-1-0", "namespace": "default"}
+    if deleting:
+        metadata["deletionTimestamp"] = ts(5)
+    return {"metadata": metadata, "spec": {"nodeName": NODE}, "status": status}
+
+
+def running(started_seconds_ago: float = 60) -> dict[str, Any]:
+    return {"running": {"startedAt": ts(started_seconds_ago)}}
+
+
+def exited(code: int, reason: str = "Error", message: str = "") -> dict[str, Any]:
+    terminated: dict[str, Any] = {"exitCode": code, "reason": reason, "finishedAt": ts(1)}
+    if message:
+        terminated["message"] = message
+    return {"terminated": terminated}
+
+
+def waiting(reason: str, message: str = "") -> dict[str, Any]:
+    return {"waiting": {"reason": reason, "message": message}}
+
+
+def classify(p: dict[str, Any] | None, n: dict[str, Any] | None = None, **kw: Any) -> Classification:
+    return classify_pod(p, node() if n is None else n, now=NOW, **kw)
