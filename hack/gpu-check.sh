@@ -9,10 +9,14 @@
 #      46 GiB cap) for 20 steps, peak memory against the planner's estimate, one profiler table per run;
 #   2. 7B LoRA plain+Liger against the planned A40 config, both at accumulation 4 (the anchor's setting).
 # SFTJOB_GPU_CHECK_DRY=1 runs the same steps on the CPU with the tiny model (to test this script).
+# SFTJOB_GPU_CHECK_SECONDS (default 480) bounds the whole script, so it ends inside the device call and
+# still packs the profiler tables into one archive (the device tool returns at most 8 files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/gpu-check}"
 mkdir -p "$out"
+budget="${SFTJOB_GPU_CHECK_SECONDS:-480}"
+exec > >(tee -a "$out/gpu-check.log") 2>&1
 
 if [[ "${SFTJOB_GPU_CHECK_DRY:-}" == 1 ]]; then
   python=(.venv/bin/python)
@@ -28,6 +32,20 @@ else
   compare=(--only '^7B/lora/(plain\+liger|planned-A40)$')
 fi
 
-step() { echo "== $*" >&2; SECONDS=0; "${python[@]}" benchmarks/trainer_throughput.py "$@" --out "$out"; echo "== ${SECONDS}s" >&2; }
+export PYTHONUNBUFFERED=1
+step() {
+  local left=$((budget - SECONDS)) start=$SECONDS
+  if ((left < 30)); then echo "== skipped (budget spent): $*"; return 0; fi
+  echo "== $* (${left}s left)"
+  timeout --signal=INT --kill-after=20 "$left" \
+    "${python[@]}" benchmarks/trainer_throughput.py "$@" --out "$out" || echo "== exit $?"
+  echo "== $((SECONDS - start))s"
+}
 step "${plans[@]}" --profile
 step "${compare[@]}" --max-accumulation 4
+shopt -s nullglob
+profiles=("$out"/*-profile-*.txt)
+if ((${#profiles[@]})); then
+  tar -czf "$out/profiles.tar.gz" -C "$out" "${profiles[@]##*/}" && rm -f "${profiles[@]}"
+fi
+ls -l "$out"
