@@ -16,6 +16,7 @@ from sftjob.architectures import Architecture
 from sftjob.config import Attention, LoraSettings, Method, Precision, Sharding, TrainingOverrides
 from sftjob.gpus import GpuProfile
 from sftjob.memory import MemoryInputs, estimate_memory
+from sftjob.network import DEFAULT_TCP_GBPS
 from sftjob.plan import MemoryEstimate
 from sftjob.throughput import Prediction, ThroughputInputs, predict
 
@@ -42,6 +43,9 @@ class PlanRequest(BaseModel):
     # max_seq_length, and the OOM
     # ladder may shorten it.
     packing_length: int | None = Field(default=None, ge=16)
+    # Between nodes (``spec.network``): GB/s one node moves to the others, and whether over RDMA.
+    inter_node_gbs: float = Field(default=DEFAULT_TCP_GBPS / 8, gt=0)
+    rdma: bool = False
 
     @property
     def world_size(self) -> int:
@@ -173,6 +177,7 @@ def evaluate(
             request.gpus_per_node,
             request.nodes,
             None if request.method == "full" else request.lora,
+            request.inter_node_gbs,
         )
     )
     return Candidate(micro, accumulation, checkpointing, sharding, sequence, memory, speed)

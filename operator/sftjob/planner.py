@@ -106,6 +106,13 @@ def _describe(request: PlanRequest, gpu: GpuProfile, c: Candidate) -> list[str]:
         lines.append(f"sharding fsdp: model states split over {request.world_size} GPUs ({gpu.interconnect})")
     elif c.sharding == "ddp":
         lines.append(f"sharding ddp: every GPU holds the model; gradients all-reduced ({gpu.interconnect})")
+    if request.nodes > 1:
+        link = (
+            "RDMA (spec.network.rdma)"
+            if request.rdma
+            else "TCP sockets: without spec.network.rdma NCCL cannot use InfiniBand or RoCE"
+        )
+        lines.append(f"between nodes: ~{request.inter_node_gbs:g} GB/s per node over {link}")
     if request.overrides.gradient_checkpointing is not None:
         lines.append(
             f"gradient checkpointing {'on' if c.checkpointing else 'off'}:"

@@ -16,8 +16,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from sftjob.architectures import Architecture, ModelFamily
 from sftjob.attempts import OnOOM, RestartPolicy
@@ -28,6 +27,20 @@ from sftjob.config import (
     Method,
     TrainingOverrides,
 )
+from sftjob.kube_names import (
+    ENV_NAME,
+    IMAGE,
+    LABEL_KEY_RULE,
+    LABEL_VALUE_RULE,
+    POSITIVE_QUANTITY,
+    SECRET_KEY,
+    ObjectName,
+    Quantity,
+    SpecModel,
+    valid_label_key,
+    valid_label_value,
+)
+from sftjob.network import NetworkSpec, inter_node_gbs
 
 if TYPE_CHECKING:
     from sftjob.planner import PlanRequest
@@ -40,42 +53,12 @@ ANY_ORDER: tuple[GpuType, ...] = ("A800", "L40S", "A40")
 # Job names end up in pod names (`<job>-<attempt>-<rank>`, a 63-character DNS label) and a Service name.
 MAX_JOB_NAME = 40
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-# Names of Secrets, claims, StorageClasses and PriorityClasses: DNS-1123 subdomains, as the API server
-# checks them in the children the operator creates.
-_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-DNS_SUBDOMAIN = f"^{_SUBDOMAIN}$"
-QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
-# A quantity above zero (a claim's size: the API server refuses a claim of 0 bytes).
-POSITIVE_QUANTITY = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
-ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
-SECRET_KEY = r"^\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # not '.', '..' or starting with '..'
-IMAGE = r"^\S+$"  # the API server refuses a pod whose image has leading or trailing whitespace
-# Label keys and values as Kubernetes validates them (a pod's nodeSelector, a toleration's key and value):
-# an optional DNS-1123 subdomain prefix (at most MAX_LABEL_PREFIX characters) and '/', then a name of at
-# most 63 characters. The CRD's CEL rules use the same two patterns.
-LABEL_KEY = f"^({_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
-LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
-MAX_LABEL_PREFIX = 253
-LABEL_KEY_RULE = (
-    "an optional DNS subdomain prefix of at most 253 characters and '/', then a name of at most 63"
-    " letters, digits, '-', '_' or '.' that starts and ends with a letter or digit"
-)
-LABEL_VALUE_RULE = (
-    "empty, or at most 63 letters, digits, '-', '_' or '.' that start and end with a letter or digit"
-)
 RESERVED_ENV_PREFIX = "SFTJOB_"
+RESERVED_ANNOTATION = r"^([^/]*[.])?sftjob[.]io/"  # the progress and checkpoint reports on the pods
 DEFAULT_CHECKPOINT_MINUTES = 30
 DEFAULT_CHECKPOINT_SIZE = "100Gi"
 
-ObjectName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
-Quantity = Annotated[str, StringConstraints(max_length=32, pattern=QUANTITY)]
 RelativePath = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
-
-
-class _Spec(BaseModel):
-    """camelCase on the wire, snake_case in Python, unknown keys are errors, values never change."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
 
 def _relative(path: str | None, field: str) -> str | None:
@@ -84,18 +67,18 @@ def _relative(path: str | None, field: str) -> str | None:
     return path
 
 
-class PersistentVolumeClaimSource(_Spec):
+class PersistentVolumeClaimSource(SpecModel):
     claim_name: ObjectName
     read_only: bool = False
 
 
-class NfsSource(_Spec):
+class NfsSource(SpecModel):
     server: Annotated[str, StringConstraints(min_length=1, max_length=253)]
     path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")]
     read_only: bool = False
 
 
-class HostPathSource(_Spec):
+class HostPathSource(SpecModel):
     path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")]
 
     @field_validator("path")
@@ -106,7 +89,7 @@ class HostPathSource(_Spec):
         return path
 
 
-class VolumeSource(_Spec):
+class VolumeSource(SpecModel):
     """Where data lives: exactly one of a PersistentVolumeClaim, an NFS export or a host path."""
 
     persistent_volume_claim: PersistentVolumeClaimSource | None = None
@@ -125,7 +108,7 @@ class VolumeSource(_Spec):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
-class SecretKeyRef(_Spec):
+class SecretKeyRef(SpecModel):
     name: ObjectName
     key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)] = "token"
 
@@ -144,7 +127,7 @@ class ArchitectureSpec(Architecture):
     family: ModelFamily | None = None
 
 
-class ModelSpec(_Spec):
+class ModelSpec(SpecModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
     path: RelativePath | None = None
     volume: VolumeSource | None = None
@@ -168,7 +151,7 @@ class ModelSpec(_Spec):
         return self
 
 
-class DatasetSpec(_Spec):
+class DatasetSpec(SpecModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
     path: RelativePath | None = None
     volume: VolumeSource | None = None
@@ -191,7 +174,7 @@ class DatasetSpec(_Spec):
         return self
 
 
-class GpuSpec(_Spec):
+class GpuSpec(SpecModel):
     """``type`` names one GPU type (or Any); ``types`` is an ordered preference list that replaces it.
     (A structural CRD schema cannot hold "a string or a list" in one field.)"""
 
@@ -224,7 +207,7 @@ class GpuSpec(_Spec):
         return per_node if self.nodes == 1 else f"{self.nodes}x{per_node}"
 
 
-class CheckpointSpec(_Spec):
+class CheckpointSpec(SpecModel):
     volume: VolumeSource | None = None
     # The operator's defaults (sftjob_operator.defaults) fill storageClassName and size when unset.
     storage_class_name: ObjectName | None = None
@@ -243,7 +226,7 @@ class CheckpointSpec(_Spec):
         return self
 
 
-class OutputSpec(_Spec):
+class OutputSpec(SpecModel):
     volume: VolumeSource | None = None
     path: RelativePath = "final"
 
@@ -253,12 +236,12 @@ class OutputSpec(_Spec):
         return _relative(path, "spec.output.path") or path
 
 
-class ResourceSpec(_Spec):
+class ResourceSpec(SpecModel):
     cpu: Quantity | None = None
     memory: Quantity | None = None
 
 
-class EnvVar(_Spec):
+class EnvVar(SpecModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ENV_NAME)]
     value: Annotated[str, StringConstraints(max_length=4096)] = ""
 
@@ -270,17 +253,7 @@ class EnvVar(_Spec):
         return name
 
 
-def valid_label_key(key: str) -> bool:
-    """Whether ``key`` is a Kubernetes label key (what a nodeSelector or a toleration's key must be)."""
-    prefix, slash, _ = key.partition("/")
-    return re.fullmatch(LABEL_KEY, key) is not None and (not slash or len(prefix) <= MAX_LABEL_PREFIX)
-
-
-def valid_label_value(value: str) -> bool:
-    return re.fullmatch(LABEL_VALUE, value) is not None
-
-
-class Toleration(_Spec):
+class Toleration(SpecModel):
     """One extra toleration of the trainer pods, held to the rules the API server applies to a pod's."""
 
     key: Annotated[str, StringConstraints(max_length=317)] | None = None
@@ -321,7 +294,7 @@ class RestartPolicySpec(RestartPolicy):
     on_oom: OnOOM = Field(default="Replan", alias="onOOM")
 
 
-class SFTJobSpec(_Spec):
+class SFTJobSpec(SpecModel):
     model: ModelSpec
     dataset: DatasetSpec
     method: Method = "lora"
@@ -333,11 +306,15 @@ class SFTJobSpec(_Spec):
     restart_policy: RestartPolicySpec = RestartPolicySpec()
     image: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=IMAGE)] | None = None
     resources: ResourceSpec = ResourceSpec()
-    env: Annotated[list[EnvVar], Field(max_length=64)] = []
-    tolerations: Annotated[list[Toleration], Field(max_length=32)] = []
+    env: Annotated[list[EnvVar], Field(max_length=64)] = Field(default_factory=list)
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(default_factory=list)
     node_selector: Annotated[
         dict[str, Annotated[str, StringConstraints(max_length=63)]], Field(max_length=32)
-    ] = {}
+    ] = Field(default_factory=dict)
+    pod_annotations: Annotated[
+        dict[str, Annotated[str, StringConstraints(max_length=4096)]], Field(max_length=32)
+    ] = Field(default_factory=dict)
+    network: NetworkSpec = NetworkSpec()
     priority_class_name: ObjectName | None = None
     suspend: bool = False
     active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
@@ -352,6 +329,16 @@ class SFTJobSpec(_Spec):
             if not valid_label_value(value):
                 raise ValueError(f"value {value!r} of {key!r} is not a label value: {LABEL_VALUE_RULE}")
         return labels
+
+    @field_validator("pod_annotations")
+    @classmethod
+    def _annotation_keys(cls, annotations: dict[str, str]) -> dict[str, str]:
+        for key in annotations:
+            if not valid_label_key(key):
+                raise ValueError(f"key {key!r} is not an annotation key: {LABEL_KEY_RULE}")
+            if re.match(RESERVED_ANNOTATION, key):
+                raise ValueError(f"key {key!r}: annotations under sftjob.io are the operator's and trainer's")
+        return annotations
 
     @model_validator(mode="after")
     def _qlora_is_single_gpu(self) -> SFTJobSpec:
@@ -417,4 +404,6 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
         nodes=nodes,
         overrides=spec.training,
         packing_length=(None if packing is None else min(packing, spec.dataset.max_seq_length)),
+        inter_node_gbs=inter_node_gbs(spec.network),
+        rdma=spec.network.rdma is not None,
     )

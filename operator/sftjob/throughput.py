@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from sftjob.architectures import Architecture
 from sftjob.config import LoraSettings, Method, Precision, Sharding
 from sftjob.gpus import GpuProfile
+from sftjob.network import DEFAULT_TCP_GBPS
 
 MATMUL_EFFICIENCY = 0.6  # best fraction of the dense peak a large bf16 GEMM-bound step reaches
 HALF_EFFICIENCY_TOKENS = 256  # tokens per micro-batch at which GEMMs reach half of that
@@ -38,7 +39,6 @@ LAUNCH_SECONDS_PER_LAYER = 0.0005  # kernel launches + Python per layer per micr
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW reads p, g, m, v and writes p, m, v (fp32)
 NF4_DEQUANT_BYTES = 16  # effective bytes per 4-bit weight per pass: dequantise + GEMM on the copy
 COMM_OVERLAP = 0.7  # fraction of compute time that can hide communication
-INTER_NODE_GBS = 12.5  # between nodes: assume 100 Gb/s Ethernet/RoCE per node
 PACKED_MEAN_CONTEXT = 512  # tokens: assumed mean sample length inside packed rows (attention span)
 PADDING_EFFICIENCY = 0.52  # real-token fraction of padded batches (the anchors measured 48% padding)
 
@@ -82,6 +82,7 @@ class ThroughputInputs:
     gpus_per_node: int = 1
     nodes: int = 1
     lora: LoraSettings | None = None  # the adapters, for LoRA and QLoRA
+    inter_node_gbs: float = DEFAULT_TCP_GBPS / 8  # GB/s one node moves to the others (sftjob.network)
 
     @property
     def world_size(self) -> int:
@@ -137,7 +138,7 @@ def _micro_step_seconds(t: ThroughputInputs) -> float:
 
 def _link_gbs(t: ThroughputInputs) -> float:
     intra = t.gpu.link_gbs
-    return min(intra, INTER_NODE_GBS) if t.nodes > 1 else intra
+    return min(intra, t.inter_node_gbs) if t.nodes > 1 else intra
 
 
 def _comm_seconds(t: ThroughputInputs) -> tuple[float, float]:

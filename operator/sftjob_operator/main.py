@@ -21,7 +21,7 @@ import kopf
 from pydantic import ValidationError
 
 from sftjob import constants as c
-from sftjob.spec import DNS_SUBDOMAIN, IMAGE
+from sftjob.kube_names import DNS_SUBDOMAIN, IMAGE
 from sftjob_operator import handlers, metrics
 from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.kube import Kube, connect

@@ -4,7 +4,8 @@ One pod per node runs torchrun with one process per GPU; its grace period covers
 a checkpoint save on SIGTERM, and torchrun stops its workers just inside it. The pod mounts its config
 (the ConfigMap's row for each candidate card), the checkpoint claim, a memory-backed /dev/shm, a scratch
 /tmp that is also its HOME and, when the spec names them, the model, dataset and output volumes; it
-meets the restricted Pod Security profile.
+meets the restricted Pod Security profile, except a multi-node job's pods that hold RDMA devices
+(``spec.network.rdma``): they add the capability RDMA memory registration needs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from sftjob import constants as c
 from sftjob.config import JobRef
+from sftjob.network import RDMA_CAPABILITY
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
 from sftjob_operator import builders
@@ -187,20 +189,24 @@ def trainer_pod(
     ports = [{"name": "metrics", "containerPort": c.TRAINER_METRICS_PORT}]
     if spec.gpu.nodes > 1:
         ports.append({"name": "rendezvous", "containerPort": c.TORCHRUN_PORT})
+    requests: Manifest = {"cpu": plan.resources.cpu, "memory": plan.resources.memory, c.GPU_RESOURCE: gpus}
+    limits: Manifest = {"memory": plan.resources.memory, c.GPU_RESOURCE: gpus}
+    capabilities: Manifest = {"drop": ["ALL"]}
+    rdma = spec.network.rdma
+    if rdma is not None and spec.gpu.nodes > 1:
+        requests[rdma.resource_name] = limits[rdma.resource_name] = str(rdma.count)
+        capabilities["add"] = [RDMA_CAPABILITY]
     container: Manifest = {
         "name": CONTAINER,
         "image": image,
         "command": torchrun_command(job, spec, rank, grace=grace_seconds(spec, plan)),
         "env": _env(job, spec, plan),
         "ports": ports,
-        "resources": {
-            "requests": {"cpu": plan.resources.cpu, "memory": plan.resources.memory, c.GPU_RESOURCE: gpus},
-            "limits": {"memory": plan.resources.memory, c.GPU_RESOURCE: gpus},
-        },
+        "resources": {"requests": requests, "limits": limits},
         "volumeMounts": mounts,
         "terminationMessagePath": c.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": capabilities},
     }
     name = pod_name(job.name, job.attempt, rank)
     pod_spec: Manifest = {
@@ -232,9 +238,7 @@ def trainer_pod(
     if spec.gpu.nodes > 1:
         pod_spec["hostname"] = name
         pod_spec["subdomain"] = job.name
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": builders.metadata(job, name, attempt=job.attempt, rank=rank),
-        "spec": pod_spec,
-    }
+    metadata = builders.metadata(job, name, attempt=job.attempt, rank=rank)
+    if spec.pod_annotations:
+        metadata["annotations"] = dict(spec.pod_annotations)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

@@ -111,6 +111,31 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.nodeSelector[pool]",
     ),
     "checkpoint claim of zero bytes": (spec_with(checkpoints={"size": "0Gi"}), "spec.checkpoints.size"),
+    "pod annotation key with a space": (
+        spec_with(podAnnotations={"my note": "x"}),
+        "key my note is not an annotation key",
+    ),
+    "pod annotation the operator writes": (
+        spec_with(podAnnotations={"sftjob.io/progress": "{}"}),
+        "key sftjob.io/progress: annotations under sftjob.io",
+    ),
+    "RDMA resource without a domain": (
+        spec_with(network={"rdma": {"resourceName": "rdma"}}),
+        "spec.network.rdma.resourceName",
+    ),
+    "RDMA resource in kubernetes.io": (
+        spec_with(network={"rdma": {"resourceName": "rdma.kubernetes.io/hca"}}),
+        "spec.network.rdma.resourceName",
+    ),
+    "the GPUs as the RDMA resource": (
+        spec_with(network={"rdma": {"resourceName": "nvidia.com/gpu"}}),
+        "spec.gpu requests",
+    ),
+    "zero RDMA devices": (
+        spec_with(network={"rdma": {"resourceName": "rdma/hca", "count": 0}}),
+        "spec.network.rdma.count",
+    ),
+    "zero network bandwidth": (spec_with(network={"bandwidthGbps": 0}), "spec.network.bandwidthGbps"),
     "unknown architecture family": (
         spec_with(
             model={
@@ -139,6 +164,18 @@ def test_an_invalid_spec_is_rejected_at_admission_naming_the_field(jobs: Jobs, c
     assert field in result.stderr, result.stderr
 
 
+def test_a_multi_node_job_with_rdma_devices_and_pod_annotations_is_admitted(jobs: Jobs) -> None:
+    manifest = spec_with(
+        gpu={"type": "A800", "count": 8, "nodes": 2},
+        network={"rdma": {"resourceName": "rdma/rdma_shared_device_a"}, "bandwidthGbps": 400},
+        podAnnotations={"k8s.v1.cni.cncf.io/networks": "roce-a,roce-b"},
+    )
+    result = jobs.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(manifest))
+    admitted = json.loads(result.stdout)["spec"]
+    assert admitted["network"]["rdma"] == {"resourceName": "rdma/rdma_shared_device_a", "count": 1}
+    assert admitted["podAnnotations"] == {"k8s.v1.cni.cncf.io/networks": "roce-a,roce-b"}
+
+
 def test_a_name_too_long_for_its_pod_names_is_rejected(jobs: Jobs) -> None:
     manifest = sftjob("a" * 45)
     result = jobs.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
@@ -151,6 +188,8 @@ def test_the_spec_is_immutable_except_suspend_deadline_and_ttl(jobs: Jobs) -> No
         ('{"spec":{"model":{"name":"other/model"}}}', "spec.model"),
         ('{"spec":{"gpu":{"count":2}}}', "spec.gpu"),
         ('{"spec":{"image":"evil:latest"}}', "spec.image"),
+        ('{"spec":{"network":{"bandwidthGbps":100}}}', "spec.network"),
+        ('{"spec":{"podAnnotations":{"a":"b"}}}', "spec.podAnnotations"),
     ):
         result = jobs.kubectl("patch", "sft", "settled", "--type=merge", "-p", patch, check=False)
         assert result.returncode != 0 and field in result.stderr and "immutable" in result.stderr

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from helmchart import CHART, helm, template_args
 
-from sftjob.spec import DNS_SUBDOMAIN, IMAGE, POSITIVE_QUANTITY
+from sftjob.kube_names import DNS_SUBDOMAIN, IMAGE, POSITIVE_QUANTITY
 from sftjob_operator.main import parse_args
 
 # The chart value behind each variable the operator checks at start.

@@ -19,7 +19,8 @@ from pydantic_core import PydanticUndefined
 
 from sftjob import constants as c
 from sftjob.job_status import SFTJobStatus
-from sftjob.spec import LABEL_KEY, LABEL_KEY_RULE, LABEL_VALUE, LABEL_VALUE_RULE, SFTJobSpec
+from sftjob.kube_names import LABEL_KEY, LABEL_KEY_RULE, LABEL_VALUE, LABEL_VALUE_RULE
+from sftjob.spec import SFTJobSpec
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
 # Model fields the API does not expose: filled in by the operator, never by users.

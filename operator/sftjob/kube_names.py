@@ -1,0 +1,58 @@
+"""What the API server accepts as names, label keys and values, and quantities, as patterns.
+
+The spec models (:mod:`sftjob.spec`, :mod:`sftjob.network`) check what a user writes with these, and
+the CRD's schema and CEL rules hold the same regexes and wording (a unit test compares them), so an
+admitted job's children are not refused for a name, a label or a size. ``SpecModel`` is the base of
+every model of the SFTJob API.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, StringConstraints
+from pydantic.alias_generators import to_camel
+
+# Names of Secrets, claims, StorageClasses and PriorityClasses: DNS-1123 subdomains, as the API server
+# checks them in the children the operator creates.
+_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+DNS_SUBDOMAIN = f"^{_SUBDOMAIN}$"
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
+# A quantity above zero (a claim's size: the API server refuses a claim of 0 bytes).
+POSITIVE_QUANTITY = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+SECRET_KEY = r"^\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # not '.', '..' or starting with '..'
+IMAGE = r"^\S+$"  # the API server refuses a pod whose image has leading or trailing whitespace
+# Label keys and values as Kubernetes validates them (a pod's nodeSelector, a toleration's key and value):
+# an optional DNS-1123 subdomain prefix (at most MAX_LABEL_PREFIX characters) and '/', then a name of at
+# most 63 characters. The CRD's CEL rules use the same two patterns.
+LABEL_KEY = f"^({_SUBDOMAIN}/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
+LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+MAX_LABEL_PREFIX = 253
+LABEL_KEY_RULE = (
+    "an optional DNS subdomain prefix of at most 253 characters and '/', then a name of at most 63"
+    " letters, digits, '-', '_' or '.' that starts and ends with a letter or digit"
+)
+LABEL_VALUE_RULE = (
+    "empty, or at most 63 letters, digits, '-', '_' or '.' that start and end with a letter or digit"
+)
+
+ObjectName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+Quantity = Annotated[str, StringConstraints(max_length=32, pattern=QUANTITY)]
+
+
+class SpecModel(BaseModel):
+    """camelCase on the wire, snake_case in Python, unknown keys are errors, values never change."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+
+def valid_label_key(key: str) -> bool:
+    """Whether ``key`` is a Kubernetes label key (what a nodeSelector or a toleration's key must be)."""
+    prefix, slash, _ = key.partition("/")
+    return re.fullmatch(LABEL_KEY, key) is not None and (not slash or len(prefix) <= MAX_LABEL_PREFIX)
+
+
+def valid_label_value(value: str) -> bool:
+    return re.fullmatch(LABEL_VALUE, value) is not None
