@@ -180,6 +180,7 @@ async def _reconcile(
             queue.add_after(key, left)  # the job's next watch event runs it sooner
             return
         del Runtime.outdated[key]
+    started = time.monotonic()
     try:
         delay = await _pass(job, pods, nodes)
         Runtime.backoff.pop(key, None)
@@ -196,6 +197,8 @@ async def _reconcile(
             return
         log.exception("reconcile of %s/%s failed; retrying in %.0f s", *key, _back_off(key, result="error"))
         return
+    finally:  # every pass, failed ones too: those are the slow ones
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     queue.add_after(key, delay)
 
 
@@ -232,7 +235,6 @@ def _forget(key: JobKey) -> None:
 
 async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any, Any]) -> float:
     """One reconcile pass over ``job`` as the index holds it; returns how long until the next is due."""
-    started = time.monotonic()
     key, now = (job.namespace, job.name), _now()
     observed = Observed(
         name=job.name,
@@ -260,7 +262,6 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     written = await _apply(job, observed, actions, now=now)
     metrics.track_job(job.namespace, job.name, written)
     metrics.RECONCILES.labels(result="success").inc()
-    metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     if actions.status_changed:  # decide again only from a version that shows this write
         _wait_for_newer(key, job.resource_version)
     due = Runtime.resync_seconds if actions.requeue_after is None else actions.requeue_after

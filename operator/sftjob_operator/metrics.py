@@ -17,7 +17,7 @@ from sftjob.failures import FailureClass
 from sftjob.job_status import SFTJobStatus
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-STARTUP_BUCKETS = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+STARTUP_BUCKETS = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800, 86400)  # GPU queues
 STEP_BUCKETS = (0, 1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
 RECONCILES = Counter("sftjob_operator_reconcile_total", "Reconcile passes by result.", ["result"])

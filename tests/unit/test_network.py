@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from test_builders import JOB, fake_plan
 
 from sftjob.gpus import profile_for_type
 from sftjob.job_plan import plan_job
@@ -15,7 +16,6 @@ from sftjob.spec import SFTJobSpec
 from sftjob_operator import pods
 from sftjob_operator.planning import plan_candidates
 from sftjob_operator.scheduling import default_products, node_affinity
-from test_builders import JOB, fake_plan
 
 RDMA = {"resourceName": "rdma/rdma_shared_device_a", "count": 2}
 
@@ -28,7 +28,8 @@ def spec(**changes: Any) -> SFTJobSpec:
 def container(s: SFTJobSpec) -> dict[str, Any]:
     plans = plan_candidates(s, default_products(), fake_plan)
     affinity = node_affinity(s.gpu.candidates(), default_products())
-    return pods.trainer_pod(JOB, s, plans.first, rank=0, affinity=affinity, image="t:1")["spec"]["containers"][0]
+    made = pods.trainer_pod(JOB, s, plans.first, rank=0, affinity=affinity, image="t:1")
+    return dict(made["spec"]["containers"][0])
 
 
 def test_multi_node_pods_request_the_rdma_devices_and_the_capability_to_pin_memory() -> None:
