@@ -43,13 +43,22 @@ class RestartPolicy(BaseModel):
     )
     stall_timeout_seconds: int | None = Field(
         default=1800,
-        ge=60,
+        ge=0,
         le=86400,
-        description="End an attempt that reports no progress for this long while Running; null disables.",
+        description="End an attempt that reports no progress for this long while Running (at least 60);"
+        " 0 or null disables.",
     )
+
+    @property
+    def stall_timeout(self) -> int | None:
+        """Seconds without progress that end an attempt; None when disabled (0 or null)."""
+        return self.stall_timeout_seconds or None
 
     @model_validator(mode="after")
     def _backoff_within_cap(self) -> RestartPolicy:
+        if self.stall_timeout_seconds is not None and 0 < self.stall_timeout_seconds < 60:
+            seconds = self.stall_timeout_seconds
+            raise ValueError(f"restartPolicy.stallTimeoutSeconds {seconds}: at least 60, or 0 to disable")
         # Only a backoff the user set is an error; the operator caps its own default (defaults.py).
         if "backoff_seconds" in self.model_fields_set and self.backoff_seconds > self.max_backoff_seconds:
             raise ValueError(

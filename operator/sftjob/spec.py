@@ -54,11 +54,32 @@ ANY_ORDER: tuple[GpuType, ...] = ("A800", "L40S", "A40")
 MAX_JOB_NAME = 40
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 RESERVED_ENV_PREFIX = "SFTJOB_"
+# Set by the operator for the trainer (its pod's identity, writable HOME and caches) and by the device
+# plugin: a user's value would silently win (the last duplicate of a pod's env wins) and break reporting.
+RESERVED_ENV_NAMES = frozenset(
+    {"POD_NAME", "POD_NAMESPACE", "NODE_NAME", "HOME", "HF_HOME", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"}
+)
+# A Hugging Face hub id: [owner/]name, letters, digits, '-', '_' and '.', neither part starting or ending
+# with '-' or '.'. The CRD's CEL rule holds the same regex.
+HUB_ID = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+HUB_ID_RULE = "a Hugging Face hub id: [owner/]name of letters, digits, '-', '_' and '.', e.g. org/model-7B"
 RESERVED_ANNOTATION = r"^([^/]*[.])?sftjob[.]io/"  # the progress and checkpoint reports on the pods
 DEFAULT_CHECKPOINT_MINUTES = 30
 DEFAULT_CHECKPOINT_SIZE = "100Gi"
 
 RelativePath = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+def _hub_id(name: str | None, field: str) -> str | None:
+    if name is not None and not re.fullmatch(HUB_ID, name):
+        raise ValueError(f"{field} {name!r} is not {HUB_ID_RULE}")
+    return name
+
+
+def _writable(volume: VolumeSource | None, field: str) -> None:
+    source = None if volume is None else volume.persistent_volume_claim or volume.nfs
+    if source is not None and source.read_only:
+        raise ValueError(f"{field} must be writable: remove readOnly")
 
 
 def _relative(path: str | None, field: str) -> str | None:
@@ -115,7 +136,8 @@ class SecretKeyRef(SpecModel):
 
 class ArchitectureSpec(Architecture):
     """``spec.model.architecture``: the shape, held to the CRD's bounds (far beyond any released model;
-    the planner's own guesses from a parameter count are not), with ``family`` one the planner knows."""
+    the planner's own guesses from a parameter count are not), with ``family`` one the planner knows, and
+    heads that split evenly (as every transformers attention implementation requires)."""
 
     layers: int = Field(ge=1, le=1024)
     hidden_size: int = Field(ge=1, le=131072)
@@ -125,6 +147,19 @@ class ArchitectureSpec(Architecture):
     vocab_size: int = Field(ge=1, le=4194304)
     head_dim: int | None = Field(default=None, ge=1, le=4096)
     family: ModelFamily | None = None
+
+    @model_validator(mode="after")
+    def _heads_split_evenly(self) -> ArchitectureSpec:
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"spec.model.architecture.kvHeads {self.kv_heads} must divide heads {self.heads}"
+            )
+        if self.head_dim is None and self.hidden_size % self.heads:
+            raise ValueError(
+                f"spec.model.architecture.heads {self.heads} must divide hiddenSize {self.hidden_size}"
+                " (or set headDim)"
+            )
+        return self
 
 
 class ModelSpec(SpecModel):
@@ -141,6 +176,11 @@ class ModelSpec(SpecModel):
     @classmethod
     def _path_is_relative(cls, path: str | None) -> str | None:
         return _relative(path, "spec.model.path")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_hub_id(cls, name: str | None) -> str | None:
+        return _hub_id(name, "spec.model.name")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -164,6 +204,11 @@ class DatasetSpec(SpecModel):
     @classmethod
     def _path_is_relative(cls, path: str | None) -> str | None:
         return _relative(path, "spec.dataset.path")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_hub_id(cls, name: str | None) -> str | None:
+        return _hub_id(name, "spec.dataset.name")
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -223,6 +268,7 @@ class CheckpointSpec(SpecModel):
     def _one_schedule(self) -> CheckpointSpec:
         if self.every_steps is not None and self.every_minutes is not None:
             raise ValueError("spec.checkpoints takes everySteps or everyMinutes, not both")
+        _writable(self.volume, "spec.checkpoints.volume")
         return self
 
 
@@ -234,6 +280,11 @@ class OutputSpec(SpecModel):
     @classmethod
     def _path_is_relative(cls, path: str) -> str:
         return _relative(path, "spec.output.path") or path
+
+    @model_validator(mode="after")
+    def _volume_is_writable(self) -> OutputSpec:
+        _writable(self.volume, "spec.output.volume")
+        return self
 
 
 class ResourceSpec(SpecModel):
@@ -248,8 +299,11 @@ class EnvVar(SpecModel):
     @field_validator("name")
     @classmethod
     def _not_reserved(cls, name: str) -> str:
-        if name.startswith(RESERVED_ENV_PREFIX):
-            raise ValueError(f"spec.env: names starting with {RESERVED_ENV_PREFIX} are set by the operator")
+        if name.startswith(RESERVED_ENV_PREFIX) or name in RESERVED_ENV_NAMES:
+            raise ValueError(
+                f"spec.env: {name} is set by the operator (reserved: {', '.join(sorted(RESERVED_ENV_NAMES))}"
+                f" and names starting with {RESERVED_ENV_PREFIX})"
+            )
         return name
 
 
@@ -376,6 +430,25 @@ def packing_problem(spec: SFTJobSpec) -> str | None:
         return (
             f"spec.training.packingLength {length} exceeds spec.dataset.maxSeqLength"
             f" {spec.dataset.max_seq_length}: packed rows hold at most maxSeqLength tokens"
+        )
+    return None
+
+
+def batch_problem(spec: SFTJobSpec) -> str | None:
+    """A global batch the GPUs cannot split evenly, or a micro-batch that does not divide a GPU's share:
+    refused at admission by the CRD's rules, and by the CLI (the planner would call it DoesNotFit)."""
+    t, gpus = spec.training, spec.gpu.count * spec.gpu.nodes
+    if t.global_batch_size is None:
+        return None
+    if t.global_batch_size % gpus:
+        return (
+            f"spec.training.globalBatchSize {t.global_batch_size} is not divisible by the job's {gpus} GPUs"
+            " (gpu.count x gpu.nodes)"
+        )
+    if t.micro_batch_size is not None and (t.global_batch_size // gpus) % t.micro_batch_size:
+        return (
+            f"spec.training.microBatchSize {t.micro_batch_size} does not divide each GPU's share"
+            f" {t.global_batch_size // gpus} of globalBatchSize {t.global_batch_size}"
         )
     return None
 

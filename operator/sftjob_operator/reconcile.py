@@ -244,7 +244,7 @@ class _Pass(StatusDraft):
             now=self.now,
             node_name=node_name if pod is None else None,
             last_progress=max([t for t in (progress, last) if t is not None], default=None),
-            stall_timeout_seconds=spec.restart_policy.stall_timeout_seconds if everyone else None,
+            stall_timeout_seconds=spec.restart_policy.stall_timeout if everyone else None,
         )
 
     def attempt_over(

@@ -111,6 +111,45 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.nodeSelector[pool]",
     ),
     "checkpoint claim of zero bytes": (spec_with(checkpoints={"size": "0Gi"}), "spec.checkpoints.size"),
+    "model name that is not a hub id": (spec_with(model={"name": "Qwen/Qwen2.5 7B"}), "spec.model.name"),
+    "dataset name that is a path": (spec_with(dataset={"name": "/data/chats"}), "spec.dataset.name"),
+    "env name the operator sets": (spec_with(env=[{"name": "POD_NAME", "value": "x"}]), "spec.env[0].name"),
+    "read-only checkpoint volume": (
+        spec_with(checkpoints={"volume": {"persistentVolumeClaim": {"claimName": "c", "readOnly": True}}}),
+        "spec.checkpoints.volume",
+    ),
+    "read-only output volume": (
+        spec_with(output={"volume": {"nfs": {"server": "nfs", "path": "/out", "readOnly": True}}}),
+        "spec.output.volume",
+    ),
+    "global batch the GPUs cannot split": (
+        spec_with(gpu={"type": "A800", "count": 8}, training={"globalBatchSize": 12}),
+        "spec.training.globalBatchSize",
+    ),
+    "micro-batch larger than a GPU's share": (
+        spec_with(training={"globalBatchSize": 4, "microBatchSize": 8}),
+        "spec.training.microBatchSize",
+    ),
+    "stall timeout under a minute": (
+        spec_with(restartPolicy={"stallTimeoutSeconds": 30}),
+        "spec.restartPolicy.stallTimeoutSeconds",
+    ),
+    "kvHeads not dividing heads": (
+        spec_with(
+            model={
+                "name": "acme/model",
+                "architecture": {
+                    "layers": 2,
+                    "hiddenSize": 64,
+                    "heads": 4,
+                    "kvHeads": 3,
+                    "intermediateSize": 128,
+                    "vocabSize": 1000,
+                },
+            }
+        ),
+        "spec.model.architecture.kvHeads",
+    ),
     "pod annotation key with a space": (
         spec_with(podAnnotations={"my note": "x"}),
         "key my note is not an annotation key",
@@ -179,7 +218,13 @@ def test_a_multi_node_job_with_rdma_devices_and_pod_annotations_is_admitted(jobs
 def test_a_name_too_long_for_its_pod_names_is_rejected(jobs: Jobs) -> None:
     manifest = sftjob("a" * 45)
     result = jobs.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
-    assert result.returncode != 0 and "metadata.name" in result.stderr
+    assert result.returncode != 0 and "metadata.name: Invalid value" in result.stderr
+
+
+def test_a_stall_timeout_of_zero_disables_stall_detection_and_survives_client_side_apply(jobs: Jobs) -> None:
+    jobs.apply(sftjob("no-stall", restartPolicy={"stallTimeoutSeconds": 0}, suspend=True))
+    got = jobs.kubectl("get", "sft", "no-stall", "-o", "jsonpath={.spec.restartPolicy.stallTimeoutSeconds}")
+    assert got.stdout == "0"
 
 
 def test_the_spec_is_immutable_except_suspend_deadline_and_ttl(jobs: Jobs) -> None:

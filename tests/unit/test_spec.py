@@ -9,9 +9,18 @@ from pydantic import ValidationError
 
 from sftjob.architectures import KNOWN_ARCHITECTURES, ModelFamily
 from sftjob.job_status import SFTJobStatus
-from sftjob.spec import SFTJobSpec, packing_problem, to_plan_request, valid_job_name
+from sftjob.spec import SFTJobSpec, batch_problem, packing_problem, to_plan_request, valid_job_name
 
 PVC = {"persistentVolumeClaim": {"claimName": "models"}}
+
+ARCHITECTURE = {
+    "layers": 2,
+    "hiddenSize": 64,
+    "heads": 4,
+    "kvHeads": 2,
+    "intermediateSize": 128,
+    "vocabSize": 320,
+}
 
 
 def spec(**changes: Any) -> SFTJobSpec:
@@ -60,6 +69,16 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
         {"dataset": {"path": "d", "volume": {"hostPath": {"path": "/data/../etc"}}}},
         {"gpus": 2},
         {"dataset": {"name": "org/chats", "maxBadRowFraction": 1.5}},
+        {"model": {"name": "Qwen/Qwen2.5 7B"}},
+        {"model": {"name": "org/"}},
+        {"dataset": {"name": "/data/chats"}},
+        {"env": [{"name": "POD_NAME", "value": "mine"}]},
+        {"env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]},
+        {"checkpoints": {"volume": {"persistentVolumeClaim": {"claimName": "c", "readOnly": True}}}},
+        {"output": {"volume": {"nfs": {"server": "nfs", "path": "/out", "readOnly": True}}}},
+        {"restartPolicy": {"stallTimeoutSeconds": 30}},
+        {"model": {"name": "a/b", "architecture": {**ARCHITECTURE, "kvHeads": 3}}},
+        {"model": {"name": "a/b", "architecture": {**ARCHITECTURE, "heads": 6, "kvHeads": 6}}},
     ],
 )
 def test_an_invalid_spec_is_rejected(changes: dict[str, Any]) -> None:
@@ -219,3 +238,30 @@ def test_packed_rows_longer_than_the_sequence_length_are_a_problem_naming_both_f
 def test_a_job_admitted_before_the_packing_rule_keeps_planning_its_rows_at_the_sequence_length() -> None:
     admitted_earlier = spec(training={"packingLength": 4096})  # the model parses it: no job fails on upgrade
     assert to_plan_request(admitted_earlier, 1, 1).packing_length == 2048
+
+
+def test_a_stall_timeout_of_zero_or_null_disables_stall_detection() -> None:
+    assert spec(restartPolicy={"stallTimeoutSeconds": 0}).restart_policy.stall_timeout is None
+    assert spec(restartPolicy={"stallTimeoutSeconds": None}).restart_policy.stall_timeout is None
+    assert spec().restart_policy.stall_timeout == 1800
+
+
+def test_hub_ids_with_and_without_an_owner_are_accepted() -> None:
+    for name in ("gpt2", "Qwen/Qwen2.5-7B-Instruct", "HuggingFaceH4/ultrachat_200k", "a/b.c_d-e"):
+        assert spec(model={"name": name}, dataset={"name": name}).model.name == name
+
+
+@pytest.mark.parametrize(
+    ("gpu", "training", "words"),
+    [
+        ({"type": "A800", "count": 8}, {"globalBatchSize": 12}, "not divisible by the job's 8 GPUs"),
+        ({"type": "A800", "count": 2, "nodes": 2}, {"globalBatchSize": 8, "microBatchSize": 2}, None),
+        ({"type": "A800"}, {"globalBatchSize": 4, "microBatchSize": 8}, "does not divide each GPU's share 4"),
+        ({"type": "A800", "count": 4}, {"microBatchSize": 3}, None),
+    ],
+)
+def test_a_batch_the_gpus_cannot_split_is_a_problem_naming_the_field(
+    gpu: dict[str, Any], training: dict[str, Any], words: str | None
+) -> None:
+    problem = batch_problem(spec(gpu=gpu, training=training))
+    assert problem == words if words is None else words in (problem or "")
