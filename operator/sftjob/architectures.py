@@ -238,7 +238,8 @@ def llama_shaped(parameters: int) -> Architecture:
 def resolve_architecture(
     model_name: str | None, architecture: Architecture | None = None, parameters: int | None = None
 ) -> Architecture:
-    """The shape to plan with: the explicit block, else the built-in table, else a guess from size."""
+    """The shape to plan with: the explicit block, else the built-in table (over ``parameters``, which
+    the shape's name then says were ignored), else a guess from size."""
     if architecture is not None:
         return (
             architecture
@@ -247,6 +248,8 @@ def resolve_architecture(
         )
     if model_name:
         known = known_architecture(model_name)
+        if known is not None and parameters is not None:  # said, so a user's number is not lost quietly
+            return known.model_copy(update={"name": f"{known.name}; spec.model.parameters ignored"})
         if known is not None:
             return known
     if parameters is not None:

@@ -24,11 +24,20 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from sftjob import constants as c
 from sftjob.gpus import PROFILES, GpuProfile, profile_for_key
-from sftjob.job_plan import plan_job
+from sftjob.job_plan import memory_problem, plan_job
 from sftjob.plan import Plan
 from sftjob.planner import PlanRequest
-from sftjob.spec import ANY_ORDER, SFTJobSpec, packing_problem, to_plan_request
+from sftjob.spec import (
+    ANY_ORDER,
+    MAX_JOB_NAME,
+    SFTJobSpec,
+    batch_problem,
+    packing_problem,
+    to_plan_request,
+    valid_job_name,
+)
 from sftjob.storage import too_small
 
 EXIT_NOTHING_FITS = 1
@@ -54,11 +63,25 @@ class InputError(Exception):
 
 
 def _read_spec(path: str) -> dict[str, Any]:
-    """The spec in a YAML file holding a whole SFTJob or just its spec."""
+    """The spec in a YAML file holding a whole SFTJob (its kind, apiVersion and name checked as the API
+    server checks them) or just its spec."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise InputError(f"cannot read {path}: {e}") from e
+    if isinstance(doc, dict) and ("kind" in doc or "apiVersion" in doc):
+        api_version = f"{c.API_GROUP}/{c.API_VERSION}"
+        if doc.get("kind") != c.KIND or doc.get("apiVersion") != api_version:
+            raise InputError(
+                f"{path}: kind {doc.get('kind')!r}, apiVersion {doc.get('apiVersion')!r}: expected kind"
+                f" {c.KIND}, apiVersion {api_version} (one object per file)"
+            )
+        name = (doc.get("metadata") or {}).get("name")
+        if not isinstance(name, str) or not valid_job_name(name):
+            raise InputError(
+                f"{path}: metadata.name {name!r}: at most {MAX_JOB_NAME} characters, a lowercase letter"
+                " first, then lowercase letters, digits and '-' (pods are named <job>-<attempt>-<rank>)"
+            )
     spec = doc.get("spec", doc) if isinstance(doc, dict) else None
     if not isinstance(spec, dict):
         raise InputError(f"{path}: expected an SFTJob object")
@@ -128,7 +151,7 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
         spec = SFTJobSpec.model_validate(doc)
     except ValidationError as e:
         raise InputError(where + _name_flags(_problems(e), named)) from e
-    if problem := packing_problem(spec):  # the CRD's rule, which admission applies
+    if problem := packing_problem(spec) or batch_problem(spec):  # the CRD's rules, as admission
         raise InputError(where + _name_flags(problem, named))
     return spec, where, named
 
@@ -136,6 +159,8 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
 def _profiles(names: list[str]) -> list[GpuProfile]:
     """The profiles ``--gpu`` names, in order; ``Any`` is every type in the order ``Any`` prefers."""
     keys = [k.strip() for part in names for k in part.split(",") if k.strip()]
+    if not keys:
+        raise InputError("--gpu: give a GPU type (A800, A40, L40S, Any) or a profile of `sftjob gpus`")
     expanded = [t for k in keys for t in (ANY_ORDER if k.casefold() == "any" else (k,))]
     try:
         profiles = [profile_for_key(k) for k in expanded]
@@ -321,6 +346,8 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     else:
         print(render_plans(plans, request, model))
+    if memory := memory_problem(spec, profiles[0]):
+        print(f"sftjob: warning: {memory}", file=sys.stderr)
     volume = too_small(spec, plans[0]) if args.file else None
     if volume is not None:  # the operator would fail the job at admission for it
         print(f"sftjob: {volume}", file=sys.stderr)

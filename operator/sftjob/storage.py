@@ -69,8 +69,14 @@ def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:
     if size >= need.total_gib:
         return None
     suggest = 10 * math.ceil(need.total_gib * 1.1 / 10)
+    claim = (
+        f"spec.checkpoints.size {spec.checkpoints.size}"
+        if "size" in spec.checkpoints.model_fields_set
+        else f"the default checkpoint claim ({spec.checkpoints.size} built in; the operator's flag or chart"
+        " value may differ, status.effective shows it)"
+    )
     return (
-        f"spec.checkpoints.size {spec.checkpoints.size} cannot hold the run: it needs about"
+        f"{claim} cannot hold the run: it needs about"
         f" {need.total_gib:.0f} GiB ({need.describe(spec.checkpoints.keep, plan.checkpoint_gib)});"
         f" set spec.checkpoints.size to {suggest}Gi or more, or keep fewer checkpoints"
     )

@@ -191,7 +191,45 @@ def test_a_checkpoint_claim_too_small_for_the_run_exits_1_with_the_size_to_ask_f
     job.write_text(full + " gpu: {type: A800, count: 8}}")
     code, out, err = run(capsys, "plan", "-f", str(job))
     assert code == 1 and "checkpoint GiB (one)" in out
-    assert "spec.checkpoints.size 100Gi cannot hold the run" in err and "Gi or more" in err
+    assert "the default checkpoint claim (100Gi built in;" in err and "cannot hold the run" in err
+    assert "Gi or more" in err
+    job.write_text(full + " gpu: {type: A800, count: 8}, checkpoints: {size: 200Gi}}")
+    code, _, err = run(capsys, "plan", "-f", str(job))
+    assert code == 1 and "spec.checkpoints.size 200Gi cannot hold the run" in err
+
+
+def test_a_blank_gpu_type_is_an_input_error(capsys):
+    code, _, err = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu", " , ")
+    assert code == 2 and "--gpu: give a GPU type" in err
+
+
+@pytest.mark.parametrize(
+    ("document", "words"),
+    [
+        ("kind: List\napiVersion: v1\nitems: []\n", "expected kind SFTJob, apiVersion sftjob.io/v1alpha1"),
+        (JOB.replace("kind: SFTJob", "kind: SFTjob"), "expected kind SFTJob"),
+        (JOB.replace("name: demo", "name: " + "a" * 41), "metadata.name"),
+        (JOB.replace("globalBatchSize: 16", "globalBatchSize: 16, microBatchSize: 3"), "microBatchSize 3"),
+    ],
+)
+def test_a_file_admission_would_refuse_is_an_input_error_saying_why(tmp_path, capsys, document, words):
+    job = tmp_path / "job.yaml"
+    job.write_text(document)
+    code, _, err = run(capsys, "plan", "-f", str(job))
+    assert code == 2 and words in err
+
+
+def test_a_memory_below_the_plans_is_planned_with_a_warning_and_a_smaller_shm(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB + "  resources: {memory: 8Gi}\n")
+    code, _, err = run(capsys, "plan", "-f", str(job), "-o", "json")
+    assert code == 0 and "spec.resources.memory 8Gi is below the planned" in err
+    assert "/dev/shm gets 2048Mi" in err
+
+
+def test_a_size_given_for_a_model_of_the_built_in_table_is_said_to_be_ignored(capsys):
+    code, out, _ = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--parameters", "70000000000")
+    assert code == 0 and "spec.model.parameters ignored, 8.03B params" in out
 
 
 def test_capacity_is_the_usable_budget_as_in_the_status_and_card_is_the_cards_memory(capsys):

@@ -40,7 +40,7 @@ def test_a_full_run_needs_its_checkpoints_plus_one_the_final_model_and_the_downl
 def test_the_default_claim_is_refused_for_a_7b_full_run_with_the_size_to_ask_for() -> None:
     spec, plan = job()
     problem = too_small(spec, plan)
-    assert problem is not None and "spec.checkpoints.size 100Gi" in problem and "4 + 1" not in problem
+    assert problem is not None and "default checkpoint claim (100Gi" in problem and "4 + 1" not in problem
     assert "3 + 1 checkpoints" in problem and "Gi or more" in problem
 
 
