@@ -35,7 +35,7 @@ class GpuProfile:
     tf32_tflops: float
     fp8_tflops: float | None
     compute_capability: tuple[int, int]
-    nvlink_gbs: float | None  # None: GPUs talk over PCIe only
+    nvlink_gbs: float | None  # the datasheet's figure, both directions together; None: PCIe only
     pcie_gen: int
     products: tuple[str, ...]  # GFD product labels and torch/NVML device names
 
@@ -49,8 +49,9 @@ class GpuProfile:
 
     @property
     def link_gbs(self) -> float:
-        """Usable GPU-to-GPU bandwidth inside a node (GB/s per direction) for the throughput model."""
-        return self.nvlink_gbs if self.nvlink_gbs else PCIE_GBS[self.pcie_gen]
+        """GPU-to-GPU bandwidth inside a node, GB/s per direction, for the throughput model: half the
+        NVLink datasheet figure (which counts both directions), or PCIe's effective rate."""
+        return self.nvlink_gbs / 2 if self.nvlink_gbs else PCIE_GBS[self.pcie_gen]
 
     @property
     def peak_tflops(self) -> float:
