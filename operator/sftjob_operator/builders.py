@@ -7,7 +7,7 @@ an earlier job's of the same name) and deleting the job lets the garbage collect
 - ``<job>-config``       ConfigMap: the trainer configuration (one per candidate GPU profile)
 - ``<job>-checkpoints``  PersistentVolumeClaim, when the spec names no checkpoint volume
 - ``<job>``              headless Service for torchrun rendezvous (multi-node jobs)
-- ``<job>-trainer``      ServiceAccount, Role (get/patch on this attempt's pods only), RoleBinding
+- ``<job>-trainer``      ServiceAccount, Role (patch on this attempt's pods only), RoleBinding
 - ``<job>-<attempt>-<rank>``  one trainer Pod per node (:mod:`sftjob_operator.pods`, which also puts an
   attempt's children in creation order)
 """
@@ -228,14 +228,16 @@ def service_account(job: JobRef, image_pull_secrets: Sequence[str] = ()) -> Mani
 
 
 def role(job: JobRef, pod_names: list[str]) -> Manifest:
-    """The trainer may read and annotate its own attempt's pods (progress reports) and nothing else."""
+    """The trainer may PATCH its attempt's pods, to report progress in annotations; it never reads them.
+
+    RBAC cannot narrow a PATCH to some fields: the chart's ValidatingAdmissionPolicy
+    (templates/trainer-pod-policy.yaml) refuses anything but the progress annotations, on its own pod.
+    """
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": metadata(job, trainer_account_name(job.name)),
-        "rules": [
-            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"], "resourceNames": pod_names}
-        ],
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"], "resourceNames": pod_names}],
     }
 
 

@@ -43,7 +43,9 @@ AUDIT_LOG = "audit.log"
 # Granted for admission, never requested: OwnerReferencesPermissionEnforcement (OpenShift's default)
 # checks it when the children's ownerReferences set blockOwnerDeletion, and an admission check leaves no
 # audit event of its own.
-NOT_REQUESTED = {("sftjob.io", "sftjobs/finalizers", "update")}
+# And a pod read: only when the watch still lacks a pod long after its attempt started (handlers._look_up),
+# which a healthy run never needs.
+NOT_REQUESTED = {("sftjob.io", "sftjobs/finalizers", "update"), ("", "pods", "get")}
 DEADLINE = 180.0
 
 

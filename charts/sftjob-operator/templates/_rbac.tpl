@@ -23,8 +23,8 @@ ServiceAccount. docs/install.md lists why each rule exists.
   resources: ["sftjobs/finalizers"]
   verbs: ["update"]
 # Trainer pods: created per attempt, watched (exit codes, progress annotations), deleted on suspend and
-# restart. get and patch are what each job's trainer Role grants on its own pods: Kubernetes lets the
-# operator create that Role only if it holds those verbs itself.
+# restart; get when the watch lacks a pod long after its attempt started. patch is what each job's
+# trainer Role grants on its own pods: Kubernetes lets the operator create that Role only if it holds it.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["create", "delete", "list", "watch", "get", "patch"]
