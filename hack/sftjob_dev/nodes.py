@@ -24,6 +24,10 @@ FAKE_NODE_LABEL_VALUE = "kwok"
 FAKE_DRIVER_MAJOR = 580  # the NVIDIA driver GPU Feature Discovery would report (CUDA 13)
 
 
+# What the NVIDIA Network Operator's shared RDMA device plugin offers (examples/a800-full-multinode.yaml).
+FAKE_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+
+
 @dataclass(frozen=True)
 class NodeType:
     """One kind of server, described by the labels and capacity its node would have."""
@@ -37,6 +41,7 @@ class NodeType:
     cpu: int
     memory: str
     ephemeral_storage: str
+    rdma_devices: int = 0  # the shared RDMA device plugin's count (RoCE on the A800 servers)
 
     def labels(self, name: str) -> dict[str, str]:
         labels = {
@@ -66,6 +71,8 @@ class NodeType:
             "ephemeral-storage": self.ephemeral_storage,
             "pods": "110",
         }
+        if self.rdma_devices:
+            resources[FAKE_RDMA_RESOURCE] = str(self.rdma_devices)
         return resources | ({c.GPU_RESOURCE: str(self.gpus)} if self.gpus else {})
 
     def taints(self) -> list[dict[str, str]]:
@@ -75,7 +82,7 @@ class NodeType:
 NODE_TYPES: dict[str, NodeType] = {
     t.pool: t
     for t in (
-        NodeType("a800", "NVIDIA-A800-SXM4-80GB", 81920, 8, (8, 0), "ampere", 128, "2Ti", "7Ti"),
+        NodeType("a800", "NVIDIA-A800-SXM4-80GB", 81920, 8, (8, 0), "ampere", 128, "2Ti", "7Ti", 64),
         NodeType("a40", "NVIDIA-A40", 46068, 4, (8, 6), "ampere", 64, "512Gi", "3Ti"),
         NodeType("l40s", "NVIDIA-L40S", 46068, 4, (8, 9), "ada-lovelace", 64, "512Gi", "3Ti"),
         NodeType("cpu", "", 0, 0, (0, 0), "", 16, "64Gi", "500Gi"),

@@ -1,9 +1,11 @@
 """The trainer pods of an attempt, and everything the attempt needs, in creation order. Pure, no I/O.
 
 One pod per node runs torchrun with one process per GPU; its grace period covers the step under way and
-a checkpoint save on SIGTERM, and torchrun stops its workers just inside it. The pod mounts its config
-(the ConfigMap's row for each candidate card), the checkpoint claim, a memory-backed /dev/shm, a scratch
-/tmp that is also its HOME and, when the spec names them, the model, dataset and output volumes; it
+a checkpoint save on SIGTERM on the slowest card the pod may land on, and torchrun stops its workers
+just inside it. A multi-node job's pods share one GPU product, each on its own node
+(:func:`sftjob_operator.scheduling.gang_affinity`). The pod mounts its config (the ConfigMap's row for
+each candidate card), the checkpoint claim, a memory-backed /dev/shm, a scratch /tmp that is also its
+HOME and, when the spec names them, the model, dataset and output volumes; it
 meets the restricted Pod Security profile, except a multi-node job's pods that hold RDMA devices
 (``spec.network.rdma``): they add the capability RDMA memory registration needs.
 """
@@ -34,7 +36,7 @@ from sftjob_operator.builders import (
     trainer_account_name,
 )
 from sftjob_operator.planning import CandidatePlans
-from sftjob_operator.scheduling import gpu_tolerations
+from sftjob_operator.scheduling import gang_affinity, gpu_tolerations
 
 Manifest = dict[str, Any]
 
@@ -73,11 +75,17 @@ def attempt_children(
         out.append(checkpoint_pvc(job, spec))
     if spec.gpu.nodes > 1:
         out.append(rendezvous_service(job))
-    return out + [trainer_pod(job, spec, plans.first, rank=r, affinity=affinity, image=image) for r in ranks]
+    return out + [trainer_pod(job, spec, plans, rank=r, affinity=affinity, image=image) for r in ranks]
+
+
+def attempt_grace(spec: SFTJobSpec, plans: CandidatePlans) -> int:
+    """The grace of every pod of the attempt: that of the slowest card it may land on (a pod's grace is
+    fixed when it is created, before the scheduler picks a node)."""
+    return max(grace_seconds(spec, p) for p in plans.fitting.values())
 
 
 def grace_seconds(spec: SFTJobSpec, plan: Plan) -> int:
-    """The pod's terminationGracePeriodSeconds: long enough for a step and one checkpoint of this plan."""
+    """The grace a pod running ``plan`` needs: long enough for a step and one checkpoint of the plan."""
     step = math.ceil(min(STEP_GRACE_CAP_SECONDS, step_seconds(spec, plan) * STEP_GRACE_MARGIN))
     return TERMINATION_GRACE_SECONDS + step + math.ceil(plan.checkpoint_gib * SAVE_SECONDS_PER_GIB)
 
@@ -173,17 +181,28 @@ def _volumes(job: JobRef, spec: SFTJobSpec, plan: Plan) -> tuple[list[Manifest],
     return volumes, mounts
 
 
+def attempt_selector(job: JobRef) -> dict[str, str]:
+    """The labels that pick out the pods of attempt ``job.attempt`` of this job (and of no namesake)."""
+    labels = builders.labels(job, attempt=job.attempt)
+    return {key: labels[key] for key in (c.LABEL_JOB, c.LABEL_CONTROLLER_UID, c.LABEL_ATTEMPT)}
+
+
 def trainer_pod(
     job: JobRef,
     spec: SFTJobSpec,
-    plan: Plan,
+    plans: CandidatePlans,
     *,
     rank: int,
     affinity: Manifest,
     image: str,
 ) -> Manifest:
-    """Node ``rank`` of attempt ``job.attempt``. ``plan`` sets resources and env; the config itself
-    comes from the ConfigMap, so a pod on any candidate card finds its own plan there."""
+    """Node ``rank`` of attempt ``job.attempt``, on a node ``affinity`` (a ``nodeAffinity``) allows.
+
+    The most preferred plan sets resources and env; the grace covers every candidate's plan; the config
+    itself comes from the ConfigMap, so a pod on any candidate card finds its own plan there.
+    """
+    plan = plans.first
+    grace = attempt_grace(spec, plans)
     gpus = str(spec.gpu.count)
     volumes, mounts = _volumes(job, spec, plan)
     ports = [{"name": "metrics", "containerPort": c.TRAINER_METRICS_PORT}]
@@ -199,7 +218,7 @@ def trainer_pod(
     container: Manifest = {
         "name": CONTAINER,
         "image": image,
-        "command": torchrun_command(job, spec, rank, grace=grace_seconds(spec, plan)),
+        "command": torchrun_command(job, spec, rank, grace=grace),
         "env": _env(job, spec, plan),
         "ports": ports,
         "resources": {"requests": requests, "limits": limits},
@@ -214,7 +233,7 @@ def trainer_pod(
         "serviceAccountName": trainer_account_name(job.name),
         "automountServiceAccountToken": True,  # progress reports go through the API server
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": grace_seconds(spec, plan),
+        "terminationGracePeriodSeconds": grace,
         "affinity": {"nodeAffinity": affinity},
         "tolerations": gpu_tolerations()
         + [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations],
@@ -238,6 +257,7 @@ def trainer_pod(
     if spec.gpu.nodes > 1:
         pod_spec["hostname"] = name
         pod_spec["subdomain"] = job.name
+        pod_spec["affinity"].update(gang_affinity(attempt_selector(job)))
     metadata = builders.metadata(job, name, attempt=job.attempt, rank=rank)
     if spec.pod_annotations:
         metadata["annotations"] = dict(spec.pod_annotations)

@@ -1,4 +1,5 @@
-"""Where trainer pods may run: the GPU-type-to-product mapping and the node affinity built from it.
+"""Where trainer pods may run: the GPU-type-to-product mapping, the node affinity built from it, and the
+pod affinity that keeps a multi-node job's ranks on one GPU product, one rank per node.
 
 Nodes are matched on the ``nvidia.com/gpu.product`` label GPU Feature Discovery sets. A single GPU type
 becomes a required affinity on that type's products; ``Any`` or an ordered list becomes a required
@@ -6,9 +7,18 @@ affinity on every candidate's products plus preferred terms weighted in the user
 scheduler picks the first preference with free GPUs and still lands the job elsewhere when it has none.
 Nodes that failed the job before are a preferred term too, weighted above any GPU-type preference: the
 scheduler scores a retry against them (a preference, one score among its others, not a rule), yet a job
-on a small pool is not held Pending forever
-by a node that was lost once and came back (what keeps pods off a node that is still broken is the
-cluster's own state: its NotReady taint, a cordon, the device plugin withdrawing unhealthy GPUs).
+on a small pool is not held Pending forever by a node that was lost once and came back (what keeps pods
+off a node that is still broken is the cluster's own state: its NotReady taint, a cordon, the device
+plugin withdrawing unhealthy GPUs).
+
+The ranks of a multi-node attempt require the product of the attempt's other pods and a node none of
+them is on. Each rank loads the plan of the card it finds, and ranks planned for different cards run
+different batch shapes or sharding (FSDP then waits for a collective that never comes); two ranks on one
+node would talk over TCP instead of NVLink. The first pod goes wherever the node affinity allows
+(kube-scheduler's InterPodAffinity filter passes a pod that matches its own required term while no pod
+in the cluster does) and the others follow its product; when that product has no other free node, they
+wait Pending, as the scheduler never moves a bound pod.
+
 The mapping is operator configuration (``--gpu-products``); the default comes from ``sftjob.gpus``.
 """
 
@@ -23,6 +33,7 @@ from sftjob.gpus import GPU_TYPES, GpuProfile, products_for_type, profile_for_pr
 
 ProductMap = Mapping[str, Sequence[str]]  # GPU type ("A800") -> GFD product labels
 HOSTNAME_FIELD = "metadata.name"
+HOSTNAME_LABEL = "kubernetes.io/hostname"  # the kubelet's label: one value per node
 # The weight of "not a node that failed the job before": at least the top GPU-type preference (100), so
 # a healthy node of any candidate type outscores a failed node of the most preferred one (100 + 25 > 100).
 AVOID_WEIGHT = 100
@@ -114,3 +125,17 @@ def node_affinity(
 def gpu_tolerations() -> list[dict[str, Any]]:
     """GPU node pools carry a ``nvidia.com/gpu`` taint; trainer pods always tolerate it."""
     return [{"key": c.GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def gang_affinity(selector: Mapping[str, str]) -> dict[str, Any]:
+    """``podAffinity`` and ``podAntiAffinity`` for the pods of one multi-node attempt (``selector`` picks
+    them out): every pod on the GPU product of the others, no two on one node."""
+    term = {"labelSelector": {"matchLabels": dict(selector)}}
+    return {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [term | {"topologyKey": c.GFD_PRODUCT}]
+        },
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [term | {"topologyKey": HOSTNAME_LABEL}]
+        },
+    }

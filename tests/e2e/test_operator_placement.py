@@ -60,6 +60,31 @@ def test_any_lands_on_a_free_gpu_type_and_is_planned_for_the_type_it_landed_on(j
     assert f"config-{status['plan']['gpu']}.json" in config  # the trainer finds its own row
 
 
+def test_a_multi_node_job_keeps_its_ranks_on_one_gpu_product_and_on_different_nodes(jobs: Jobs) -> None:
+    # One A40 node and one L40S node full: the pair's first rank takes the other A40 node (its first
+    # preference), where a second rank would fit too, and the other L40S node is free.
+    jobs.apply(sftjob("fill-a40", gpu={"type": "A40", "count": 4}))
+    jobs.apply(sftjob("fill-l40s", gpu={"type": "L40S", "count": 4}))
+    jobs.running_pods("fill-a40")
+    jobs.running_pods("fill-l40s")
+    jobs.apply(sftjob("pair", gpu={"types": ["A40", "L40S"], "count": 2, "nodes": 2}))
+    (first,) = jobs.running_pods("pair")
+    assert jobs.node_product(first["spec"]["nodeName"]) == "NVIDIA-A40"
+    # Not beside it on its node, not on the L40S node: the second rank waits for an A40 node.
+    waiting = wait_for(
+        "the second rank to be Unschedulable",
+        lambda: (c := jobs.condition("pair", "Scheduled")).get("reason") == "Unschedulable" and c,
+    )
+    assert "didn't match pod affinity rules" in waiting["message"]  # the L40S node
+    assert "didn't match pod anti-affinity rules" in waiting["message"]  # the first rank's node
+    assert len([p for p in jobs.pods("pair") if p["status"].get("phase") == "Running"]) == 1
+    jobs.kubectl("delete", "sftjob", "fill-a40", "--wait=true")
+    ranks = jobs.running_pods("pair", count=2, timeout=60)
+    nodes = {p["spec"]["nodeName"] for p in ranks}
+    assert len(nodes) == 2 and {jobs.node_product(n) for n in nodes} == {"NVIDIA-A40"}
+    assert jobs.wait_phase("pair", "Running")["gpu"]["type"] == "A40"
+
+
 def test_a_job_asking_for_more_gpus_than_any_node_has_stays_pending_and_says_why(jobs: Jobs) -> None:
     jobs.apply(sftjob("too-big", gpu={"type": "A40", "count": 8}))
     wait_for("Unschedulable", lambda: jobs.condition("too-big", "Scheduled").get("reason") == "Unschedulable")

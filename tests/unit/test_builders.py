@@ -10,7 +10,7 @@ from sftjob.gpus import GpuProfile, profile_for_type
 from sftjob.plan import MemoryEstimate, Plan, PodResources
 from sftjob.spec import SFTJobSpec
 from sftjob_operator import builders, pods
-from sftjob_operator.planning import plan_candidates
+from sftjob_operator.planning import CandidatePlans, plan_candidates
 from sftjob_operator.scheduling import default_products, node_affinity
 
 JOB = JobRef(namespace="team", name="llama", uid="uid-1", attempt=3)
@@ -45,7 +45,7 @@ def spec(**changes: Any) -> SFTJobSpec:
 def pod(s: SFTJobSpec, rank: int = 0) -> dict[str, Any]:
     plans = plan_candidates(s, default_products(), fake_plan)
     affinity = node_affinity(s.gpu.candidates(), default_products())
-    return pods.trainer_pod(JOB, s, plans.first, rank=rank, affinity=affinity, image="trainer:test")
+    return pods.trainer_pod(JOB, s, plans, rank=rank, affinity=affinity, image="trainer:test")
 
 
 def env_of(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -81,7 +81,8 @@ def test_the_grace_period_covers_a_checkpoint_save_and_torchrun_stops_its_worker
     plan = fake_plan(s, profile_for_type("A800")).model_copy(
         update={"checkpoint_gib": 85.1, "predicted_tokens_per_second": 64 * 2048 / 10}  # a 10 s step
     )
-    p = pods.trainer_pod(JOB, s, plan, rank=0, affinity={}, image="trainer:test")
+    only = CandidatePlans({plan.gpu: plan}, {})
+    p = pods.trainer_pod(JOB, s, only, rank=0, affinity={}, image="trainer:test")
     assert p["spec"]["terminationGracePeriodSeconds"] == 120 + 15 + 171
     assert "--shutdown-timeout=296" in p["spec"]["containers"][0]["command"]
 
@@ -155,10 +156,10 @@ def test_the_pod_environment_has_the_config_path_downward_api_plan_env_and_the_u
     assert names[-1] == "PYTORCH_CUDA_ALLOC_CONF" and names.count("PYTORCH_CUDA_ALLOC_CONF") == 2
 
 
-def test_the_trainer_may_only_read_and_annotate_its_own_pods() -> None:
+def test_the_trainer_may_only_annotate_its_own_pods() -> None:
     role = builders.role(JOB, ["llama-3-0", "llama-3-1"])
     (rule,) = role["rules"]
-    assert rule["verbs"] == ["get", "patch"] and rule["resourceNames"] == ["llama-3-0", "llama-3-1"]
+    assert rule["verbs"] == ["patch"] and rule["resourceNames"] == ["llama-3-0", "llama-3-1"]
     assert builders.service_account(JOB)["automountServiceAccountToken"] is False
     assert pod(spec())["spec"]["automountServiceAccountToken"] is True
     binding = builders.role_binding(JOB)

@@ -28,7 +28,7 @@ def spec(**changes: Any) -> SFTJobSpec:
 def container(s: SFTJobSpec) -> dict[str, Any]:
     plans = plan_candidates(s, default_products(), fake_plan)
     affinity = node_affinity(s.gpu.candidates(), default_products())
-    made = pods.trainer_pod(JOB, s, plans.first, rank=0, affinity=affinity, image="t:1")
+    made = pods.trainer_pod(JOB, s, plans, rank=0, affinity=affinity, image="t:1")
     return dict(made["spec"]["containers"][0])
 
 
@@ -51,7 +51,7 @@ def test_pod_annotations_reach_every_trainer_pod() -> None:
     plans = plan_candidates(s, default_products(), fake_plan)
     affinity = node_affinity(s.gpu.candidates(), default_products())
     for rank in (0, 1):
-        made = pods.trainer_pod(JOB, s, plans.first, rank=rank, affinity=affinity, image="t:1")
+        made = pods.trainer_pod(JOB, s, plans, rank=rank, affinity=affinity, image="t:1")
         assert made["metadata"]["annotations"] == {"k8s.v1.cni.cncf.io/networks": "roce-a"}
 
 

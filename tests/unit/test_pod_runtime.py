@@ -127,7 +127,8 @@ def test_home_and_the_triton_cache_are_on_a_writable_scratch_volume() -> None:
     assert not scratch.get("readOnly")
 
 
-def test_the_users_env_still_wins_over_home() -> None:
-    p = pod(spec(env=[{"name": "HOME", "value": "/home/me"}]))
+def test_the_users_env_still_wins_over_the_plans() -> None:
+    p = pod(spec(env=[{"name": "PYTORCH_CUDA_ALLOC_CONF", "value": "expandable_segments:False"}]))
     names = [e["name"] for e in p["spec"]["containers"][0]["env"]]
-    assert names.count("HOME") == 2 and env_of(p)["HOME"] == "/home/me"
+    assert names.count("PYTORCH_CUDA_ALLOC_CONF") == 2
+    assert env_of(p)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
