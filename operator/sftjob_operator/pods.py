@@ -6,8 +6,8 @@ just inside it. A multi-node job's pods share one GPU product, each on its own n
 (:func:`sftjob_operator.scheduling.gang_affinity`). The pod mounts its config (the ConfigMap's row for
 each candidate card), the checkpoint claim, a memory-backed /dev/shm, a scratch /tmp that is also its
 HOME and, when the spec names them, the model, dataset and output volumes; it
-meets the restricted Pod Security profile, except a multi-node job's pods that hold RDMA devices
-(``spec.network.rdma``): they add the capability RDMA memory registration needs.
+meets the restricted Pod Security profile, unless the spec adds hostPath or nfs volumes, or RDMA devices
+to a multi-node job (``spec.network.rdma``), whose pods add the capability memory registration needs.
 """
 
 from __future__ import annotations
