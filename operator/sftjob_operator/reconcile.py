@@ -53,7 +53,7 @@ from sftjob_operator.planning import (
     plan_status,
 )
 from sftjob_operator.reconcile_io import Actions, Context, Manifest, Obj, Observed
-from sftjob_operator.scheduling import node_affinity
+from sftjob_operator.scheduling import node_affinity, selector_problem
 from sftjob_operator.status import gpu_status, node_of_rank, read_status, validation_message
 from sftjob_operator.status_draft import Event, StatusDraft
 
@@ -109,6 +109,11 @@ class _Pass(StatusDraft):
             return self.fail(
                 Reason.INVALID_SPEC, "metadata.name must be a DNS label of at most 40 characters"
             )
+        products = self.ctx.products  # an operator reconfigured later never fails a started job for it
+        if not self.status.attempts and (
+            problem := selector_problem(spec.node_selector, spec.gpu.candidates(), products)
+        ):
+            return self.fail(Reason.INVALID_SPEC, problem)
         self.cond(T.ADMITTED, True, Reason.VALID_SPEC, "the spec is valid")
         if self.status.finished:
             return self.finished(spec)

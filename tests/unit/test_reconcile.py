@@ -280,3 +280,17 @@ def test_pods_of_the_operators_image_need_a_new_enough_driver_and_a_jobs_own_ima
 
     assert driver_terms(SPEC) == [{"key": c.GFD_DRIVER_MAJOR, "operator": "Gt", "values": ["579"]}]
     assert driver_terms({**SPEC, "image": "registry.example.com/my-trainer:cuda12"}) == []
+
+
+def test_a_node_selector_on_a_product_the_gpu_type_lacks_fails_the_job_as_an_invalid_spec() -> None:
+    spec = {**SPEC, "gpu": {"type": "A40"}, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L40S"}}
+    actions = reconcile(observed(spec=spec), CTX)
+    failed = next(x for x in actions.status.conditions if x.type == "Failed")
+    assert failed.reason == "InvalidSpec" and "NVIDIA-L40S is none of the products of A40" in failed.message
+    assert not actions.children
+
+
+def test_a_node_selector_narrowing_the_gpu_type_to_one_of_its_products_is_kept() -> None:
+    selector = {"nvidia.com/gpu.product": "NVIDIA-A800-SXM4-80GB"}
+    actions = reconcile(observed(spec={**SPEC, "gpu": {"type": "A800"}, "nodeSelector": selector}), CTX)
+    assert actions.children and actions.status.phase != "Failed"
