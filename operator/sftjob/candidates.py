@@ -157,6 +157,7 @@ def evaluate(
             sharding,
             request.world_size,
             fixed.attention,
+            request.gpus_per_node,
         ),
         gpu.memory_gib,
         request.safety_fraction,
@@ -184,9 +185,14 @@ def evaluate(
 
 
 def shardings(request: PlanRequest) -> list[Sharding]:
+    """The ways to spread the job over its GPUs: full fine-tuning may shard its model states, over every
+    GPU (fsdp) or, on several nodes of several GPUs, over each node's GPUs (hsdp); adapters are small."""
     if request.world_size == 1:
         return ["none"]
-    return ["ddp", "fsdp"] if request.method == "full" else ["ddp"]
+    if request.method != "full":
+        return ["ddp"]
+    hybrid: list[Sharding] = ["hsdp"] if request.nodes > 1 and request.gpus_per_node > 1 else []
+    return ["ddp", "fsdp", *hybrid]
 
 
 def search(request: PlanRequest, gpu: GpuProfile, fixed: Fixed) -> tuple[Candidate, bool]:

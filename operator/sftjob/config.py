@@ -21,7 +21,8 @@ Precision = Literal["bf16", "fp16", "fp32"]
 DatasetFormat = Literal["auto", "messages", "alpaca", "text"]
 Attention = Literal["sdpa", "flash_attention_2", "eager"]
 Optimizer = Literal["adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"]
-Sharding = Literal["none", "ddp", "fsdp"]
+# hsdp: FSDP inside each node, the nodes' shards replicated (FSDP2 on a nodes x GPUs-per-node mesh).
+Sharding = Literal["none", "ddp", "fsdp", "hsdp"]
 # Malformed dataset rows the trainer skips (and counts) before it fails the job with DataError.
 DEFAULT_MAX_BAD_ROW_FRACTION = 0.01
 

@@ -2,9 +2,10 @@
 
 Model states follow the usual bytes-per-parameter accounting (shared/research/trainer-gpu.md §2.1):
 full fine-tuning keeps fp32 weights, fp32 gradients and AdamW's fp32 m and v (16 B/param, divided by
-the world size under FSDP) plus bf16 copies that autocast makes of the weights during the forward pass;
-LoRA keeps the base in bf16 (2 B/param) and trains fp32 adapters (4 + 4 + 8 B per adapter param); QLoRA
-stores the decoder's linear weights in NF4 with double-quantised scales (~0.52 B/param).
+the world size under FSDP, by the GPUs of one node under HSDP) plus bf16 copies that autocast makes of
+the weights during the forward pass; LoRA keeps the base in bf16 (2 B/param) and trains fp32 adapters
+(4 + 4 + 8 B per adapter param); QLoRA stores the decoder's linear weights in NF4 with double-quantised
+scales (~0.52 B/param).
 
 Activations use a per-layer, per-token figure in the style of Korthikanti et al. (arXiv 2205.05198)
 adapted to Llama-type blocks with SDPA/flash attention (no s x s matrix is stored):
@@ -77,6 +78,7 @@ class MemoryInputs:
     sharding: Sharding = "none"
     world_size: int = 1
     attention: Attention = "sdpa"
+    gpus_per_node: int = 1  # HSDP shards inside a node
 
     @property
     def tokens(self) -> int:
@@ -87,14 +89,22 @@ def _gib(n: float) -> float:
     return n / GIB
 
 
+def state_shards(sharding: Sharding, world_size: int, gpus_per_node: int) -> int:
+    """How many GPUs split one copy of the model states: all of them under FSDP, one node's under HSDP
+    (each node holds a whole copy, sharded over its GPUs), none under DDP."""
+    if sharding == "fsdp":
+        return world_size
+    return gpus_per_node if sharding == "hsdp" else 1
+
+
 def _states(m: MemoryInputs) -> list[MemoryTerm]:
     """Weights, gradients, optimizer states and adapters (the part that does not grow with the batch)."""
     a = m.architecture
     n = a.parameters
     opt = OPTIMIZER_BYTES[m.optimizer]
-    shard = m.world_size if m.sharding == "fsdp" else 1
+    shard = state_shards(m.sharding, m.world_size, m.gpus_per_node)
     if m.method == "full":
-        split = f", sharded over {shard} GPUs (FSDP)" if shard > 1 else ""
+        split = f", sharded over {shard} GPUs ({m.sharding.upper()})" if shard > 1 else ""
         terms = [
             MemoryTerm(
                 name="weights",

@@ -104,6 +104,12 @@ def _describe(request: PlanRequest, gpu: GpuProfile, c: Candidate) -> list[str]:
     ]
     if c.sharding == "fsdp":
         lines.append(f"sharding fsdp: model states split over {request.world_size} GPUs ({gpu.interconnect})")
+    elif c.sharding == "hsdp":
+        lines.append(
+            f"sharding hsdp: model states split over each node's {request.gpus_per_node} GPUs"
+            f" ({gpu.interconnect}) and replicated on the {request.nodes} nodes; only one gradient"
+            " all-reduce per optimizer step crosses between nodes"
+        )
     elif c.sharding == "ddp":
         lines.append(f"sharding ddp: every GPU holds the model; gradients all-reduced ({gpu.interconnect})")
     if request.nodes > 1:
@@ -160,12 +166,17 @@ def _suggest(request: PlanRequest, gpu: GpuProfile) -> list[str]:
         )
         if p := fits(freed, gpu):
             out.append(f"leave microBatchSize/gradientCheckpointing to the planner: {p.summary()}")
-    bigger = [b for b in map(profile_for_type, GPU_TYPES) if b.memory_gib > gpu.memory_gib]
+    # Cards at least a GiB bigger (an L40S is not a bigger A40).
+    bigger = [b for b in map(profile_for_type, GPU_TYPES) if b.memory_gib > gpu.memory_gib + 1]
     for method in CHEAPER_METHODS[request.method]:
-        cheaper = request.model_copy(update={"method": method})
+        update: dict[str, object] = {"method": method}
+        if method == "qlora":  # one GPU only (admission refuses more)
+            update |= {"gpus_per_node": 1, "nodes": 1}
+        cheaper = request.model_copy(update=update)
         for card in (gpu, *bigger):
             if p := fits(cheaper, card):
-                out.append(f"method {method} fits on {request.world_size} x {card.key} ({show(p)})")
+                gpus = p.distributed.nnodes * p.distributed.nproc_per_node
+                out.append(f"method {method} fits on {gpus} x {card.key} ({show(p)})")
                 break
     if request.method == "full":
         for gpus, nodes in ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8)):

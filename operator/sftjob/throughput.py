@@ -1,13 +1,14 @@
 """The throughput model the planner ranks candidate configurations with, and the MFU convention.
 
-A micro-batch step on one GPU costs matmul time (model FLOPs at a tensor-core efficiency that rises
-with the tokens in the micro-batch) plus memory-bound time (norms, activations, RoPE, SwiGLU, the
-logits buffer: bytes over the card's bandwidth) plus kernel-launch latency; the optimizer step and
-the exposed part of gradient/parameter communication are added per optimizer step. Constants are
-fitted to the H200 anchors (shared/research/h200-anchors.md, 10 runs of 1.1B full and 7B LoRA); the
-fit is within ±4% there and tests/unit/test_planner.py holds it to ±10%. On other cards the same
-model scales by dense TFLOPS, bandwidth and interconnect: a first-order prediction to rank choices,
-not a promise.
+A micro-batch step on one GPU costs matmul time (model FLOPs at a tensor-core efficiency that rises with
+the tokens in the micro-batch) plus memory-bound time (norms, activations, RoPE, SwiGLU, the logits
+buffer: bytes over the card's bandwidth) plus kernel-launch latency; the optimizer step and the exposed
+part of gradient/parameter communication are added per optimizer step. Communication crosses the slower
+of the GPUs' own link and the link between nodes, except under HSDP, whose per-micro-batch traffic stays
+inside the node while one gradient all-reduce per step leaves it. Constants are fitted to the H200
+anchors (shared/research/h200-anchors.md, 10 runs of 1.1B full and 7B LoRA); the fit is within ±4% there
+and tests/unit/test_planner.py holds it to ±10%. On other cards the same model scales by dense TFLOPS,
+bandwidth and interconnect: a first-order prediction to rank choices, not a promise.
 
 MFU convention (also exported by the trainer as ``sftjob_train_mfu_ratio``): real (non-padding)
 tokens/s x model FLOPs per token / (dense bf16 peak x GPUs), with model FLOPs per token
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from sftjob.architectures import Architecture
 from sftjob.config import LoraSettings, Method, Precision, Sharding
 from sftjob.gpus import GpuProfile
+from sftjob.memory import state_shards
 from sftjob.network import DEFAULT_TCP_GBPS
 
 MATMUL_EFFICIENCY = 0.6  # best fraction of the dense peak a large bf16 GEMM-bound step reaches
@@ -152,6 +154,14 @@ def _comm_seconds(t: ThroughputInputs) -> tuple[float, float]:
     if t.sharding == "fsdp":
         # all-gather bf16 params in forward and backward, reduce-scatter fp32 grads: every micro-batch
         return (w - 1) / w * a.parameters * (2 + 2 + 4) / link, 0.0
+    if t.sharding == "hsdp":
+        # The same inside the node, over its own link; then, once per optimizer step, each rank
+        # all-reduces its 1/g of the fp32 gradients with its peers on the other nodes (a ring of n):
+        # the node's g ranks together push 2(n-1)/n of the whole gradients through the node's link.
+        g, n = t.gpus_per_node, t.nodes
+        inside = (g - 1) / g * a.parameters * (2 + 2 + 4) / (t.gpu.link_gbs * 1e9)
+        across = 2 * (n - 1) / n * a.parameters * 4 / (t.inter_node_gbs * 1e9)
+        return inside, across
     grads = a.parameters * 4 if t.method == "full" else t.lora_parameters * 4
     return 0.0, ring * grads / link
 
@@ -164,7 +174,7 @@ def predict(t: ThroughputInputs) -> Prediction:
     step = micro * t.gradient_accumulation_steps
     step += max(0.0, comm_step - COMM_OVERLAP * micro)
     if t.method == "full":
-        shard = t.world_size if t.sharding == "fsdp" else 1
+        shard = state_shards(t.sharding, t.world_size, t.gpus_per_node)
         step += t.architecture.parameters / shard * ADAMW_BYTES_PER_PARAM / (t.gpu.bandwidth_gbs * 1e9)
     tokens = t.micro_batch_size * t.sequence_length * t.gradient_accumulation_steps * t.world_size
     real = tokens * (1.0 if t.packing else PADDING_EFFICIENCY) / step

@@ -72,6 +72,16 @@ def test_suggestions_are_real_plans_that_fit():
     assert more.distributed.sharding == "fsdp"
 
 
+def test_a_cheaper_method_is_suggested_as_admission_takes_it_qlora_on_one_gpu():
+    suggestions = plan(request("70B", "lora", gpus_per_node=8), A800).suggestions
+    qlora = [s for s in suggestions if "method qlora" in s]
+    assert qlora and all("fits on 1 x A800-SXM4-80GB" in s for s in qlora)
+
+
+def test_an_l40s_is_not_suggested_as_a_bigger_card_than_an_a40():
+    assert not any("L40S" in s for s in plan(request("70B", "qlora"), A40).suggestions)
+
+
 def test_gradient_checkpointing_is_used_only_when_nothing_fits_without_it():
     assert not plan(request("1B", "full"), A800).training.gradient_checkpointing
     big = plan(request("70B", "qlora"), A800)
@@ -194,10 +204,10 @@ def test_pod_resources_scale_with_gpus_and_model_size():
     assert eight.training.dataloader_workers == 4
 
 
-def test_multi_node_full_fine_tuning_pods_hold_rank_0s_fsdp_load_but_no_checkpoint_gather():
-    # examples/a800-full-multinode.yaml: Qwen2.5 7B, 2 nodes x 4 A800, FSDP.
+def test_multi_node_full_fine_tuning_pods_hold_rank_0s_sharded_load_but_no_checkpoint_gather():
+    # examples/a800-full-multinode.yaml: Qwen2.5 7B, 2 nodes x 4 A800, HSDP (sharded inside each node).
     p = plan(request("Qwen/Qwen2.5-7B-Instruct", "full", gpus_per_node=4, nodes=2), A800)
-    assert p.fits and p.distributed.sharding == "fsdp"
+    assert p.fits and p.distributed.sharding == "hsdp"
     assert 84 < p.checkpoint_gib < 86  # fp32 weights + AdamW m and v
     assert p.model_dump(by_alias=True)["checkpointGiB"] == p.checkpoint_gib
     # Rank 0 alone loads the fp32 model (1.5 x 28.4 GiB), then 4 x 3 GiB and 16 GiB of /dev/shm; every
