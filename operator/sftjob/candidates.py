@@ -78,10 +78,13 @@ class Fixed:
     problem: str | None  # why no configuration can be valid (reported, never silently fixed)
 
 
-def _default_global_batch(sequence: int, world: int) -> int:
+def _default_global_batch(sequence: int, world: int, micro: int | None = None) -> int:
+    """About ``DEFAULT_TOKENS_PER_STEP`` per step, rounded up to what every GPU's micro-batches split
+    evenly (the user's ``microBatchSize``, when set, included)."""
     low, high = DEFAULT_GLOBAL_BATCH_BOUNDS
     rows = min(high, max(low, round(DEFAULT_TOKENS_PER_STEP / sequence)))
-    return world * math.ceil(rows / world)
+    unit = world * (micro or 1)
+    return unit * math.ceil(rows / unit)
 
 
 def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[str]]:
@@ -122,7 +125,7 @@ def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[st
                 f" use a multiple of {world}"
             )
     else:
-        global_batch = _default_global_batch(sequence, world)
+        global_batch = _default_global_batch(sequence, world, o.micro_batch_size)
         reasons.append(f"global batch {global_batch} rows (~{global_batch * sequence:,} tokens per step)")
     if o.micro_batch_size is not None and not problem and (global_batch // world) % o.micro_batch_size:
         problem = (

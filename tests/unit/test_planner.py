@@ -318,3 +318,12 @@ def test_a_model_that_soft_caps_its_attention_is_planned_with_eager_attention():
     assert plan(gemma, A800).training.attention == "eager"
     assert any("attention eager" in r for r in plan(gemma, A800).reasons)
     assert plan(llama, A800).training.attention == "sdpa"
+
+
+def test_a_users_micro_batch_without_a_global_batch_rounds_the_default_global_batch_to_it():
+    p = plan(
+        request("8B", "lora", overrides=TrainingOverrides(micro_batch_size=3), max_seq_length=4096), A800
+    )
+    t = p.training
+    assert p.fits and t.micro_batch_size == 3 and t.global_batch_size % 3 == 0
+    assert t.micro_batch_size * t.gradient_accumulation_steps == t.global_batch_size
