@@ -39,6 +39,8 @@ class Architecture(BaseModel):
     # Per-head width when it is not hidden_size / heads (Gemma 2).
     head_dim: int | None = Field(default=None, ge=1)
     attention_bias: bool = False  # Qwen2 has q/k/v biases
+    # Every layer attends within this many tokens (Mistral 7B v0.1); from the table or config.json.
+    sliding_window: int | None = Field(default=None, ge=1)
     family: str | None = None  # HF model_type ("llama", "qwen2", ...); None when unknown
     name: str | None = None  # where the shape came from, for the plan's reasons
 
@@ -125,9 +127,18 @@ class Architecture(BaseModel):
     def liger_supported(self) -> bool:
         return self.family in LIGER_FAMILIES
 
-    @property
-    def needs_eager_attention(self) -> bool:
-        return self.family in EAGER_ATTENTION_FAMILIES
+    def eager_attention_reason(self, packed_length: int | None) -> str | None:
+        """Why the trainer runs this model with eager attention (``sftjob_trainer.attention.sdpa_gap``):
+        soft-capped logits, or a sliding window its packed attention lacks, once packed rows
+        (``packed_length`` tokens; None without packing) may hold an example longer than the window."""
+        if self.family in EAGER_ATTENTION_FAMILIES:
+            return "the model soft-caps its attention logits, which SDPA cannot"
+        if self.sliding_window and packed_length is not None and packed_length > self.sliding_window:
+            return (
+                f"the model attends within a sliding window of {self.sliding_window} tokens, which packed"
+                f" attention lacks, and packed examples may be up to {packed_length} tokens long"
+            )
+        return None
 
     def lora_widths(self, target_modules: list[str] | str = "all-linear") -> tuple[int, int]:
         """Summed (input, output) widths of the targeted projections: the per-token traffic of the
@@ -194,6 +205,11 @@ KNOWN_ARCHITECTURES: tuple[tuple[str, str, Architecture], ...] = (
     ("Qwen2.5 14B", r"qwen2\.5-([a-z]+-)?14b\b", _arch("qwen2", 48, 5120, 40, 8, 13824, 152064, False)),
     ("Qwen2.5 32B", r"qwen2\.5-([a-z]+-)?32b\b", _arch("qwen2", 64, 5120, 40, 8, 27648, 152064, False)),
     ("Qwen2.5 72B", r"qwen2\.5-([a-z]+-)?72b\b", _arch("qwen2", 80, 8192, 64, 8, 29568, 152064, False)),
+    (
+        "Mistral 7B v0.1",
+        r"mistral-7b(-instruct)?-v0\.1\b",
+        _arch("mistral", 32, 4096, 32, 8, 14336, 32000, False).model_copy(update={"sliding_window": 4096}),
+    ),
     ("Mistral 7B", r"mistral-7b\b", _arch("mistral", 32, 4096, 32, 8, 14336, 32768, False)),
     ("Gemma 2 2B", r"gemma-2-2b\b", _arch("gemma2", 26, 2304, 8, 4, 9216, 256000, True, 256)),
     ("Gemma 2 9B", r"gemma-2-9b\b", _arch("gemma2", 42, 3584, 16, 8, 14336, 256000, True, 256)),
@@ -287,6 +303,10 @@ def architecture_from_hf_config(config: dict[str, Any]) -> Architecture:
     if tied is None:
         tied = family in _TIED_BY_DEFAULT
     heads = config["num_attention_heads"]
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    layer_types = config.get("layer_types")  # None: every layer has the window (Mistral)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
     return Architecture(
         layers=config["num_hidden_layers"],
         hidden_size=config["hidden_size"],
@@ -298,5 +318,6 @@ def architecture_from_hf_config(config: dict[str, Any]) -> Architecture:
         head_dim=config.get("head_dim"),
         attention_bias=bool(config.get("attention_bias", family == "qwen2")),
         family=family if isinstance(family, str) else None,
+        sliding_window=window if isinstance(window, int) and window > 0 else None,
         name="config.json",
     )

@@ -110,12 +110,10 @@ def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[st
         if liger
         else "Liger kernels off: the model family is unknown or not supported by Liger"
     )
-    attention: Attention = "eager" if request.architecture.needs_eager_attention else "sdpa"
-    if attention == "eager":
-        reasons.append(
-            "attention eager: the model soft-caps its attention logits, which SDPA cannot; its score"
-            " matrix is counted in the activations"
-        )
+    eager = request.architecture.eager_attention_reason(sequence if packing else None)
+    attention: Attention = "eager" if eager else "sdpa"
+    if eager:
+        reasons.append(f"attention eager: {eager}; its score matrix is counted in the activations")
     world = request.world_size
     if o.global_batch_size is not None:
         global_batch = o.global_batch_size

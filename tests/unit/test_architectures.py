@@ -120,3 +120,19 @@ def test_a_known_shape_survives_the_round_trip_through_a_transformers_config(mod
     assert known is not None
     back = architecture_from_hf_config(known.to_hf_config())
     assert back.model_copy(update={"name": None}) == known.model_copy(update={"name": None})
+
+
+def test_mistral_7b_v0_1_has_its_sliding_window_and_later_versions_none() -> None:
+    assert resolve_architecture("mistralai/Mistral-7B-v0.1").sliding_window == 4096
+    assert resolve_architecture("mistralai/Mistral-7B-Instruct-v0.1").sliding_window == 4096
+    assert resolve_architecture("mistralai/Mistral-7B-Instruct-v0.3").sliding_window is None
+
+
+def test_a_sliding_window_is_read_from_config_json_only_where_layers_use_it() -> None:
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    mistral = {**base, "vocab_size": 100, "model_type": "mistral", "sliding_window": 4096}
+    assert architecture_from_hf_config(mistral).sliding_window == 4096
+    qwen = {**mistral, "model_type": "qwen2", "use_sliding_window": False}
+    assert architecture_from_hf_config(qwen).sliding_window is None
+    full = {**mistral, "layer_types": ["full_attention", "full_attention"]}
+    assert architecture_from_hf_config(full).sliding_window is None

@@ -24,7 +24,7 @@ from sftjob.spec import SFTJobSpec
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
 # Model fields the API does not expose: filled in by the operator, never by users.
-INTERNAL = {"spec.model.architecture": {"name"}}
+INTERNAL = {"spec.model.architecture": {"name", "slidingWindow"}}
 Schema = dict[str, Any]
 
 

@@ -327,3 +327,11 @@ def test_a_users_micro_batch_without_a_global_batch_rounds_the_default_global_ba
     t = p.training
     assert p.fits and t.micro_batch_size == 3 and t.global_batch_size % 3 == 0
     assert t.micro_batch_size * t.gradient_accumulation_steps == t.global_batch_size
+
+
+def test_mistral_v0_1_packed_past_its_window_is_planned_with_eager_attention():
+    long = plan(request("mistralai/Mistral-7B-v0.1", "lora", max_seq_length=8192), L40S)
+    assert long.training.attention == "eager"
+    assert any("sliding window of 4096" in r for r in long.reasons)
+    short = plan(request("mistralai/Mistral-7B-v0.1", "lora", max_seq_length=4096), L40S)
+    assert short.training.attention == "sdpa"
