@@ -11,14 +11,13 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 from pydantic.alias_generators import to_camel
 
 # Names of Secrets, claims, StorageClasses and PriorityClasses: DNS-1123 subdomains, as the API server
 # checks them in the children the operator creates.
 _SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 DNS_SUBDOMAIN = f"^{_SUBDOMAIN}$"
-QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
 # A quantity above zero (a claim's size: the API server refuses a claim of 0 bytes).
 POSITIVE_QUANTITY = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
@@ -39,7 +38,17 @@ LABEL_VALUE_RULE = (
 )
 
 ObjectName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
-Quantity = Annotated[str, StringConstraints(max_length=32, pattern=QUANTITY)]
+QUANTITY_RULE = "a quantity above zero such as 16, 500m, 128Gi or 1.5Ti"
+
+
+def _positive_quantity(value: str) -> str:
+    if not re.fullmatch(POSITIVE_QUANTITY, value):
+        raise ValueError(f"{value!r} is not {QUANTITY_RULE}")
+    return value
+
+
+# Checked by a validator rather than a pattern, so the message (here and the CRD's) says what is wanted.
+Quantity = Annotated[str, StringConstraints(max_length=32), AfterValidator(_positive_quantity)]
 
 
 class SpecModel(BaseModel):

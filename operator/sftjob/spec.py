@@ -32,7 +32,6 @@ from sftjob.kube_names import (
     IMAGE,
     LABEL_KEY_RULE,
     LABEL_VALUE_RULE,
-    POSITIVE_QUANTITY,
     SECRET_KEY,
     ObjectName,
     Quantity,
@@ -256,9 +255,7 @@ class CheckpointSpec(SpecModel):
     volume: VolumeSource | None = None
     # The operator's defaults (sftjob_operator.defaults) fill storageClassName and size when unset.
     storage_class_name: ObjectName | None = None
-    size: Annotated[str, StringConstraints(max_length=32, pattern=POSITIVE_QUANTITY)] = (
-        DEFAULT_CHECKPOINT_SIZE
-    )
+    size: Quantity = DEFAULT_CHECKPOINT_SIZE
     every_steps: int | None = Field(default=None, ge=1, le=1_000_000)
     every_minutes: int | None = Field(default=None, ge=1, le=1440)
     keep: int = Field(default=3, ge=1, le=100)

@@ -68,6 +68,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.checkpoints",
     ),
     "checkpoint size not a quantity": (spec_with(checkpoints={"size": "lots"}), "spec.checkpoints.size"),
+    "memory of zero": (spec_with(resources={"memory": "0"}), "must be a quantity above zero such as"),
     "unknown onOOM": (spec_with(restartPolicy={"onOOM": "Ignore"}), "spec.restartPolicy.onOOM"),
     "negative maxRestarts": (spec_with(restartPolicy={"maxRestarts": -1}), "spec.restartPolicy.maxRestarts"),
     "reserved env name": (spec_with(env=[{"name": "SFTJOB_CONFIG", "value": "x"}]), "spec.env[0].name"),

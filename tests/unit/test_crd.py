@@ -19,7 +19,14 @@ from pydantic_core import PydanticUndefined
 
 from sftjob import constants as c
 from sftjob.job_status import SFTJobStatus
-from sftjob.kube_names import LABEL_KEY, LABEL_KEY_RULE, LABEL_VALUE, LABEL_VALUE_RULE
+from sftjob.kube_names import (
+    LABEL_KEY,
+    LABEL_KEY_RULE,
+    LABEL_VALUE,
+    LABEL_VALUE_RULE,
+    POSITIVE_QUANTITY,
+    QUANTITY_RULE,
+)
 from sftjob.spec import SFTJobSpec
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
@@ -272,3 +279,12 @@ def test_conditions_are_a_map_keyed_by_type(schema: Schema) -> None:
     assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == [
         "type"
     ]
+
+
+def test_quantities_are_checked_with_the_models_pattern_and_words(schema: Schema) -> None:
+    spec = schema["properties"]["spec"]["properties"]
+    fields = [spec["checkpoints"]["properties"]["size"], *spec["resources"]["properties"].values()]
+    for field in fields:
+        (rule,) = field["x-kubernetes-validations"]
+        assert rule["rule"] == f"self.matches(r'{POSITIVE_QUANTITY}')"
+        assert rule["message"] == f"must be {QUANTITY_RULE}"
