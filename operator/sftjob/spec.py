@@ -27,6 +27,7 @@ from sftjob.config import (
     Method,
     TrainingOverrides,
 )
+from sftjob.constants import CHECKPOINT_VOLUME_NAMES
 from sftjob.kube_names import (
     ENV_NAME,
     IMAGE,
@@ -281,6 +282,11 @@ class OutputSpec(SpecModel):
     @model_validator(mode="after")
     def _volume_is_writable(self) -> OutputSpec:
         _writable(self.volume, "spec.output.volume")
+        if self.volume is None and re.match(CHECKPOINT_VOLUME_NAMES, self.path):
+            raise ValueError(
+                f"spec.output.path {self.path!r} is the checkpoint volume's own (its root, checkpoint-N,"
+                " .tmp-*, .bad-*, .cache, OWNER): choose another folder, or give output a volume"
+            )
         return self
 
 

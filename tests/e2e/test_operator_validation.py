@@ -68,6 +68,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.checkpoints",
     ),
     "checkpoint size not a quantity": (spec_with(checkpoints={"size": "lots"}), "spec.checkpoints.size"),
+    "output inside a checkpoint's folder": (spec_with(output={"path": "checkpoint-3"}), "spec.output.path"),
     "memory of zero": (spec_with(resources={"memory": "0"}), "must be a quantity above zero such as"),
     "unknown onOOM": (spec_with(restartPolicy={"onOOM": "Ignore"}), "spec.restartPolicy.onOOM"),
     "negative maxRestarts": (spec_with(restartPolicy={"maxRestarts": -1}), "spec.restartPolicy.maxRestarts"),

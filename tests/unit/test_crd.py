@@ -288,3 +288,8 @@ def test_quantities_are_checked_with_the_models_pattern_and_words(schema: Schema
         (rule,) = field["x-kubernetes-validations"]
         assert rule["rule"] == f"self.matches(r'{POSITIVE_QUANTITY}')"
         assert rule["message"] == f"must be {QUANTITY_RULE}"
+
+
+def test_the_output_path_rule_holds_the_checkpoint_volumes_names(schema: Schema) -> None:
+    rules = schema["properties"]["spec"]["properties"]["output"]["x-kubernetes-validations"]
+    assert any(f"self.path.matches(r'{c.CHECKPOINT_VOLUME_NAMES}')" in r["rule"] for r in rules)
