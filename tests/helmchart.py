@@ -74,7 +74,15 @@ def one(docs: list[Manifest], kind: str, name: str | None = None) -> Manifest:
 def alert_groups(sets: tuple[str, ...] = ()) -> list[Manifest]:
     """The rule groups of the chart's PrometheusRule, as a Prometheus rule file holds them."""
     rule = one(
-        render("default", ("alerts.enabled=true", "metrics.serviceMonitor.enabled=true", *sets)),
+        render(
+            "default",
+            (
+                "alerts.enabled=true",
+                "metrics.serviceMonitor.enabled=true",
+                "metrics.podMonitor.enabled=true",
+                *sets,
+            ),
+        ),
         "PrometheusRule",
     )
     groups: list[Manifest] = rule["spec"]["groups"]

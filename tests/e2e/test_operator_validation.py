@@ -18,6 +18,19 @@ pytestmark = pytest.mark.e2e
 PVC = {"persistentVolumeClaim": {"claimName": "models"}}
 
 
+def architecture(**changes: Any) -> dict[str, Any]:
+    """A small model shape the CRD accepts, with ``changes`` applied."""
+    shape = {
+        "layers": 2,
+        "hiddenSize": 64,
+        "heads": 4,
+        "kvHeads": 4,
+        "intermediateSize": 128,
+        "vocabSize": 1000,
+    }
+    return shape | changes
+
+
 def spec_with(**changes: Any) -> dict[str, Any]:
     """The default test job with dotted-path ``changes`` applied (``gpu__count=9`` sets spec.gpu.count)."""
     job = sftjob("invalid")
@@ -137,19 +150,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.restartPolicy.stallTimeoutSeconds",
     ),
     "kvHeads not dividing heads": (
-        spec_with(
-            model={
-                "name": "acme/model",
-                "architecture": {
-                    "layers": 2,
-                    "hiddenSize": 64,
-                    "heads": 4,
-                    "kvHeads": 3,
-                    "intermediateSize": 128,
-                    "vocabSize": 1000,
-                },
-            }
-        ),
+        spec_with(model={"name": "acme/model", "architecture": architecture(kvHeads=3)}),
         "spec.model.architecture.kvHeads",
     ),
     "pod annotation key with a space": (
@@ -178,20 +179,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "zero network bandwidth": (spec_with(network={"bandwidthGbps": 0}), "spec.network.bandwidthGbps"),
     "unknown architecture family": (
-        spec_with(
-            model={
-                "name": "acme/model",
-                "architecture": {
-                    "layers": 2,
-                    "hiddenSize": 64,
-                    "heads": 4,
-                    "kvHeads": 4,
-                    "intermediateSize": 128,
-                    "vocabSize": 1000,
-                    "family": "phi3",
-                },
-            }
-        ),
+        spec_with(model={"name": "acme/model", "architecture": architecture(kvHeads=4, family="phi3")}),
         "spec.model.architecture.family",
     ),
 }

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+from pathlib import Path
 from typing import Any
 
-from helmchart import CHART, ROOT, one, render
+import pytest
+import yaml
+from helmchart import CHART, ROOT, helm, one, render, template_args
 
 from sftjob import constants as c
 
@@ -112,13 +117,197 @@ def test_dashboards_ship_as_configmaps_the_grafana_sidecar_loads() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Which rules render: each group only beside the monitor that scrapes its metrics.
+
+BOTH_MONITORS = ("metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true")
+
+
+def rule_groups(*sets: str) -> list[dict[str, Any]]:
+    """The PrometheusRule's groups, as a Prometheus rule file holds them (default thresholds)."""
+    groups: list[dict[str, Any]] = one(render("default", ("alerts.enabled=true", *sets)), "PrometheusRule")[
+        "spec"
+    ]["groups"]
+    return groups
+
+
+def alert_names(*sets: str) -> set[str]:
+    return {r["alert"] for g in rule_groups(*sets) for r in g["rules"]}
+
+
+def test_each_rule_group_comes_only_with_the_monitor_that_scrapes_its_metrics() -> None:
+    def names(*sets: str) -> list[str]:
+        return [g["name"] for g in rule_groups(*sets)]
+
+    assert names("metrics.podMonitor.enabled=true") == ["sftjob-training"]
+    assert names("metrics.serviceMonitor.enabled=true") == ["sftjob-operator"]
+    assert names(*BOTH_MONITORS) == ["sftjob-operator", "sftjob-training"]
+
+
+def test_alerts_without_any_monitor_fail_instead_of_rendering_rules_that_never_fire() -> None:
+    result = helm(*template_args(sets=("alerts.enabled=true",)), check=False)
+    assert result.returncode != 0, "the chart rendered"
+    assert "metrics.serviceMonitor.enabled" in result.stderr and "metrics.podMonitor.enabled" in result.stderr
 
 
 def test_the_operator_down_alert_comes_only_with_the_service_monitor_whose_scrapes_it_watches() -> None:
-    def alerts(*sets: str) -> set[str]:
-        rule = one(render("default", ("alerts.enabled=true", *sets)), "PrometheusRule")
-        return {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert "SFTJobOperatorDown" not in alert_names("metrics.podMonitor.enabled=true")
+    assert "SFTJobOperatorDown" in alert_names("metrics.serviceMonitor.enabled=true")
 
-    assert "SFTJobOperatorDown" not in alerts()  # no scrape would ever make its up{job=...} series
-    assert "SFTJobFailed" in alerts()
-    assert "SFTJobOperatorDown" in alerts("metrics.serviceMonitor.enabled=true")
+
+def test_an_operator_scaled_to_zero_on_purpose_is_not_paged_as_down() -> None:
+    alerts = alert_names(*BOTH_MONITORS, "replicas=0")
+    assert "SFTJobOperatorDown" not in alerts
+    assert "SFTJobFailed" in alerts
+
+
+def test_the_training_dashboard_shows_the_phase_of_a_job_still_setting_up() -> None:
+    dashboard = load_dashboards()["training-job.json"]
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert any("sftjob_train_phase" in e for e in exprs)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "sftjob_train_step" in variables["sftjob"]["definition"]  # served from the start of a run
+
+
+# ---------------------------------------------------------------------------------------------------
+# The training rules, evaluated by `promtool test rules` over made-up series (one sample a minute).
+
+JOB_LABELS = 'sftjob="j",namespace="n",pod="j-2-0",gpu="a800"'
+EXPECTED_LABELS = {"sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800", "severity": "warning"}
+
+
+def promtool_test(tmp_path: Path, series: dict[str, str], checks: list[dict[str, Any]]) -> None:
+    """Run ``checks`` (promtool alert_rule_test entries) against the rendered rules fed ``series``."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is missing: apt-get install prometheus (hack/test.sh does)")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups(*BOTH_MONITORS)}))
+    inputs = [{"series": f"{name}{{{JOB_LABELS}}}", "values": values} for name, values in series.items()]
+    test = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": checks}],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def fires(minute: int, alert: str, description: str) -> dict[str, Any]:
+    """``alert`` fires at ``minute`` for the job's series, saying ``description``."""
+    (rule,) = [r for g in rule_groups(*BOTH_MONITORS) for r in g["rules"] if r["alert"] == alert]
+    annotations = rule["annotations"] | {"description": description}
+    return {
+        "eval_time": f"{minute}m",
+        "alertname": alert,
+        "exp_alerts": [{"exp_labels": EXPECTED_LABELS, "exp_annotations": annotations}],
+    }
+
+
+def quiet(minute: int, alert: str) -> dict[str, Any]:
+    return {"eval_time": f"{minute}m", "alertname": alert, "exp_alerts": []}
+
+
+CHECKPOINT = "SFTJobCheckpointTooOld"
+STALLED = "SFTJobTrainingStalled"
+
+
+def trained_without_checkpoint(duration: str) -> str:
+    return (
+        f"n/j has trained for {duration} without completing a checkpoint; a restart now would lose that work."
+    )
+
+
+def test_a_resumed_attempt_is_not_paged_for_the_age_of_the_checkpoint_it_resumed_from(tmp_path: Path) -> None:
+    # Attempt 2's pod comes up at 100m, resumed from a checkpoint saved at 5m (an hour-long outage);
+    # its training loop starts at 110m and, at 90-minute threshold, saves nothing until 215m.
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "_x100 300x120",
+        "sftjob_train_attempt_start_timestamp_seconds": "_x100 0x9 6600x110",
+        "sftjob_train_checkpoint_interval_seconds": "_x100 1800x120",
+    }
+    checks = [
+        quiet(105, CHECKPOINT),
+        quiet(130, CHECKPOINT),
+        quiet(199, CHECKPOINT),
+        fires(215, CHECKPOINT, trained_without_checkpoint("1h 45m 0s")),
+    ]
+    promtool_test(tmp_path, series, checks)
+
+
+def test_an_attempt_that_never_completes_a_checkpoint_is_alerted(tmp_path: Path) -> None:
+    # Step-based checkpoints whose interval is not measured yet (0): the threshold alone applies.
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "0x300",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x300",
+        "sftjob_train_checkpoint_interval_seconds": "0x300",
+    }
+    promtool_test(
+        tmp_path,
+        series,
+        [quiet(60, CHECKPOINT), fires(300, CHECKPOINT, trained_without_checkpoint("4h 59m 0s"))],
+    )
+
+
+def test_an_attempt_still_setting_up_is_not_alerted_for_its_checkpoint_age(tmp_path: Path) -> None:
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "300x300",
+        "sftjob_train_attempt_start_timestamp_seconds": "0x300",
+        "sftjob_train_checkpoint_interval_seconds": "1800x300",
+    }
+    promtool_test(tmp_path, series, [quiet(300, CHECKPOINT)])
+
+
+def test_a_sparse_checkpoint_interval_is_alerted_after_twice_the_interval_not_the_threshold(
+    tmp_path: Path,
+) -> None:
+    # everyMinutes: 180, checkpoint and training start at 1m: overdue past 361m, fired 5 minutes on.
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "60x400",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x400",
+        "sftjob_train_checkpoint_interval_seconds": "10800x400",
+    }
+    promtool_test(
+        tmp_path,
+        series,
+        [
+            quiet(180, CHECKPOINT),
+            quiet(360, CHECKPOINT),
+            fires(370, CHECKPOINT, trained_without_checkpoint("6h 9m 0s")),
+        ],
+    )
+
+
+def test_a_stalled_job_is_alerted_once_it_has_made_no_step_for_stalled_minutes(tmp_path: Path) -> None:
+    # Training since 1m, the last step (40) at 40m: 15 minutes without a step at 55m.
+    series = {
+        "sftjob_train_step": "0+1x40 40x60",
+        "sftjob_train_total_steps": "1000x100",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
+    }
+    checks = [quiet(54, STALLED), fires(56, STALLED, "n/j has been at step 40 for 15 minutes.")]
+    promtool_test(tmp_path, series, checks)
+
+
+def test_a_resumed_attempt_loading_its_model_is_not_alerted_as_stalled(tmp_path: Path) -> None:
+    # Resumed at step 500: the step is known from the start, the loop starts at 61m, its first step
+    # (slow: compiling, warming up) ends at 70m.
+    series = {
+        "sftjob_train_step": "500x69 501+1x30",
+        "sftjob_train_total_steps": "1000x100",
+        "sftjob_train_attempt_start_timestamp_seconds": "0x60 3660x39",
+    }
+    checks = [quiet(minute, STALLED) for minute in (20, 40, 60, 68, 90)]
+    promtool_test(tmp_path, series, checks)
+
+
+def test_a_job_hung_before_its_first_step_is_alerted_as_stalled(tmp_path: Path) -> None:
+    series = {
+        "sftjob_train_step": "0x60",
+        "sftjob_train_total_steps": "1000x60",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x60",
+    }
+    promtool_test(
+        tmp_path, series, [quiet(15, STALLED), fires(17, STALLED, "n/j has been at step 0 for 15 minutes.")]
+    )

@@ -10,17 +10,9 @@ from pydantic import ValidationError
 from sftjob.architectures import KNOWN_ARCHITECTURES, ModelFamily
 from sftjob.job_status import SFTJobStatus
 from sftjob.spec import SFTJobSpec, batch_problem, packing_problem, to_plan_request, valid_job_name
+from tests.unit.test_crd import ARCHITECTURE
 
 PVC = {"persistentVolumeClaim": {"claimName": "models"}}
-
-ARCHITECTURE = {
-    "layers": 2,
-    "hiddenSize": 64,
-    "heads": 4,
-    "kvHeads": 2,
-    "intermediateSize": 128,
-    "vocabSize": 320,
-}
 
 
 def spec(**changes: Any) -> SFTJobSpec:
