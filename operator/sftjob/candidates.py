@@ -24,6 +24,9 @@ DEFAULT_TOKENS_PER_STEP = 131_072  # default global batch: about 128k tokens per
 DEFAULT_GLOBAL_BATCH_BOUNDS = (8, 256)  # in rows (packed sequences)
 MIN_PACKING_LENGTH = 512  # the OOM ladder does not shorten packed rows below this
 MAX_GPUS_PER_NODE = 8
+# Sharding wins over replicating (ddp) only when predicted this much faster: the throughput model ranks
+# within a few percent (sftjob.throughput), and a replicated model makes no collective per layer.
+SHARDING_MARGIN = 0.05
 
 
 class PlanRequest(BaseModel):
@@ -186,11 +189,13 @@ def evaluate(
 
 
 def shardings(request: PlanRequest) -> list[Sharding]:
-    """The ways to spread the job over its GPUs: full fine-tuning may shard its model states, over every
-    GPU (fsdp) or, on several nodes of several GPUs, over each node's GPUs (hsdp); adapters are small."""
+    """The ways to spread the job over its GPUs: replicate the model (ddp), or shard it over every GPU
+    (fsdp) or, on several nodes of several GPUs, over each node's GPUs (hsdp). Full fine-tuning shards
+    its model states; LoRA its frozen base (a 70B base is 140 GB in bf16) with the adapters. QLoRA runs
+    on one GPU."""
     if request.world_size == 1:
         return ["none"]
-    if request.method != "full":
+    if request.method == "qlora":
         return ["ddp"]
     hybrid: list[Sharding] = ["hsdp"] if request.nodes > 1 and request.gpus_per_node > 1 else []
     return ["ddp", "fsdp", *hybrid]
@@ -213,10 +218,22 @@ def search(request: PlanRequest, gpu: GpuProfile, fixed: Fixed) -> tuple[Candida
         ]
         fitting = [c for c in candidates if c.memory.fits]
         if fitting and not fixed.problem:
-            return max(fitting, key=lambda c: c.speed.tokens_per_second), True
+            return _fastest(fitting), True
         # Report the most frugal setting a user would try: the smallest micro-batch, then least memory.
         least = min(candidates, key=lambda c: (c.micro, c.memory.total_gib))
         if smallest is None or least.memory.total_gib < smallest.memory.total_gib:
             smallest = least
     assert smallest is not None
     return smallest, False
+
+
+def _fastest(fitting: list[Candidate]) -> Candidate:
+    """The fastest candidate, but the fastest replicated one (ddp) unless sharding beats it by
+    ``SHARDING_MARGIN``."""
+    best = max(fitting, key=lambda c: c.speed.tokens_per_second)
+    replicated = [c for c in fitting if c.sharding == "ddp"]
+    if best.sharding in ("fsdp", "hsdp") and replicated:
+        ddp = max(replicated, key=lambda c: c.speed.tokens_per_second)
+        if best.speed.tokens_per_second < (1 + SHARDING_MARGIN) * ddp.speed.tokens_per_second:
+            return ddp
+    return best

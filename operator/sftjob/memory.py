@@ -4,8 +4,9 @@ Model states follow the usual bytes-per-parameter accounting (shared/research/tr
 full fine-tuning keeps fp32 weights, fp32 gradients and AdamW's fp32 m and v (16 B/param, divided by
 the world size under FSDP, by the GPUs of one node under HSDP) plus bf16 copies that autocast makes of
 the weights during the forward pass; LoRA keeps the base in bf16 (2 B/param) and trains fp32 adapters
-(4 + 4 + 8 B per adapter param); QLoRA stores the decoder's linear weights in NF4 with double-quantised
-scales (~0.52 B/param).
+(4 + 4 + 8 B per adapter param), both divided as full fine-tuning's states when sharded. What FSDP2
+holds unsharded besides its shards is counted from torch's source (:func:`_gathered`). QLoRA stores the
+decoder's linear weights in NF4 with double-quantised scales (~0.52 B/param).
 
 Activations use a per-layer, per-token figure in the style of Korthikanti et al. (arXiv 2205.05198)
 adapted to Llama-type blocks with SDPA/flash attention (no s x s matrix is stored):
@@ -43,6 +44,7 @@ OPTIMIZER_BYTES: dict[Optimizer, int] = {
     "paged_adamw_8bit": 2,
 }
 BF16_BYTES = 2
+REDUCE_BYTES = 4  # FSDP reduces gradients in fp32 (the trainer's MixedPrecisionPolicy)
 NF4_BYTES_PER_PARAM = 0.516  # 4-bit NF4 + blocksize-64 absmax, double-quantised (QLoRA paper)
 
 ACT_HIDDEN_COEF = 29  # bytes per hidden unit per token per layer: attention, residual, HF RMSNorm
@@ -103,8 +105,8 @@ def _states(m: MemoryInputs) -> list[MemoryTerm]:
     n = a.parameters
     opt = OPTIMIZER_BYTES[m.optimizer]
     shard = state_shards(m.sharding, m.world_size, m.gpus_per_node)
+    split = f", sharded over {shard} GPUs ({m.sharding.upper()})" if shard > 1 else ""
     if m.method == "full":
-        split = f", sharded over {shard} GPUs ({m.sharding.upper()})" if shard > 1 else ""
         terms = [
             MemoryTerm(
                 name="weights",
@@ -118,24 +120,16 @@ def _states(m: MemoryInputs) -> list[MemoryTerm]:
                 name="optimizer", gib=_gib(n * opt / shard), note=f"{m.optimizer}: {opt} B/param{split}"
             ),
         ]
+        if shard > 1:
+            return terms + _gathered(m, a.layer_parameters)
         if m.precision != "fp32":
-            if shard > 1:
-                biggest = max(a.layer_parameters, a.embedding_parameters)
-                terms.append(
-                    MemoryTerm(
-                        name="weight_copies",
-                        gib=_gib(2 * biggest * BF16_BYTES),
-                        note="FSDP all-gathers one unit in bf16 and prefetches the next",
-                    )
+            terms.append(
+                MemoryTerm(
+                    name="weight_copies",
+                    gib=_gib(n * AUTOCAST_COPY_BYTES),
+                    note="bf16 copies autocast makes in forward, kept for backward",
                 )
-            else:
-                terms.append(
-                    MemoryTerm(
-                        name="weight_copies",
-                        gib=_gib(n * AUTOCAST_COPY_BYTES),
-                        note="bf16 copies autocast makes in forward, kept for backward",
-                    )
-                )
+            )
         return terms
     if m.method == "qlora":
         # peft's prepare_model_for_kbit_training casts every parameter it does not quantise to fp32.
@@ -143,22 +137,59 @@ def _states(m: MemoryInputs) -> list[MemoryTerm]:
         weights = a.linear_parameters * NF4_BYTES_PER_PARAM + kept * FULL_STATE_BYTES["weights"]
         note = "decoder linears in NF4 (~0.52 B/param), embeddings/head/norms in fp32 (peft's k-bit prep)"
     else:
-        weights = n * BF16_BYTES
-        note = f"{n / 1e9:.2f}B frozen params x 2 B (bf16)"
+        weights = n * BF16_BYTES / shard
+        note = f"{n / 1e9:.2f}B frozen params x 2 B (bf16){split}"
     adapters = a.lora_parameters(m.lora.r, m.lora.target_modules)
-    return [
+    terms = [
         MemoryTerm(name="weights", gib=_gib(weights), note=note),
         MemoryTerm(
             name="adapters",
-            gib=_gib(adapters * ADAPTER_STATE_BYTES["weights"]),
-            note=f"{adapters / 1e6:.1f}M LoRA params (r={m.lora.r}) in fp32",
+            gib=_gib(adapters * ADAPTER_STATE_BYTES["weights"] / shard),
+            note=f"{adapters / 1e6:.1f}M LoRA params (r={m.lora.r}) in fp32{split}",
         ),
         MemoryTerm(
             name="gradients",
-            gib=_gib(adapters * ADAPTER_STATE_BYTES["gradients"]),
-            note="adapter gradients only",
+            gib=_gib(adapters * ADAPTER_STATE_BYTES["gradients"] / shard),
+            note=f"adapter gradients only{split}",
         ),
-        MemoryTerm(name="optimizer", gib=_gib(adapters * opt), note=f"{m.optimizer} on adapters only"),
+        MemoryTerm(
+            name="optimizer", gib=_gib(adapters * opt / shard), note=f"{m.optimizer} on adapters only{split}"
+        ),
+    ]
+    if shard > 1:
+        terms += _gathered(m, adapters // a.layers)
+    return terms
+
+
+def _gathered(m: MemoryInputs, trainable_per_layer: int) -> list[MemoryTerm]:
+    """What FSDP2 holds unsharded besides the shards (torch/distributed/fsdp/_fully_shard).
+
+    The root group (embeddings, norm and an untied head) is all-gathered in the compute dtype for the
+    whole step ("For the root, do not reshard after forward", ``_fsdp_state.py``); decoder layers are
+    gathered one at a time while the next is prefetched. In backward the two gathered layers get
+    unsharded gradients in the compute dtype, of their trainable parameters only, and ``foreach_reduce``
+    copies one layer's into an fp32 reduce-scatter input (``_fsdp_collectives.py``; the reduce dtype).
+    Full fine-tuning also gets the head's whole gradient first in backward, while the activations are
+    still there; the embedding's, at the end, replaces them.
+    """
+    a = m.architecture
+    p = 4 if m.precision == "fp32" else BF16_BYTES  # the compute dtype FSDP gathers and differentiates in
+    root = a.embedding_parameters + a.lm_head_parameters + a.hidden_size
+    head_grad = a.embedding_parameters * p if m.method == "full" else 0
+    return [
+        MemoryTerm(
+            name="weight_copies",
+            gib=_gib((root + 2 * a.layer_parameters) * p),
+            note="FSDP keeps the root (embeddings, head) gathered all step, and gathers one layer at a time"
+            " while prefetching the next",
+        ),
+        MemoryTerm(
+            name="gradient_buffers",
+            gib=_gib(head_grad + 2 * trainable_per_layer * p + trainable_per_layer * REDUCE_BYTES),
+            note=("the head's gradient, " if head_grad else "")
+            + f"unsharded gradients of 2 gathered layers ({trainable_per_layer / 1e6:.1f}M trainable"
+            " params each) and an fp32 reduce-scatter input",
+        ),
     ]
 
 

@@ -102,11 +102,12 @@ def _describe(request: PlanRequest, gpu: GpuProfile, c: Candidate) -> list[str]:
         f" ~{c.speed.tokens_per_second:,.0f} tokens/s, MFU ~{c.speed.mfu:.0%} of {gpu.peak_tflops:g}"
         " dense TFLOPS per GPU"
     ]
+    states = "model states" if request.method == "full" else "frozen base and adapters"
     if c.sharding == "fsdp":
-        lines.append(f"sharding fsdp: model states split over {request.world_size} GPUs ({gpu.interconnect})")
+        lines.append(f"sharding fsdp: {states} split over {request.world_size} GPUs ({gpu.interconnect})")
     elif c.sharding == "hsdp":
         lines.append(
-            f"sharding hsdp: model states split over each node's {request.gpus_per_node} GPUs"
+            f"sharding hsdp: {states} split over each node's {request.gpus_per_node} GPUs"
             f" ({gpu.interconnect}) and replicated on the {request.nodes} nodes; only one gradient"
             " all-reduce per optimizer step crosses between nodes"
         )
@@ -178,14 +179,14 @@ def _suggest(request: PlanRequest, gpu: GpuProfile) -> list[str]:
                 gpus = p.distributed.nnodes * p.distributed.nproc_per_node
                 out.append(f"method {method} fits on {gpus} x {card.key} ({show(p)})")
                 break
-    if request.method == "full":
+    if request.method != "qlora":  # one GPU only
         for gpus, nodes in ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8)):
             if gpus * nodes <= request.world_size:
                 continue
             more = request.model_copy(update={"gpus_per_node": gpus, "nodes": nodes})
             if p := fits(more, gpu):
                 out.append(
-                    f"full fine-tuning fits on {nodes} node(s) x {gpus} {gpu.key} with"
+                    f"{request.method} fits on {nodes} node(s) x {gpus} {gpu.key} with"
                     f" {p.distributed.sharding} ({show(p)})"
                 )
                 break

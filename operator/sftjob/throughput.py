@@ -41,6 +41,7 @@ LAUNCH_SECONDS_PER_LAYER = 0.0005  # kernel launches + Python per layer per micr
 ADAMW_BYTES_PER_PARAM = 28  # fused AdamW reads p, g, m, v and writes p, m, v (fp32)
 NF4_DEQUANT_BYTES = 16  # effective bytes per 4-bit weight per pass: dequantise + GEMM on the copy
 COMM_OVERLAP = 0.7  # fraction of compute time that can hide communication
+GATHER_COPY_BYTES = 4  # FSDP2 copies each all-gathered bf16 weight into its parameter (read + write)
 PACKED_MEAN_CONTEXT = 512  # tokens: assumed mean sample length inside packed rows (attention span)
 PADDING_EFFICIENCY = 0.52  # real-token fraction of padded batches (the anchors measured 48% padding)
 
@@ -151,24 +152,34 @@ def _comm_seconds(t: ThroughputInputs) -> tuple[float, float]:
     ring = 2 * (w - 1) / w
     link = _link_gbs(t) * 1e9
     a = t.architecture
+    grads = a.parameters * 4 if t.method == "full" else t.lora_parameters * 4  # fp32, trainable only
+    # Sharded: every micro-batch all-gathers the bf16 weights in forward and again in backward (the
+    # layers reshard after forward), and reduce-scatters the fp32 gradients of the trainable ones.
+    sharded = a.parameters * (2 + 2) + grads
     if t.sharding == "fsdp":
-        # all-gather bf16 params in forward and backward, reduce-scatter fp32 grads: every micro-batch
-        return (w - 1) / w * a.parameters * (2 + 2 + 4) / link, 0.0
+        return (w - 1) / w * sharded / link, 0.0
     if t.sharding == "hsdp":
         # The same inside the node, over its own link; then, once per optimizer step, each rank
         # all-reduces its 1/g of the fp32 gradients with its peers on the other nodes (a ring of n):
         # the node's g ranks together push 2(n-1)/n of the whole gradients through the node's link.
         g, n = t.gpus_per_node, t.nodes
-        inside = (g - 1) / g * a.parameters * (2 + 2 + 4) / (t.gpu.link_gbs * 1e9)
-        across = 2 * (n - 1) / n * a.parameters * 4 / (t.inter_node_gbs * 1e9)
+        inside = (g - 1) / g * sharded / (t.gpu.link_gbs * 1e9)
+        across = 2 * (n - 1) / n * grads / (t.inter_node_gbs * 1e9)
         return inside, across
-    grads = a.parameters * 4 if t.method == "full" else t.lora_parameters * 4
     return 0.0, ring * grads / link
+
+
+def _gather_copy_seconds(t: ThroughputInputs) -> float:
+    """Per micro-batch, under FSDP/HSDP: copying the weights out of the all-gather buffers (forward and
+    backward; ``foreach_all_gather_copy_out``), on the compute stream."""
+    if t.sharding not in ("fsdp", "hsdp") or t.world_size == 1:
+        return 0.0
+    return 2 * t.architecture.parameters * GATHER_COPY_BYTES / (t.gpu.bandwidth_gbs * 1e9)
 
 
 def predict(t: ThroughputInputs) -> Prediction:
     """Predicted real tokens/s for the job and the MFU it means (module docstring convention)."""
-    micro = _micro_step_seconds(t)
+    micro = _micro_step_seconds(t) + _gather_copy_seconds(t)
     comm_micro, comm_step = _comm_seconds(t)
     micro += max(0.0, comm_micro - COMM_OVERLAP * micro)
     step = micro * t.gradient_accumulation_steps

@@ -1,8 +1,13 @@
-"""What a checkpoint folder holds (the trainable parameters only) and who owns it: one attempt at a time."""
+"""What a checkpoint folder holds (the trainable parameters only), who owns it (one attempt at a time), and
+what happens to the checkpoints that do not load: set aside when an older one does, the run stopped when
+none does, and the progress of the run never rotated away for them."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +15,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from sftjob.config import JobRef
-from sftjob.constants import CHECKPOINT_OWNER_FILE
+from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import checkpoints
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
@@ -117,3 +122,139 @@ def test_a_checkpoint_holds_the_trainable_parameters_only_not_buffers_frozen_wei
         model.embed.weight.zero_()
     assert checkpoints.load_latest(tmp_path, parts, ONE_PROCESS) is not None
     assert torch.equal(model.head.weight, before)  # the tied head came back with its embedding
+
+
+def _unloadable(path: Path) -> None:
+    """Tensor files as long as the index says but not loadable: the checks pass, loading fails part-way."""
+    for tensors in (path / checkpoints.TENSORS_DIR).glob("*.distcp"):
+        tensors.write_bytes(bytes(tensors.stat().st_size))
+
+
+def _bad(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(checkpoints.BAD_PREFIX))
+
+
+def test_checkpoints_newer_than_the_one_resumed_from_are_set_aside_and_no_later_save_deletes_the_progress(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    for step in (4, 10):
+        checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=5, job=_attempt(1))
+    _unloadable(tmp_path / "checkpoint-10")
+
+    checkpoints.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    resumed = checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+    assert resumed is not None and resumed[0].step == 4
+    assert _bad(tmp_path) == [".bad-checkpoint-10"]
+    assert "setting checkpoint" in caplog.text and "its tensors do not load" in caplog.text
+    # keep 1: before, checkpoint-10 ranked newest and each save deleted itself and the one resumed from.
+    checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=1, job=_attempt(2))
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [6]
+    assert _bad(tmp_path) == [".bad-checkpoint-10"]  # kept for inspection
+    assert checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS) is not None
+
+
+def test_a_save_keeps_the_checkpoint_it_committed_whatever_is_newer(tmp_path: Path) -> None:
+    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    for step in (4, 10, 6):
+        checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=1, job=_attempt(1))
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [10, 6]
+
+
+def test_checkpoints_whose_small_files_do_not_load_stop_the_run_rather_than_start_it_afresh(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    for step in (2, 4):
+        path = checkpoints.save(
+            tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1)
+        )
+        (path / checkpoints.SCHEDULER_FILE).write_bytes(b"cut off")
+
+    with pytest.raises(TrainerError) as stopped:
+        checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+    assert stopped.value.code == ExitCode.STORAGE_ERROR
+    assert "no checkpoint" in stopped.value.reason and "checkpoint-4, checkpoint-2" in stopped.value.reason
+    assert "its files do not load" in caplog.text
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and _bad(tmp_path) == []
+
+
+def test_a_fresh_start_sets_incomplete_checkpoints_aside(tmp_path: Path) -> None:
+    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    path = checkpoints.save(tmp_path, TrainState(step=2), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    (path / CHECKPOINT_COMPLETE_MARKER).unlink()
+    assert checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS) is None
+    assert checkpoint_dirs(tmp_path) == [] and _bad(tmp_path) == [".bad-checkpoint-2"]
+
+
+def test_rotation_leaves_unfinished_saves_to_the_attempt_that_takes_the_folder_over(tmp_path: Path) -> None:
+    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    in_progress = tmp_path / ".tmp-checkpoint-8-attempt-2"  # the save of a restart that took over meanwhile
+    in_progress.mkdir()
+    checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=1, job=_attempt(1))
+    assert in_progress.is_dir()
+
+
+# Two ranks resume together, where rank 1 cannot read its RNG file of checkpoint-4 ("one"), and of every
+# checkpoint ("all"). One launch for both: starting torchrun and importing torch twice takes most of it.
+TWO_RANKS_RESUME = """
+import json, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from sftjob.config import JobRef
+from sftjob.failures import TrainerError
+from sftjob_trainer import checkpoints
+from sftjob_trainer.checkpoints import Trainables, TrainState, rng_file
+from sftjob_trainer.distributed import DistContext
+
+dist.init_process_group("gloo")
+ctx = DistContext(dist.get_rank(), 2, dist.get_rank(), 2, torch.device("cpu"))
+job = JobRef(name="job", uid="uid", attempt=1)
+
+def parts():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    return Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
+
+for case, broken in {"one": [4], "all": [4, 2]}.items():
+    root = Path(sys.argv[1]) / case
+    checkpoints.take_over(root, job, ctx)
+    for step in (2, 4):
+        checkpoints.save(root, TrainState(step=step), parts(), ctx, keep=2, job=job)
+    if ctx.rank == 1:
+        for step in broken:
+            (root / f"checkpoint-{step}" / rng_file(1)).write_bytes(b"cut off")
+    dist.barrier()
+    try:
+        resumed = checkpoints.load_latest(root, parts(), ctx)
+        result = {"step": resumed[0].step if resumed else None}
+    except TrainerError as exc:
+        result = {"code": int(exc.code)}
+    (root / f"rank{ctx.rank}.json").write_text(json.dumps(result))
+dist.destroy_process_group()
+"""
+
+
+def test_checkpoints_a_rank_cannot_read_are_skipped_by_all_ranks_together_and_stop_the_run_if_none_loads(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "resume.py"
+    script.write_text(TWO_RANKS_RESUME)
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    done = subprocess.run(
+        [*launcher, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def results(case: str) -> list[dict[str, int]]:
+        return [json.loads((tmp_path / case / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+    assert results("one") == [{"step": 2}, {"step": 2}]
+    assert _bad(tmp_path / "one") == [".bad-checkpoint-4"]
+    assert "1 other rank(s) cannot read its files" in done.stdout + done.stderr
+    # No checkpoint loads on every rank: both stop (rather than start afresh), neither waits for the other.
+    assert results("all") == [{"code": ExitCode.STORAGE_ERROR}] * 2
+    assert [step for step, _ in checkpoint_dirs(tmp_path / "all")] == [4, 2]

@@ -121,8 +121,9 @@ def test_two_ranks_write_one_complete_copy_of_each_checkpoint_and_resume_like_an
     assert len(train_log_file.read_text().splitlines()) == STEPS  # rank 0 alone writes it
 
     root = _checkpoint_root(config)
-    # No step-6 checkpoint: the run ended there. OWNER names the attempt the folder belongs to.
-    assert sorted(p.name for p in root.iterdir()) == [CHECKPOINT_OWNER_FILE, "checkpoint-2", "checkpoint-4"]
+    # An adapter run saves its last step too. OWNER names the attempt the folder belongs to.
+    checkpoint_names = ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert sorted(p.name for p in root.iterdir()) == [CHECKPOINT_OWNER_FILE, *checkpoint_names]
     expected_files = {
         *REQUIRED_FILES,
         TENSORS_DIR,
@@ -136,7 +137,8 @@ def test_two_ranks_write_one_complete_copy_of_each_checkpoint_and_resume_like_an
         assert len(list((path / TENSORS_DIR).glob("*.distcp"))) <= RANKS
     assert [p.name for p in _output(config).glob("*.safetensors")] == ["adapter_model.safetensors"]
 
-    shutil.rmtree(root / "checkpoint-4")  # as if killed between the saves of step 2 and step 4
+    for name in ("checkpoint-6", "checkpoint-4"):  # as if killed between the saves of step 2 and step 4
+        shutil.rmtree(root / name)
     assert torchrun(config, termination_log) == ExitCode.OK, trainer_output(config)
     assert _summary(config)["resumedFromStep"] == 2
     assert len(train_log_file.read_text().splitlines()) == STEPS + STEPS - 2

@@ -188,7 +188,7 @@ def test_under_fsdp_the_loaded_model_stays_on_the_cpu_for_fully_shard_to_move_la
     config = TrainerConfig.load(str(trainer_config(**SHARDED)))
     devices_when_sharded: list[set[torch.device]] = []
 
-    def fully_shard(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+    def fully_shard(model: nn.Module, compute_dtype: torch.dtype, mesh: object) -> nn.Module:
         devices_when_sharded.append({p.device for p in model.parameters()})
         return model
 

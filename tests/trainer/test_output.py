@@ -1,26 +1,61 @@
-"""The trained model as users take it away: a fully fine-tuned model in the precision it trained in."""
+"""The trained model as users take it away: whole or not at all, written only by the attempt that owns the
+job, readable by any user, and loading as its base does (the precision it trained in, its KV cache, the
+base revision it was trained on)."""
 
 from __future__ import annotations
 
 import json
+import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from sftjob_trainer.model import save_output
+from sftjob.config import JobRef, LoraSettings, TrainerConfig, TrainingSettings
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import checkpoints, output
+from sftjob_trainer.checkpoints import checkpoint_dirs
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.model import prepare_for_training, save_output
+from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.tiny import make_tokenizer
 
 pytestmark = pytest.mark.trainer
 
+ONE_PROCESS = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+CPU = torch.device("cpu")
+SUMMARY = {"steps": 12, "finalLoss": 1.5}
 
-def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_head_still_tied(
-    tmp_path: Path,
-) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = make_tokenizer()
+def _config(tmp_path: Path, attempt: int = 1, output_dir: Path | None = None) -> TrainerConfig:
+    return TrainerConfig(
+        job=JobRef(name="job", uid="uid-1", attempt=attempt),
+        model={"path": "/model"},
+        dataset={"path": "/data"},
+        training={"globalBatchSize": 1},
+        checkpoints={"dir": str(tmp_path / "checkpoints")},
+        output_dir=str(output_dir or tmp_path / "final"),
+    )
+
+
+def _writes(files: dict[str, bytes]) -> Callable[[Path], None]:
+    def write(folder: Path) -> None:
+        for name, content in files.items():
+            (folder / name).write_bytes(content)
+
+    return write
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _tiny_llama(tokenizer: Any, tied: bool = False) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
@@ -28,12 +63,21 @@ def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
-    model = LlamaForCausalLM(config)  # fp32 master weights, as full fine-tuning keeps them
+    return LlamaForCausalLM(config)  # fp32 master weights, as full fine-tuning keeps them
+
+
+def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_head_still_tied(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tokenizer()
+    model = _tiny_llama(tokenizer, tied=True)
     trained = {name: p.detach().clone() for name, p in model.named_parameters()}
 
-    save_output(model, tokenizer, str(tmp_path), None, torch.bfloat16)
+    save_output(model, tokenizer, tmp_path, None, torch.bfloat16)
 
     files = load_file(tmp_path / "model.safetensors")
     assert {t.dtype for t in files.values()} == {torch.bfloat16}
@@ -44,3 +88,116 @@ def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
     for name, p in loaded.named_parameters():
         assert torch.equal(p, trained[name].to(torch.bfloat16)), name
+
+
+def test_a_fully_fine_tuned_model_keeps_the_kv_cache_setting_of_its_base(tmp_path: Path) -> None:
+    tokenizer = make_tokenizer()
+    model = prepare_for_training(
+        _tiny_llama(tokenizer), "full", LoraSettings(), TrainingSettings(gradient_checkpointing=True), CPU
+    )
+    save_output(model, tokenizer, tmp_path, None, torch.bfloat16)
+    assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True
+
+
+def test_an_adapter_names_the_revision_of_the_base_it_was_trained_on(tmp_path: Path) -> None:
+    tokenizer = make_tokenizer()
+    model = prepare_for_training(
+        _tiny_llama(tokenizer), "lora", LoraSettings(), TrainingSettings(), CPU, revision="0123abcd"
+    )
+    save_output(model, tokenizer, tmp_path, None, None)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["revision"] == "0123abcd"
+
+
+def test_the_output_files_are_readable_by_a_serving_pod_of_another_user(tmp_path: Path) -> None:
+    tokenizer = make_tokenizer()
+    model = _tiny_llama(tokenizer)
+    config = _config(tmp_path)
+
+    def write(folder: Path) -> None:
+        save_output(model, tokenizer, folder, None, torch.bfloat16)
+
+    out = output.save(config, ONE_PROCESS, SUMMARY, write)
+
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes  # safetensors writes 0600
+
+
+def test_the_output_appears_whole_or_not_at_all(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    out = Path(config.output_dir)
+    out.mkdir()
+    (out / TRAIN_LOG_FILE).write_text('{"step": 1}\n')  # what the run wrote there while training
+
+    def killed_half_way(folder: Path) -> None:
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"cut off")
+        raise KeyboardInterrupt  # stands in for the kill
+
+    with pytest.raises(KeyboardInterrupt):
+        output.save(config, ONE_PROCESS, SUMMARY, killed_half_way)
+    assert _names(out) == [TRAIN_LOG_FILE]
+
+    output.save(config, ONE_PROCESS, SUMMARY, _writes({"config.json": b"{}", "model.safetensors": b"whole"}))
+    assert _names(out) == ["config.json", "model.safetensors", output.SUMMARY_FILE, TRAIN_LOG_FILE]
+    assert (out / TRAIN_LOG_FILE).read_text() == '{"step": 1}\n'
+    summary = json.loads((out / output.SUMMARY_FILE).read_text())
+    assert summary == SUMMARY | {"job": {"namespace": "default", "name": "job", "uid": "uid-1"}}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]  # the unfinished one too
+
+
+def test_an_attempt_superseded_before_or_while_writing_its_output_writes_none(tmp_path: Path) -> None:
+    old, new = _config(tmp_path, attempt=1), _config(tmp_path, attempt=2)
+    root = Path(old.checkpoints.dir)
+    checkpoints.take_over(root, old.job, ONE_PROCESS)
+    checkpoints.take_over(root, new.job, ONE_PROCESS)  # the restart began while attempt 1 still ran
+
+    with pytest.raises(TrainerError) as before:
+        output.check_owner(old, ONE_PROCESS)
+    assert before.value.code == ExitCode.PREEMPTED
+    with pytest.raises(TrainerError) as committing:
+        output.save(old, ONE_PROCESS, SUMMARY, _writes({"adapter_model.safetensors": b"old"}))
+    assert committing.value.code == ExitCode.PREEMPTED
+    assert "superseded by attempt 2" in committing.value.reason
+    assert not Path(old.output_dir).exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_restart_replaces_its_jobs_earlier_output_whole(tmp_path: Path) -> None:
+    first = _config(tmp_path, attempt=1)
+    output.save(first, ONE_PROCESS, SUMMARY, _writes({"model.safetensors": b"full"}))
+    out = Path(first.output_dir)
+    (out / TRAIN_LOG_FILE).write_text('{"step": 1}\n{"step": 2}\n')
+
+    (tmp_path / ".tmp-final-attempt-1-replaced").mkdir()  # attempt 1 killed between its two renames
+    (tmp_path / ".tmp-final-2-attempt-1").mkdir()  # another output's, in the same folder
+
+    second = _config(tmp_path, attempt=2)
+    output.save(second, ONE_PROCESS, SUMMARY, _writes({"adapter_model.safetensors": b"lora"}))
+    assert _names(out) == ["adapter_model.safetensors", output.SUMMARY_FILE, TRAIN_LOG_FILE]
+    assert len((out / TRAIN_LOG_FILE).read_text().splitlines()) == 2
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == [".tmp-final-2-attempt-1"]
+
+
+@pytest.mark.parametrize("where", ["a folder with other files", "the checkpoint folder"])
+def test_an_output_folder_that_is_not_the_jobs_own_keeps_what_it_holds(tmp_path: Path, where: str) -> None:
+    if where == "the checkpoint folder":
+        config = _config(tmp_path, output_dir=tmp_path / "checkpoints")
+        root = Path(config.checkpoints.dir)
+        checkpoints.take_over(root, config.job, ONE_PROCESS)
+        (root / "checkpoint-4").mkdir()
+    else:
+        config = _config(tmp_path)
+        Path(config.output_dir).mkdir()
+    out = Path(config.output_dir)
+    (out / "notes.txt").write_text("mine")
+    (out / output.SUMMARY_FILE).write_text("{}")  # someone else's, or a previous version's
+
+    assert not output.replaceable(out, Path(config.checkpoints.dir), config.job)
+    output.save(config, ONE_PROCESS, SUMMARY, _writes({"model.safetensors": b"whole"}))
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "model.safetensors").read_bytes() == b"whole"
+    assert json.loads((out / output.SUMMARY_FILE).read_text())["steps"] == SUMMARY["steps"]
+    assert not [p for p in (*tmp_path.iterdir(), *out.iterdir()) if p.name.startswith(".tmp-")]
+    if where == "the checkpoint folder":
+        assert [step for step, _ in checkpoint_dirs(out)] == [4]

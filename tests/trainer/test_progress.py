@@ -19,6 +19,7 @@ from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.flops import FlopsModel
 from sftjob_trainer.loop import StepResult
+from sftjob_trainer.metrics import TrainerMetrics
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, train_log
@@ -71,7 +72,8 @@ def _observer(tmp_path: Path, clock: Clock, every: int = 10, total: int = 100) -
     )
     ctx = DistContext(0, 1, 0, 1, torch.device("cpu"))
     schedule = Schedule(units=1000, micro_batch_size=1, accumulation=1, world_size=1, seed=0)
-    return Observer(config, ctx, "cpu", None, total, schedule, clock=clock)
+    metrics = TrainerMetrics("run", "cpu", "m", "lora", "fp32")
+    return Observer(config, ctx, metrics, None, total, schedule, clock=clock)
 
 
 def _step(observer: Observer, clock: Clock, step: int, seconds: float) -> None:
@@ -147,12 +149,12 @@ def test_a_restart_reports_the_step_it_resumes_from_while_it_loads(
     trainer_config: MakeConfig, recorder: Recorder
 ) -> None:
     config = trainer_config("text", training={"maxSteps": 5}, checkpoints={"everySteps": 2})
-    assert run(str(config)) == ExitCode.OK  # checkpoints at steps 2 and 4
+    assert run(str(config)) == ExitCode.OK  # checkpoints at steps 2 and 4, and 5 (an adapter's last)
     recorder.progress_records.clear()
     settings = json.loads(config.read_text())
     settings["training"]["maxSteps"] = 6
     config.write_text(json.dumps(settings))
     assert run(str(config)) == ExitCode.OK
     phases = [(r["phase"], r["step"]) for r in recorder.progress_records if "phase" in r]
-    assert phases == [("data ready", 4), ("model loaded", 4), ("resumed", 4)]
+    assert phases == [("data ready", 5), ("model loaded", 5), ("resumed", 5)]
     assert recorder.progress_records[2]["loss"] > 0

@@ -1,4 +1,5 @@
-"""Checkpoints survive kill -9 and SIGTERM, and a resumed run continues exactly where it stopped."""
+"""Checkpoints survive kill -9 and SIGTERM, a resumed run continues exactly where it stopped, and
+checkpoints that do not load neither cost the run its later progress nor let it start afresh unnoticed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER
 from sftjob.failures import ExitCode
-from sftjob_trainer.checkpoints import TENSORS_DIR, checkpoint_dirs, problem
+from sftjob_trainer.checkpoints import BAD_PREFIX, TENSORS_DIR, checkpoint_dirs, problem
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, start_trainer, train_log, trainer_output, wait_for_step
 
@@ -55,27 +56,72 @@ def test_kill_9_then_restart_resumes_with_the_losses_of_an_uninterrupted_run(
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
 
-def test_truncated_and_unmarked_checkpoints_are_skipped_with_a_warning(
+def _unloadable(path: Path) -> None:
+    """Tensor files as long as the index says but not loadable: the checks pass, loading fails part-way."""
+    for tensors in (path / TENSORS_DIR).glob("*.distcp"):
+        tensors.write_bytes(bytes(tensors.stat().st_size))
+    assert problem(path) is None
+
+
+def _set_aside(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(BAD_PREFIX))
+
+
+def test_truncated_and_unmarked_checkpoints_are_skipped_with_a_warning_and_set_aside(
     trainer_config: MakeConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = trainer_config("text", training={"maxSteps": 7}, checkpoints={"everySteps": 2, "keep": 3})
+    config = trainer_config("text", training={"maxSteps": 8}, checkpoints={"everySteps": 3, "keep": 3})
     assert run(str(config)) == ExitCode.OK
     root = _checkpoint_root(config)
-    assert [step for step, _ in checkpoint_dirs(root)] == [6, 4, 2]
-    (root / "checkpoint-6" / CHECKPOINT_COMPLETE_MARKER).unlink()  # killed before the marker
-    tensors = max((root / "checkpoint-4" / TENSORS_DIR).glob("*.distcp"), key=lambda p: p.stat().st_size)
+    assert [step for step, _ in checkpoint_dirs(root)] == [8, 6, 3]  # an adapter's last step is saved too
+    (root / "checkpoint-8" / CHECKPOINT_COMPLETE_MARKER).unlink()  # killed before the marker
+    tensors = max((root / "checkpoint-6" / TENSORS_DIR).glob("*.distcp"), key=lambda p: p.stat().st_size)
     tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])  # a lost write
-    (root / ".tmp-checkpoint-8").mkdir()  # a save that never finished
+    (root / ".tmp-checkpoint-9").mkdir()  # a save that never finished
 
     assert run(str(config)) == ExitCode.OK
-    assert _summary(config)["resumedFromStep"] == 2
+    assert _summary(config)["resumedFromStep"] == 3
     assert (
         "skipping checkpoint" in caplog.text
+        and "checkpoint-8" in caplog.text
         and "checkpoint-6" in caplog.text
-        and "checkpoint-4" in caplog.text
     )
-    assert [step for step, _ in checkpoint_dirs(root)] == [6, 4, 2]
-    assert not (root / ".tmp-checkpoint-8").exists()
+    assert [step for step, _ in checkpoint_dirs(root)] == [8, 6, 3]
+    assert _set_aside(root) == [".bad-checkpoint-6", ".bad-checkpoint-8"]
+    assert not (root / ".tmp-checkpoint-9").exists()
+
+
+def test_a_run_resumed_below_a_checkpoint_that_failed_to_load_keeps_its_own_progress(
+    trainer_config: MakeConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = trainer_config("text", training={"maxSteps": 10}, checkpoints={"everySteps": 2, "keep": 2})
+    assert run(str(config)) == ExitCode.OK
+    root = _checkpoint_root(config)
+    assert [step for step, _ in checkpoint_dirs(root)] == [10, 8]
+    _unloadable(root / "checkpoint-10")
+
+    # The next attempt resumes from step 8 and ends before it passes step 10: the reviewer's interrupted
+    # restart, shortened here by a run length of 9. Before, checkpoint-10 still ranked newest, so keep 1
+    # deleted each new save and the one resumed from, and the attempt after could only fail.
+    settings = json.loads(config.read_text())
+    settings["training"]["maxSteps"], settings["checkpoints"]["keep"] = 9, 1
+    config.write_text(json.dumps(settings))
+    assert run(str(config)) == ExitCode.OK
+    assert _summary(config)["resumedFromStep"] == 8
+    assert "setting checkpoint" in caplog.text and ".bad-checkpoint-10" in caplog.text
+    assert [step for step, _ in checkpoint_dirs(root)] == [9]
+    assert _set_aside(root) == [".bad-checkpoint-10"]
+
+    assert run(str(config)) == ExitCode.OK
+    assert _summary(config)["resumedFromStep"] == 9
+
+
+def test_a_full_fine_tune_saves_no_checkpoint_of_its_last_step(trainer_config: MakeConfig) -> None:
+    config = trainer_config(
+        "text", method="full", training={"maxSteps": 5}, checkpoints={"everySteps": 2, "keep": 3}
+    )
+    assert run(str(config)) == ExitCode.OK
+    assert [step for step, _ in checkpoint_dirs(_checkpoint_root(config))] == [4, 2]
 
 
 def test_sigterm_finishes_the_step_saves_a_checkpoint_and_exits_preempted(
@@ -99,10 +145,9 @@ def test_a_run_whose_only_checkpoints_fail_to_load_stops_rather_than_train_from_
     assert run(str(config)) == ExitCode.OK
     root = _checkpoint_root(config)
     for _step, path in checkpoint_dirs(root):
-        for tensors in (path / TENSORS_DIR).glob("*.distcp"):
-            tensors.write_bytes(bytes(tensors.stat().st_size))  # same length, so it looks complete
-        assert problem(path) is None
+        _unloadable(path)
 
     assert run(str(config)) == ExitCode.STORAGE_ERROR
-    assert "checkpoint-4" in caplog.text and "checkpoint-2" in caplog.text
+    assert "checkpoint-5, checkpoint-4, checkpoint-2" in caplog.text
     assert "no checkpoint" in caplog.text and "move them away" in caplog.text
+    assert [step for step, _ in checkpoint_dirs(root)] == [5, 4, 2] and _set_aside(root) == []

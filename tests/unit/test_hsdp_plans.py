@@ -103,9 +103,9 @@ def test_hsdp_is_offered_only_on_several_nodes_of_several_gpus(gpus_per_node: in
     assert "hsdp" in shardings(full(gpus_per_node=2, nodes=2))
 
 
-def test_hsdp_is_never_offered_to_adapters():
-    lora = full().model_copy(update={"method": "lora"})
-    assert shardings(lora) == ["ddp"]
+def test_hsdp_is_offered_to_lora_as_to_full_fine_tuning_but_never_to_qlora():
+    assert shardings(full().model_copy(update={"method": "lora"})) == ["ddp", "fsdp", "hsdp"]
+    assert shardings(full().model_copy(update={"method": "qlora"})) == ["ddp"]
 
 
 def test_70b_full_whose_states_do_not_fit_one_node_keeps_fsdp():

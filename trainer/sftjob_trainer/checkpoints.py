@@ -4,7 +4,9 @@ A checkpoint is written into ``.tmp-checkpoint-N-attempt-A``, fsynced, marked wi
 and only then renamed to ``checkpoint-N``, so a kill at any moment leaves either the previous state or
 a whole new checkpoint. On start every ``checkpoint-N`` is checked newest first; one without its
 marker, with a file missing or shorter than its index says, or whose files do not load is skipped with
-a warning and the next older one is tried.
+a warning and the next older one is tried. Those newer than the one resumed from are then set aside as
+``.bad-checkpoint-N`` (kept for inspection, never resumed from or deleted): a save of this run must not
+rank below them, nor rotation delete the run's own progress to keep them.
 
 The folder belongs to one attempt at a time (the ``OWNER`` file, written as an attempt starts): a
 restart can begin while the previous attempt's pods still finish their SIGTERM save, or run on, on a
@@ -59,6 +61,7 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
 REQUIRED_FILES = (STATE_FILE, SCHEDULER_FILE)
 TMP_PREFIX = ".tmp-"
+BAD_PREFIX = ".bad-"  # a checkpoint set aside: newer than the one resumed from, so not usable
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
@@ -145,10 +148,21 @@ def take_over(root: Path, job: JobRef, ctx: DistContext) -> None:
         tmp = root / f"{TMP_PREFIX}{CHECKPOINT_OWNER_FILE}-{job.attempt}"
         _write_text(tmp, json.dumps({"job": job.uid, "attempt": job.attempt}) + "\n")
         os.replace(tmp, root / CHECKPOINT_OWNER_FILE)
-        _fsync_dir(root)
+        fsync_dir(root)
         for leftover in root.glob(f"{TMP_PREFIX}{CHECKPOINT_PREFIX}*"):  # saves no attempt can commit now
             shutil.rmtree(leftover, ignore_errors=True)
     ctx.barrier()
+
+
+def check_owner(root: Path, job: JobRef, ctx: DistContext, when: str, discard: Path | None = None) -> None:
+    """Collective: stop (PREEMPTED) when another attempt owns the folder now, removing ``discard`` (this
+    attempt's unfinished save) first. A folder without an owner is anyone's."""
+    owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
+    if owner is None or owner == (job.uid, job.attempt):
+        return
+    if discard is not None and ctx.is_main:
+        shutil.rmtree(discard, ignore_errors=True)
+    raise _superseded(root, job, owner, when)
 
 
 def _owner(root: Path) -> tuple[str, int] | None:
@@ -192,19 +206,15 @@ def save(
                 _save_file(parts.scaler.state_dict(), tmp / SCALER_FILE)
             _write_text(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
         ctx.barrier()
-        owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
-        if owner is not None and owner != (job.uid, job.attempt):
-            if ctx.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise _superseded(root, job, owner, f"without committing its checkpoint of step {state.step}")
+        check_owner(root, job, ctx, f"without committing its checkpoint of step {state.step}", discard=tmp)
         if ctx.is_main:
-            _fsync_dir(tmp / TENSORS_DIR)
+            fsync_dir(tmp / TENSORS_DIR)
             _write_text(tmp / CHECKPOINT_COMPLETE_MARKER, f"step {state.step} saved {time.time():.0f}\n")
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(root)
-            rotate(root, keep)
+            fsync_dir(root)
+            rotate(root, keep, state.step)
         ctx.barrier()
     except OSError as exc:
         raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {exc}") from exc
@@ -263,7 +273,7 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -271,17 +281,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def rotate(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints; drop older ones and older broken leftovers."""
-    complete = [(step, path) for step, path in checkpoint_dirs(root) if problem(path) is None]
-    newest = complete[0][0] if complete else None
-    doomed = [path for _, path in complete[keep:]]
-    doomed += [
-        path
-        for step, path in checkpoint_dirs(root)
-        if newest is not None and step < newest and problem(path) is not None
-    ]
-    doomed += [p for p in root.glob(f"{TMP_PREFIX}{CHECKPOINT_PREFIX}*") if p.is_dir()]
+def rotate(root: Path, keep: int, committed: int) -> None:
+    """After committing the checkpoint of step ``committed``: keep it and the newest ``keep`` - 1 complete
+    ones before it; drop older ones and older broken leftovers.
+
+    A checkpoint newer than the one just committed is none of this run's (load_latest set aside those it
+    found): it is left alone, never counted as one of the newest. Unfinished saves (``.tmp-``) are left
+    to the attempt that takes the folder over: one may be the save in progress of an attempt that took
+    it over from this one meanwhile.
+    """
+    older = [(step, path) for step, path in checkpoint_dirs(root) if step < committed]
+    complete = [path for _, path in older if problem(path) is None]
+    doomed = complete[keep - 1 :]
+    doomed += [path for _, path in older if problem(path) is not None]
     for path in doomed:
         log.info("removing old checkpoint %s", path)
         shutil.rmtree(path, ignore_errors=True)
@@ -294,24 +306,31 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
     """Restore the newest usable checkpoint into ``parts``; None when there is none (a fresh start).
 
     Collective. Rank 0 lists the checkpoints that look complete; all ranks then try them newest first,
-    together. Loading writes into the model and optimizer in place, so once one has failed part-way only
-    a later success restores a consistent state: when none loads, the run stops rather than train from
-    weights half overwritten.
+    together: one that some rank cannot read is skipped by all. Loading writes into the model and
+    optimizer in place, so once one has failed part-way only a later success restores a consistent
+    state. When none of them loads, the run stops rather than train from weights half overwritten, or
+    from the pretrained weights as if the checkpoints were not there. Once one has loaded (or on a fresh
+    start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
     """
     candidates: list[Path] = ctx.broadcast(_complete(root) if ctx.is_main else None)
-    failed: list[str] = []
+    failed: dict[str, str] = {}  # checkpoint name: why it did not load (as rank 0 saw it)
     for path in candidates:
-        small = _small_files(path, ctx.rank)
-        if ctx.sum([float(small is None)])[0] > 0:
-            continue  # some rank could not read its own files: all skip together
+        small, why = _small_files(path, ctx.rank)
+        unreadable = int(ctx.sum([float(small is None)])[0])
+        if unreadable:  # all skip together
+            if why is None:
+                why = f"{unreadable} other rank(s) cannot read its files"
+                log.warning("skipping checkpoint %s: %s", path, why)
+            failed[path.name] = why
+            continue
         assert small is not None
         try:
             tensors = _tensors(parts)
             with _single_process_is_meant():
                 dcp.load(tensors, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active)
         except CheckpointException as exc:
-            log.warning("skipping checkpoint %s: its tensors do not load (%s)", path, _failures(exc))
-            failed.append(path.name)
+            failed[path.name] = f"its tensors do not load ({_failures(exc)})"
+            log.warning("skipping checkpoint %s: %s", path, failed[path.name])
             continue
         set_model_state_dict(parts.model, tensors["model"], options=_TRAINABLE)
         set_optimizer_state_dict(parts.model, parts.optimizer, tensors["optimizer"], options=_TRAINABLE)
@@ -324,14 +343,51 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
             log.warning("checkpoint %s has no RNG state for rank %d: keeping this run's seed", path, ctx.rank)
         state = TrainState(**small[STATE_FILE])
         log.info("resumed from %s (step %d)", path, state.step)
+        _set_aside_newer(root, _step_of(path), failed, ctx)
         return state, path
     if failed:
         raise TrainerError(
             ExitCode.STORAGE_ERROR,
-            f"no checkpoint in {root} loads ({', '.join(failed)} failed part-way): move them away to"
+            f"no checkpoint in {root} loads ({', '.join(failed)}: the log says why): move them away to"
             " start again from the pretrained weights",
         )
+    _set_aside_newer(root, 0, failed, ctx)
     return None
+
+
+def _set_aside_newer(root: Path, resumed: int, failed: dict[str, str], ctx: DistContext) -> None:
+    """Collective: rank 0 renames every checkpoint newer than step ``resumed`` (0: a fresh start) to
+    ``.bad-checkpoint-N``, saying why (``failed`` holds the reasons of those that did not load); the others
+    wait until it has. Kept for inspection: nothing resumes from, ranks or deletes such a folder."""
+    error = None
+    if ctx.is_main:
+        try:
+            for step, path in checkpoint_dirs(root):
+                if step > resumed:
+                    why = failed.get(path.name) or problem(path) or "newer than the checkpoint resumed from"
+                    aside = _aside(path)
+                    log.warning("setting checkpoint %s aside as %s: %s", path, aside.name, why)
+                    os.rename(path, aside)
+            fsync_dir(root)
+        except OSError as exc:
+            error = f"could not set aside the unusable checkpoints in {root}: {exc}"
+    error = ctx.broadcast(error)
+    if error is not None:
+        raise TrainerError(ExitCode.STORAGE_ERROR, error)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name[len(CHECKPOINT_PREFIX) :])
+
+
+def _aside(path: Path) -> Path:
+    """``.bad-checkpoint-N``, or ``.bad-checkpoint-N-2``... when an earlier one of that step is there."""
+    aside = path.with_name(f"{BAD_PREFIX}{path.name}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{BAD_PREFIX}{path.name}-{n}")
+    return aside
 
 
 def _complete(root: Path) -> list[Path]:
@@ -345,17 +401,19 @@ def _complete(root: Path) -> list[Path]:
     return complete
 
 
-def _small_files(path: Path, rank: int) -> dict[str, Any] | None:
-    """Everything but the tensors, as this rank needs it; None (with a warning) when a file does not load."""
+def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | None]:
+    """Everything but the tensors, as this rank needs it; or None and why (with a warning) when a file
+    does not load, or this rank cannot see the checkpoint (a node's copy of a folder not shared)."""
     names = [SCHEDULER_FILE, *(name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())]
     try:
         files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
         for name in names:
             files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated pickle can raise nearly anything
-        log.warning("skipping checkpoint %s: its files do not load (%s: %s)", path, type(exc).__name__, exc)
-        return None
-    return files
+        why = f"its files do not load on rank {rank} ({type(exc).__name__}: {exc})"
+        log.warning("skipping checkpoint %s: %s", path, why)
+        return None, why
+    return files, None
 
 
 def capture_rng() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Process-group setup and model wrapping for torchrun launches (DDP, or FSDP when the plan shards).
+"""Process-group setup and model wrapping for torchrun launches: DDP, or FSDP2 when the plan shards, over
+every rank (``fsdp``) or over each node's ranks with the nodes holding replicas (``hsdp``).
 
 A plain ``python -m sftjob_trainer.train`` (or the console script) is world size 1 and never touches
 torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -16,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
@@ -91,20 +95,41 @@ def init_distributed(config: TrainerConfig) -> DistContext:
 
 
 def shards(config: TrainerConfig, ctx: DistContext) -> bool:
-    """The model is sharded with FSDP2 (rather than replicated with DDP, or alone on one process)."""
-    return ctx.active and config.distributed.sharding == "fsdp"
+    """The model is sharded with FSDP2, over all ranks or inside each node (rather than replicated with
+    DDP, or alone on one process)."""
+    return ctx.active and config.distributed.sharding in ("fsdp", "hsdp")
+
+
+def hybrid_mesh(config: TrainerConfig, ctx: DistContext) -> DeviceMesh | None:
+    """HSDP's mesh: a row per node, replicas of each other, whose ranks shard the model among them; None
+    under FSDP (``fully_shard``'s default: every rank on one axis).
+
+    FSDP2 reads a 2-D mesh as (replicate, shard) (``HSDPMeshInfo(replicate_mesh_dim=0, shard_mesh_dim=1)``):
+    parameters are ``(Replicate(), Shard(0))`` DTensors, gathered and reduce-scattered along a row and
+    all-reduced down the columns. The mesh numbers ranks row by row, as torchrun numbers each node's ranks
+    one after the other, so a row is one node's GPUs and only the all-reduce leaves the node.
+    """
+    d = config.distributed
+    if d.sharding != "hsdp":
+        return None
+    return init_device_mesh(
+        ctx.device.type, (d.nnodes, d.nproc_per_node), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def loads_on_rank0(config: TrainerConfig, ctx: DistContext) -> bool:
-    """Full fine-tuning under FSDP: every rank builds the model without weights (``model.build_model``),
-    shards it, and the pretrained weights come from rank 0 alone (:func:`load_rank0_weights`), or from a
-    checkpoint when the run resumes. Otherwise each process loads the whole model itself.
+    """Full fine-tuning or LoRA under FSDP or HSDP: every rank builds the model without weights
+    (``model.build_model``, with LoRA adapters), shards it, and the pretrained weights come from rank 0
+    alone (:func:`load_rank0_weights`; for LoRA with the adapters' initial values), or, for full
+    fine-tuning, from a checkpoint when the run resumes (an adapter checkpoint holds no base). Otherwise
+    each process loads the whole model itself.
 
-    Global rank 0, not each node's first rank: ``broadcast_from_rank0`` sends from global rank 0, so a
-    copy loaded on any other node would never be read. A node thus needs one fp32 copy in host memory,
+    Global rank 0, not each node's first rank: ``broadcast_from_rank0`` sends from global rank 0 to every
+    rank (under HSDP too: each keeps its slice of the 2-D mesh), so a copy loaded on any other node would
+    never be read. A node thus needs one fp32 copy in host memory,
     not one per GPU (operator/sftjob/resources.py).
     """
-    return shards(config, ctx) and config.method == "full"
+    return shards(config, ctx) and config.method != "qlora"
 
 
 def wrap_model(
@@ -120,7 +145,7 @@ def wrap_model(
     onto the device already.
     """
     if shards(config, ctx):
-        model = _fully_shard(model, compute_dtype)
+        model = _fully_shard(model, compute_dtype, hybrid_mesh(config, ctx))
         _materialise(model, ctx.device)
         return model
     if config.method != "qlora" and next(model.parameters()).device != ctx.device:
@@ -133,7 +158,7 @@ def wrap_model(
     return DistributedDataParallel(model, device_ids=ids)
 
 
-def _fully_shard(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
+def _fully_shard(model: nn.Module, compute_dtype: torch.dtype, mesh: DeviceMesh | None) -> nn.Module:
     """FSDP2: shard every decoder layer, then the root; bf16/fp16 compute with fp32 gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -143,8 +168,8 @@ def _fully_shard(model: nn.Module, compute_dtype: torch.dtype) -> nn.Module:
         [],
     )
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -181,13 +206,29 @@ def unwrap(model: nn.Module) -> Any:
 
 
 def no_sync(model: nn.Module, last_micro_batch: bool) -> Any:
-    """DDP: skip the gradient all-reduce on all but the last micro-batch of an accumulation.
+    """Skip the gradient all-reduce on all but the last micro-batch of an accumulation.
 
-    FSDP2 reduce-scatters after every micro-batch instead. Skipping it
+    DDP: ``no_sync``. FSDP2 reduce-scatters after every micro-batch instead. Skipping it
     (``set_requires_gradient_sync(False)``) would keep each parameter's whole, unsharded gradient on every
     GPU in fp32 (the reduce dtype) until the last micro-batch: the memory sharding exists to save, and
-    the planner counts gradients as sharded. One reduce-scatter per micro-batch is the price.
+    the planner counts gradients as sharded. One reduce-scatter per micro-batch is the price; under HSDP
+    it stays inside the node, and the all-reduce between nodes waits for the last micro-batch
+    (``set_requires_all_reduce(False)``: FSDP2 sums the reduce-scattered shards in a buffer of their
+    size meanwhile). On FSDP's one-axis mesh there is no all-reduce to skip.
     """
-    if not last_micro_batch and isinstance(model, nn.parallel.DistributedDataParallel):
+    if last_micro_batch:
+        return contextlib.nullcontext()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
+    if isinstance(model, FSDPModule):
+        return _all_reduce_deferred(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _all_reduce_deferred(model: FSDPModule) -> Iterator[None]:
+    model.set_requires_all_reduce(False)
+    try:
+        yield
+    finally:
+        model.set_requires_all_reduce(True)

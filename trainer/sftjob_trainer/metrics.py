@@ -3,22 +3,53 @@
 Every series carries the bounded labels ``sftjob`` (job name) and ``gpu`` (GPU profile key, or
 ``cpu``). GPU memory gauges read 0 on a CPU run. Rates (tokens/s, samples/s, MFU) are over the
 last logging window, not since start, so they show what the job does now.
+
+The endpoint is up from the first moment of an attempt, before the rendezvous and the hours a data or
+model load can take: a scraped pod never refuses its declared metrics port, and ``sftjob_train_phase``
+says what the attempt is doing until ``sftjob_train_attempt_start_timestamp_seconds`` marks the start of
+its training loop.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from sftjob.config import CheckpointSettings, TrainerConfig
+from sftjob_trainer.flops import peak_flops
+
 log = logging.getLogger(__name__)
 
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
 SAVE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class Phase(StrEnum):
+    """What rank 0 is doing: ``sftjob_train_phase{phase=...}`` is 1 for the current one, 0 for the rest."""
+
+    INITIALIZING = "initializing"  # joining the other ranks (rendezvous), preflight checks
+    LOADING_DATA = "loading_data"  # tokenizer, dataset download and tokenization
+    LOADING_MODEL = "loading_model"  # model, adapters, sharding, optimizer
+    RESTORING = "restoring"  # the newest checkpoint, or (FSDP, fresh start) the pretrained weights
+    TRAINING = "training"  # the optimizer steps and their checkpoints
+
+
+def checkpoint_interval(every: CheckpointSettings, seconds_per_step: float | None) -> float:
+    """Seconds between two checkpoints as configured: ``every_minutes``, or ``every_steps`` times the wall
+    time of a recent step (``seconds_per_step``), the sooner of the two; 0 while neither is known."""
+    intervals = []
+    if every.every_minutes is not None:
+        intervals.append(every.every_minutes * 60)
+    if every.every_steps is not None and seconds_per_step:
+        intervals.append(every.every_steps * seconds_per_step)
+    return min(intervals, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -55,7 +86,9 @@ class TrainerMetrics:
         self.tokens_per_second = gauge("sftjob_train_tokens_per_second", "Real tokens/s, last window")
         self.samples_per_second = gauge("sftjob_train_samples_per_second", "Samples/s, last window")
         self.step_duration = histogram(
-            "sftjob_train_step_duration_seconds", "Optimizer step time", STEP_BUCKETS
+            "sftjob_train_step_duration_seconds",
+            "Optimizer step time, without the wait for its batch",
+            STEP_BUCKETS,
         )
         self.mfu = gauge(
             "sftjob_train_mfu_ratio", "Model FLOPs utilisation (0-1) against the dense bf16 peak"
@@ -78,6 +111,21 @@ class TrainerMetrics:
         self.last_checkpoint_time = gauge(
             "sftjob_train_last_checkpoint_timestamp_seconds", "Unix time of the newest checkpoint"
         )
+        self.checkpoint_interval = gauge(
+            "sftjob_train_checkpoint_interval_seconds",
+            "Configured time between checkpoints (everySteps: estimated from recent steps; 0 until known)",
+        )
+        self.attempt_start_time = gauge(
+            "sftjob_train_attempt_start_timestamp_seconds",
+            "Unix time this attempt's training loop started (0 while it sets up)",
+        )
+        self._phase = Gauge(
+            "sftjob_train_phase",
+            "What the attempt is doing (1 = now)",
+            [*names, "phase"],
+            registry=self.registry,
+        )
+        self.enter(Phase.INITIALIZING)
         self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (1 = first)")
         self.bad_rows = counter("sftjob_train_bad_rows", "Malformed dataset rows skipped")
         info = Gauge(
@@ -98,6 +146,14 @@ class TrainerMetrics:
         bound = int(self._server.server_port)
         log.info("metrics on :%d/metrics", bound)
         return bound
+
+    def enter(self, phase: Phase) -> None:
+        for each in Phase:
+            self._phase.labels(**self._labels, phase=each).set(1 if each == phase else 0)
+
+    def training_started(self) -> None:
+        self.enter(Phase.TRAINING)
+        self.attempt_start_time.set(time.time())
 
     def close(self) -> None:
         if self._server is not None:
@@ -144,3 +200,25 @@ class TrainerMetrics:
             self.checkpoint_save.observe(seconds)
         self.last_checkpoint_step.set(step)
         self.last_checkpoint_time.set(time.time() if saved_at is None else saved_at)
+
+
+def start_metrics(config: TrainerConfig) -> TrainerMetrics | None:
+    """Rank 0's metrics (torchrun's RANK: the process group is not up yet), served on
+    ``report.metricsPort`` from now on; None on the other ranks."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    gpu, _ = peak_flops(torch.cuda.get_device_name() if torch.cuda.is_available() else None, 1)
+    metrics = TrainerMetrics(
+        config.job.name,
+        gpu,
+        config.model.name or config.model.path or "",
+        config.method,
+        config.training.precision,
+    )
+    metrics.restarts_seen.set(config.job.attempt)
+    metrics.checkpoint_interval.set(checkpoint_interval(config.checkpoints, None))
+    if config.report.metrics_port is not None:
+        metrics.serve(config.report.metrics_port)
+    else:
+        log.info("metrics endpoint disabled (report.metricsPort is unset)")
+    return metrics

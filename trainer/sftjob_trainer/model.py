@@ -3,9 +3,10 @@
 Precision policy: full fine-tuning keeps fp32 master weights and runs the maths under autocast
 (bf16/fp16, the latter with a gradient scaler); LoRA keeps the frozen base in the compute dtype with
 fp32 adapters under autocast; QLoRA stores the base in 4-bit NF4 (bitsandbytes, GPU only).
-Full fine-tuning under FSDP builds the model without weights on every rank, and rank 0 alone loads them
-(:func:`build_model`, :func:`pretrained_weights`). Liger kernels and the attention implementation are
-speed choices: when they are not available the trainer says so in the log and continues without them.
+Full fine-tuning and LoRA under FSDP build the model without weights on every rank, and rank 0 alone
+loads them (:func:`build_model`, :func:`pretrained_weights`). Liger kernels and the attention
+implementation are speed choices: when they are not available the trainer says so in the log and
+continues without them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -125,7 +127,7 @@ def load_tokenizer(source: ModelSource) -> Any:
 def load_model(config: TrainerConfig, device: torch.device, attention: str) -> Any:
     """The base model from the hub or a local folder, on ``device`` unless FSDP will place it.
 
-    Full fine-tuning under FSDP calls it on rank 0 alone, on the CPU, for :func:`pretrained_weights`.
+    Under FSDP only rank 0 calls it, on the CPU, for :func:`pretrained_weights`.
     """
     from transformers import AutoModelForCausalLM
 
@@ -133,7 +135,7 @@ def load_model(config: TrainerConfig, device: torch.device, attention: str) -> A
     kwargs = _hub_kwargs(config.model) | {"dtype": plan.load_dtype, "attn_implementation": attention}
     if config.method == "qlora":
         kwargs |= {"quantization_config": qlora_quantization(plan), "device_map": {"": device}}
-    elif device.type == "cuda" and config.distributed.sharding != "fsdp":
+    elif device.type == "cuda" and config.distributed.sharding not in ("fsdp", "hsdp"):
         kwargs["device_map"] = {"": device}
     try:
         return AutoModelForCausalLM.from_pretrained(_model_ref(config.model), **kwargs)
@@ -144,8 +146,8 @@ def load_model(config: TrainerConfig, device: torch.device, attention: str) -> A
 def build_model(config: TrainerConfig, attention: str) -> Any:
     """The base model as :func:`load_model` returns it, but without its weights: the parameters on the meta
     device (no memory), the buffers (RoPE frequencies, computed from the config as from_pretrained computes
-    them) on the CPU. Full fine-tuning under FSDP shards this and fills the shards from rank 0's weights or
-    from a checkpoint, so a rank other than 0 never holds the whole model (distributed.py)."""
+    them) on the CPU. Under FSDP every rank shards this and fills the shards from rank 0's weights (and a
+    checkpoint), so a rank other than 0 never holds the whole model (distributed.py)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -174,8 +176,13 @@ def build_model(config: TrainerConfig, attention: str) -> Any:
 
 
 def pretrained_weights(config: TrainerConfig, attention: str) -> dict[str, torch.Tensor]:
-    """The whole base model's state dict, in CPU memory (fp32 for full fine-tuning): rank 0's under FSDP."""
-    return dict(load_model(config, torch.device("cpu"), attention).state_dict())
+    """The whole model's initial state dict, in CPU memory: rank 0's under FSDP. The base model (fp32
+    for full fine-tuning), or for LoRA the peft model with the base in the compute dtype and its fresh
+    adapters (:func:`add_adapters`), under the names of the model every rank built."""
+    model = load_model(config, torch.device("cpu"), attention)
+    if config.method == "lora":
+        model = add_adapters(model, config.lora, config.training.seed, config.model.revision)
+    return dict(model.state_dict())
 
 
 def qlora_quantization(plan: PrecisionPlan) -> Any:
@@ -195,10 +202,23 @@ def qlora_quantization(plan: PrecisionPlan) -> Any:
 
 
 def prepare_for_training(
-    model: Any, method: Method, lora: LoraSettings, training: TrainingSettings, device: torch.device
+    model: Any,
+    method: Method,
+    lora: LoraSettings,
+    training: TrainingSettings,
+    device: torch.device,
+    *,
+    revision: str | None = None,
 ) -> Any:
-    """Liger kernels, gradient checkpointing and LoRA adapters, in the order they must be applied."""
-    model.config.use_cache = False
+    """Liger kernels, gradient checkpointing and LoRA adapters, in the order they must be applied.
+
+    The model's config stays the base's, ``use_cache`` included (the training step passes
+    ``use_cache=False`` itself), so a fully fine-tuned output generates with a KV cache as its base did.
+    ``revision``, the base's (``model.revision``), goes into the adapter's ``adapter_config.json``, so
+    that loading the adapter fetches the base it was trained on rather than the hub's ``main``. Its
+    ``base_model_name_or_path`` is where the base was loaded from: the hub name, or for ``model.path`` the
+    folder as the trainer pod sees it (``/model/<path>``).
+    """
     if training.liger_kernels:
         apply_liger(model, device)
     checkpointing = {"use_reentrant": False}
@@ -213,17 +233,30 @@ def prepare_for_training(
     elif training.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     if method in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model
-
-        adapters = LoraConfig(
-            r=lora.r,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=lora.target_modules,
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, adapters)
+        model = add_adapters(model, lora, training.seed, revision)
     return model
+
+
+def add_adapters(model: Any, lora: LoraSettings, seed: int, revision: str | None) -> Any:
+    """The peft model with LoRA adapters, initialised from ``seed`` alone (lora_A drawn as peft draws it,
+    lora_B zeros), whatever drew from the global RNG before, which is left as it was.
+
+    LoRA under FSDP adds them to a model without weights on every rank and to rank 0's loaded copy
+    (:func:`pretrained_weights`), whose values are broadcast into the shards: the same adapters as one
+    process starts from.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    adapters = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):  # peft draws on the CPU, then moves the adapters
+        torch.manual_seed(seed)
+        return get_peft_model(model, adapters, revision=revision)
 
 
 def apply_liger(model: Any, device: torch.device) -> None:
@@ -292,9 +325,10 @@ def count_parameters(model: Any) -> ParameterCounts:
 
 
 def save_output(
-    model: Any, tokenizer: Any, output_dir: str, state_dict: dict[str, Any] | None, dtype: torch.dtype | None
+    model: Any, tokenizer: Any, folder: Path, state_dict: dict[str, Any] | None, dtype: torch.dtype | None
 ) -> None:
-    """The adapter (LoRA/QLoRA) or the whole model, with the tokenizer, as save_pretrained writes them.
+    """The adapter (LoRA/QLoRA) or the whole model, with the tokenizer, as save_pretrained writes them,
+    into ``folder`` (output.py makes it the output once complete).
 
     A fully fine-tuned model is written in ``dtype``, the precision it trained in (bf16 in every plan),
     like the base it came from, rather than as its fp32 master weights: half the disk, and a config
@@ -304,15 +338,13 @@ def save_output(
     try:
         if dtype is not None:
             state_dict = _converted(state_dict if state_dict is not None else model.state_dict(), dtype)
-        model.save_pretrained(output_dir, state_dict=state_dict)
+        model.save_pretrained(folder, state_dict=state_dict)
         if dtype is not None:
             model.config.dtype = dtype
-            model.config.save_pretrained(output_dir)
-        tokenizer.save_pretrained(output_dir)
+            model.config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
     except OSError as exc:
-        raise TrainerError(
-            ExitCode.STORAGE_ERROR, f"could not save the output to {output_dir}: {exc}"
-        ) from exc
+        raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save the output to {folder}: {exc}") from exc
 
 
 def _converted(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

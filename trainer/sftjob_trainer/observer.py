@@ -1,11 +1,12 @@
 """Rank 0's view of a run: the human log line, the metrics, the train log and the progress reports.
 
 Everything here is fed once per optimizer step by the loop in train.py, plus once per setup phase
-(data, model, resume) before the first step. A report goes out at every ``logging_every_steps`` step
-and also at any step that ends ``PROGRESS_REPORT_INTERVAL_SECONDS`` after the previous report, so
-slow steps never look stalled to the operator; rates (tokens/s, MFU) are over the window since the
-previous report. Reports are sent from the training thread on purpose: a hung rank goes silent and
-the operator's stall detection (``restartPolicy.stallTimeoutSeconds``) ends the attempt.
+(data, model, resume) before the first step; the metrics it writes are served from the start of the
+attempt (``start_metrics``), before this Observer exists. A report goes out at every
+``logging_every_steps`` step and also at any step that ends ``PROGRESS_REPORT_INTERVAL_SECONDS`` after
+the previous report, so slow steps never look stalled to the operator; rates (tokens/s, MFU) are over
+the window since the previous report. Reports are sent from the training thread on purpose: a hung rank
+goes silent and the operator's stall detection (``restartPolicy.stallTimeoutSeconds``) ends the attempt.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.flops import mfu
 from sftjob_trainer.loop import StepResult
-from sftjob_trainer.metrics import TrainerMetrics, WindowRates
+from sftjob_trainer.metrics import Phase, TrainerMetrics, WindowRates, checkpoint_interval
 from sftjob_trainer.report import ProgressReporter
 
 log = logging.getLogger("sftjob_trainer")
@@ -40,31 +41,20 @@ class Observer:
         self,
         config: TrainerConfig,
         ctx: DistContext,
-        gpu: str,
+        metrics: TrainerMetrics,
         peak: float | None,
         total: int,
         schedule: Schedule,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ctx, self.peak, self.total, self.schedule = ctx, peak, total, schedule
+        self.ctx, self.metrics, self.peak, self.total, self.schedule = ctx, metrics, peak, total, schedule
         self.clock = clock
         self.every = config.training.logging_every_steps
-        self.metrics = TrainerMetrics(
-            config.job.name,
-            gpu,
-            config.model.name or config.model.path or "",
-            config.method,
-            config.training.precision,
-        )
-        if config.report.metrics_port is not None:
-            self.metrics.serve(config.report.metrics_port)
-        else:
-            log.info("metrics endpoint disabled (report.metricsPort is unset)")
+        self.checkpoints = config.checkpoints
         self.metrics.total_steps.set(total)
-        self.metrics.restarts_seen.set(config.job.attempt)
         self.reporter = ProgressReporter(config.report)
         self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
-        self._window: list[tuple[StepResult, float, float]] = []  # (result, seconds, flops)
+        self._window: list[tuple[StepResult, float, float]] = []  # (result, wall seconds, flops)
         self._reported = clock()  # when the last progress report was sent
 
     def follow(self, schedule: Schedule, total: int) -> None:
@@ -72,17 +62,30 @@ class Observer:
         self.schedule, self.total = schedule, total
         self.metrics.total_steps.set(total)
 
-    def phase(self, name: str, step: int, loss: float | None = None) -> None:
+    def phase(self, name: str, step: int, loss: float | None = None, *, then: Phase | None = None) -> None:
         """A setup phase is done: report it, so the stall clock restarts after a long download or load
-        instead of running from container start to the first logging step."""
+        instead of running from container start to the first logging step; the metrics show the step
+        the attempt will resume from and the phase it goes on with (``then``)."""
         log.info("%s (step %d of %d)", name, step, self.total)
+        epoch = self.schedule.epoch_of(step)
+        self.metrics.step.set(step)
+        self.metrics.epoch.set(epoch)
+        if then is not None:
+            self.metrics.enter(then)
         record: dict[str, Any] = {
             "step": step,
             "totalSteps": self.total,
-            "epoch": round(self.schedule.epoch_of(step), 4),
+            "epoch": round(epoch, 4),
             "phase": name,
         }
-        self._progress(record if loss is None else record | {"loss": loss})
+        if loss is not None:
+            self.metrics.loss.set(loss)
+            record["loss"] = loss
+        self._progress(record)
+
+    def training_started(self) -> None:
+        """The training loop starts: the CheckpointTooOld and TrainingStalled alerts count from now."""
+        self.metrics.training_started()
 
     def _progress(self, record: dict[str, Any]) -> None:
         self.reporter.progress(record)
@@ -96,6 +99,9 @@ class Observer:
         return step % self.every == 0 or step == self.total or overdue
 
     def step(self, state: TrainState, result: StepResult, seconds: float, waited: float, flops: Any) -> None:
+        """An optimizer step of ``seconds`` after ``waited`` seconds for its batch; rates, the ETA and the
+        step-based checkpoint interval are over wall time, both together."""
+        wall = seconds + waited
         epoch = self.schedule.epoch_of(state.step)
         self.metrics.record_step(
             step=state.step,
@@ -108,8 +114,8 @@ class Observer:
             seconds=seconds,
             dataloader_wait=waited,
         )
-        self._window.append((result, seconds, flops.step_flops(result.tokens, result.attention_pairs)))
-        if not self._due(state.step, seconds):
+        self._window.append((result, wall, flops.step_flops(result.tokens, result.attention_pairs)))
+        if not self._due(state.step, wall):
             return
         elapsed = sum(s for _, s, _ in self._window) or 1e-9
         rates = WindowRates(
@@ -117,9 +123,11 @@ class Observer:
             sum(r.samples for r, _, _ in self._window) / elapsed,
             mfu(sum(f for _, _, f in self._window) / elapsed, self.peak),
         )
-        eta = (self.total - state.step) * elapsed / len(self._window)
+        per_step = elapsed / len(self._window)
+        eta = (self.total - state.step) * per_step
         self._window.clear()
         self.metrics.record_window(rates, self.ctx.device)
+        self.metrics.checkpoint_interval.set(checkpoint_interval(self.checkpoints, per_step))
         log.info(
             "step %d/%d (epoch %.2f) | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s | MFU %.1f%%"
             " | ETA %s",
@@ -155,8 +163,10 @@ class Observer:
         save of this run, so the save-duration histogram is left alone."""
         saved_at = (path / CHECKPOINT_COMPLETE_MARKER).stat().st_mtime
         self.metrics.record_checkpoint(step, None, saved_at)
+        self.metrics.step.set(step)
+        self.metrics.epoch.set(self.schedule.epoch_of(step))
         self.reporter.checkpoint(step, str(path), saved_at)
 
     def close(self) -> None:
+        """The progress reports stop; the metrics endpoint belongs to the whole attempt (``run``)."""
         self.reporter.close()
-        self.metrics.close()

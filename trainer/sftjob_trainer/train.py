@@ -23,7 +23,7 @@ from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT, CONFIG_VARIANT
 from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
-from sftjob_trainer import checkpoints
+from sftjob_trainer import checkpoints, output
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Course, Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -40,6 +40,7 @@ from sftjob_trainer.distributed import (
 from sftjob_trainer.failures import classify, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
 from sftjob_trainer.loop import build_optimizer, build_scheduler, follow_course, make_scaler, train_step
+from sftjob_trainer.metrics import Phase, TrainerMetrics, start_metrics
 from sftjob_trainer.model import (
     build_model,
     count_parameters,
@@ -58,8 +59,6 @@ from sftjob_trainer.stopping import GracefulStop, ignore_sigterm
 
 log = logging.getLogger("sftjob_trainer")
 
-SUMMARY_FILE = "summary.json"
-
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -72,15 +71,19 @@ def run(config_path: str) -> ExitCode:
     stop = GracefulStop()
     stop.install()
     ctx: DistContext | None = None
+    metrics: TrainerMetrics | None = None
     try:
         config_path = config_for_device(config_path)
         config = load_config(config_path)
+        # Rank 0's metrics endpoint is up before the rendezvous and the loads: a scraped pod never
+        # refuses its metrics port, and sftjob_train_phase shows what the attempt is doing.
+        metrics = start_metrics(config)
         ctx = init_distributed(config)
         if not ctx.is_main:
             logging.getLogger().setLevel(logging.WARNING)
         if ctx.is_main:
             log.info("effective configuration (%s):\n%s", config_path, config.to_json())
-        summary = Training(config, ctx, stop).run()
+        summary = Training(config, ctx, stop, metrics).run()
         write_termination_message(
             f"completed {summary['steps']} steps, final loss {summary['finalLoss']:.4f},"
             f" {summary['tokensPerSecond']:,.0f} tokens/s"
@@ -97,6 +100,8 @@ def run(config_path: str) -> ExitCode:
         return code
     finally:
         stop.uninstall()
+        if metrics is not None:
+            metrics.close()
         if ctx is not None:
             ctx.close()
 
@@ -124,8 +129,10 @@ def load_config(path: str) -> TrainerConfig:
 
 
 class Training:
-    def __init__(self, config: TrainerConfig, ctx: DistContext, stop: GracefulStop) -> None:
-        self.config, self.ctx, self.stop = config, ctx, stop
+    def __init__(
+        self, config: TrainerConfig, ctx: DistContext, stop: GracefulStop, metrics: TrainerMetrics | None
+    ) -> None:
+        self.config, self.ctx, self.stop, self.metrics = config, ctx, stop, metrics  # metrics: rank 0 only
         self.t = config.training
 
     def run(self) -> dict[str, Any]:
@@ -137,6 +144,8 @@ class Training:
         torch.set_float32_matmul_precision("high" if t.tf32 else "highest")
 
         # Data: every rank tokenizes the same rows the same way; the schedule picks its share.
+        if self.metrics is not None:
+            self.metrics.enter(Phase.LOADING_DATA)
         tokenizer = load_tokenizer(config.model)
         packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
         examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
@@ -160,26 +169,27 @@ class Training:
             planned,
         )
 
-        # Observability (rank 0) from here on: each setup phase below is a progress report, so the
-        # operator's stall clock restarts after a long download, load or resume.
+        # Progress reports (rank 0) from here on: each setup phase below is one, so the operator's stall
+        # clock restarts after a long download, load or resume.
         root = Path(config.checkpoints.dir)
         device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
-        gpu_label, peak = peak_flops(device_name, ctx.world_size)
-        observer = Observer(config, ctx, gpu_label, peak, planned, schedule) if ctx.is_main else None
+        _, peak = peak_flops(device_name, ctx.world_size)
+        observer = None
+        if self.metrics is not None:
+            observer = Observer(config, ctx, self.metrics, peak, planned, schedule)
         try:
             if observer is not None:
                 observer.metrics.bad_rows.inc(stats.bad_rows)
-                observer.phase("data ready", checkpoints.newest_complete_step(root))
+                observer.phase("data ready", checkpoints.newest_complete_step(root), then=Phase.LOADING_MODEL)
             self.stop.during_setup("after loading the data")
-            summary = self.train(tokenizer, units, schedule, layout, attention, planned, observer)
-            summary |= {
+            data = {
                 "format": fmt,
                 "badRows": stats.bad_rows,
                 "truncated": stats.truncated,
                 "withoutTarget": stats.without_target,
             }
+            summary = self.train(tokenizer, units, schedule, layout, attention, planned, observer, data)
             if ctx.is_main:
-                _write_json(Path(config.output_dir) / SUMMARY_FILE, summary)
                 log.info("done: %s", json.dumps(summary))
             return summary
         finally:
@@ -195,18 +205,22 @@ class Training:
         attention: str,
         planned: int,
         observer: Observer | None,
+        data: dict[str, Any],
     ) -> dict[str, Any]:
-        """Model, optimizer, resume, the loop and the output; returns this attempt's summary."""
+        """Model, optimizer, resume, the loop and the output; returns this attempt's summary (``data``: what
+        loading the data counted, in it too)."""
         config, ctx, t = self.config, self.ctx, self.t
         root = Path(config.checkpoints.dir)
 
-        # Model. Full fine-tuning under FSDP: no weights yet, on any rank (they come after the resume).
+        # Model. Under FSDP: no weights yet, on any rank (they come from rank 0 or a checkpoint below).
         plan = precision_plan(config.method, t.precision)
         rank0_weights = loads_on_rank0(config, ctx)
         base = build_model(config, attention) if rank0_weights else load_model(config, ctx.device, attention)
         counts = count_parameters(base)
         flops = flops_model(base.config.to_dict(), config.method, counts.non_embedding)
-        model = prepare_for_training(base, config.method, config.lora, t, ctx.device)
+        model = prepare_for_training(
+            base, config.method, config.lora, t, ctx.device, revision=config.model.revision
+        )
         log.info(
             "model: %.3fB parameters, %.2fM trainable (%s, %s, attention %s)",
             counts.total / 1e9,
@@ -224,7 +238,7 @@ class Training:
             make_scaler(plan, ctx.device, shards(config, ctx)),
         )
         if observer is not None:
-            observer.phase("model loaded", checkpoints.newest_complete_step(root))
+            observer.phase("model loaded", checkpoints.newest_complete_step(root), then=Phase.RESTORING)
         self.stop.during_setup("after loading the model")
 
         # Resume.
@@ -236,13 +250,15 @@ class Training:
             "packing": t.packing,
         }
         checkpoints.take_over(root, config.job, ctx)
+        # Rank 0 reads the pretrained weights and broadcasts them into the shards: before the resume for
+        # adapters (their checkpoint holds no base; it overwrites the fresh adapters); after it for full
+        # fine-tuning, and only on a fresh start (its checkpoint holds every weight).
+        full = config.method == "full"
+        if rank0_weights and not full:
+            self.load_pretrained(model, attention)
         resumed = checkpoints.load_latest(root, parts, ctx)
-        if rank0_weights and not resumed:
-            # A fresh start: rank 0 reads the pretrained weights and broadcasts them into the shards. A
-            # resumed run got every weight from its checkpoint and never reads them.
-            loading = time.monotonic()
-            load_rank0_weights(model, pretrained_weights(config, attention) if ctx.is_main else {})
-            log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
+        if rank0_weights and full and not resumed:
+            self.load_pretrained(model, attention)
         state = resumed[0] if resumed else TrainState(fingerprint=fingerprint)
         resumed_from = state.step if resumed else None
         if resumed and state.fingerprint != fingerprint:
@@ -271,8 +287,7 @@ class Training:
             observer,
             flops,
         )
-        self.save_outputs(model, tokenizer)
-        return {
+        summary = {
             "finalLoss": state.loss,
             "steps": state.step,
             "totalSteps": course.total,
@@ -282,7 +297,16 @@ class Training:
             "tokensPerSecond": tokens / seconds if seconds > 0 else 0.0,
             "resumedFromStep": resumed_from,
             "method": config.method,
-        }
+        } | data
+        self.save_outputs(model, tokenizer, summary)
+        return summary
+
+    def load_pretrained(self, model: torch.nn.Module, attention: str) -> None:
+        """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
+        loading = time.monotonic()
+        weights = pretrained_weights(self.config, attention) if self.ctx.is_main else {}
+        load_rank0_weights(model, weights)
+        log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
 
     def continue_course(self, state: TrainState, parts: Trainables, planned: int) -> Course:
         """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
@@ -343,11 +367,14 @@ class Training:
             worker_init_fn=ignore_sigterm,
         )
         self.stop.during_setup(f"before training resumed at step {state.step}")
+        if observer is not None:
+            observer.training_started()
         started = last_save = time.monotonic()
         tokens_this_attempt = 0
         wait_started = time.monotonic()
         for micro_batches in loader:
-            waited = time.monotonic() - wait_started
+            stepping = time.monotonic()
+            waited = stepping - wait_started
             result = train_step(parts, micro_batches, plan, t.max_grad_norm, ctx)
             state.step += 1
             state.tokens += result.tokens
@@ -355,7 +382,7 @@ class Training:
             state.loss = result.loss
             tokens_this_attempt += result.tokens
             if observer is not None:
-                observer.step(state, result, time.monotonic() - wait_started, waited, flops)
+                observer.step(state, result, time.monotonic() - stepping, waited, flops)
             minutes_due = (
                 every.every_minutes is not None and time.monotonic() - last_save >= every.every_minutes * 60
             )
@@ -363,7 +390,10 @@ class Training:
             due, stopping = (
                 v > 0 for v in ctx.sum([float(minutes_due or steps_due), float(self.stop.requested)])
             )
-            if stopping or (due and state.step < total):
+            # The last step of an adapter run is saved too (a few MiB), so that a failure while writing the
+            # output repeats no training; a full model's last step waits for the output alone.
+            last = state.step == total and self.config.method != "full"
+            if stopping or last or (due and state.step < total):
                 saved = time.monotonic()
                 path = checkpoints.save(
                     Path(every.dir), state, parts, ctx, keep=every.keep, job=self.config.job
@@ -379,29 +409,24 @@ class Training:
             wait_started = time.monotonic()
         return time.monotonic() - started, tokens_this_attempt
 
-    def save_outputs(self, model: torch.nn.Module, tokenizer: Any) -> None:
+    def save_outputs(self, model: torch.nn.Module, tokenizer: Any, summary: dict[str, Any]) -> None:
+        """Collective: the model (gathered from the shards under FSDP: only the adapters of a LoRA run) and
+        ``summary.json`` as output.py writes them, after checking that this attempt still owns the job."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        output.check_owner(self.config, self.ctx)
         state_dict = None
-        if self.config.distributed.sharding == "fsdp" and self.ctx.active:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = self.config.method == "full"
+        if shards(self.config, self.ctx):
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not full)
             state_dict = get_model_state_dict(model, options=options)
-        if self.ctx.is_main:
-            full = self.config.method == "full"
-            dtype = precision_plan(self.config.method, self.t.precision).compute_dtype if full else None
-            save_output(unwrap(model), tokenizer, self.config.output_dir, state_dict, dtype)
-            log.info(
-                "saved the %s to %s",
-                "adapter" if self.config.method != "full" else "model",
-                self.config.output_dir,
-            )
-        self.ctx.barrier()
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+        dtype = precision_plan(self.config.method, self.t.precision).compute_dtype if full else None
+        output.save(
+            self.config,
+            self.ctx,
+            summary,
+            lambda folder: save_output(unwrap(model), tokenizer, folder, state_dict, dtype),
+        )
 
 
 if __name__ == "__main__":

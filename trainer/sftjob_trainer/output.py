@@ -1,0 +1,144 @@
+"""The trained model as the user takes it away: whole or not at all, and only from the attempt that owns
+the job.
+
+Rank 0 writes the output (the adapter or the model, the tokenizer, ``summary.json`` last) into a
+temporary folder, ``.tmp-<name>-attempt-A``, fsyncs it and makes it readable by any user (safetensors
+writes its files 0600: a serving pod running as another user could not read them). Every rank then
+checks that this attempt still owns the job's checkpoint folder (``checkpoints.check_owner``: a
+superseded attempt still running commits nothing), and rank 0 puts the folder in place. A kill leaves
+the previous output or the new one whole, never a config beside a cut-off weight file (or, between
+moving an earlier output aside and renaming the new one, none: the restart writes it again);
+``summary.json`` marks a complete output.
+
+The output folder is replaced whole (the temporary folder beside it, renamed over it) when it is the
+job's own: new, holding only the train log (``train_log.jsonl``, written there as the run trains, and
+carried over), or an earlier output of this same job (a restart after the output was written). Any
+other folder (a volume's root, the checkpoint folder, a folder holding other files) keeps what it holds:
+the temporary folder is made inside it and its files moved out one by one, ``summary.json`` removed
+first and put back last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sftjob.config import JobRef, TrainerConfig
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import checkpoints
+from sftjob_trainer.checkpoints import TMP_PREFIX, fsync_dir
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.observer import TRAIN_LOG_FILE
+
+log = logging.getLogger(__name__)
+
+SUMMARY_FILE = "summary.json"  # written last: the output is complete when it is there
+FILE_MODE, DIR_MODE = 0o644, 0o755  # readable by a serving pod's user, whatever its uid
+
+
+def check_owner(config: TrainerConfig, ctx: DistContext) -> None:
+    """Collective: stop (PREEMPTED) before gathering the weights when another attempt owns the job now."""
+    checkpoints.check_owner(Path(config.checkpoints.dir), config.job, ctx, "without saving its output")
+
+
+def save(
+    config: TrainerConfig, ctx: DistContext, summary: dict[str, Any], write: Callable[[Path], None]
+) -> Path:
+    """Collective: every rank calls it, rank 0 calls ``write(folder)`` to put the model and tokenizer
+    into a folder. Returns the output folder."""
+    out, job = Path(config.output_dir), config.job
+    whole = ctx.is_main and replaceable(out, Path(config.checkpoints.dir), job)  # rank 0 alone writes
+    tmp = (out.parent if whole else out) / f"{TMP_PREFIX}{out.name}-attempt-{job.attempt}"
+    try:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            write(tmp)
+            if whole and (out / TRAIN_LOG_FILE).is_file():
+                shutil.copyfile(out / TRAIN_LOG_FILE, tmp / TRAIN_LOG_FILE)
+            (tmp / SUMMARY_FILE).write_text(json.dumps(summary | {"job": _identity(job)}, indent=2) + "\n")
+            _readable_and_synced(tmp)
+        ctx.barrier()
+        checkpoints.check_owner(
+            Path(config.checkpoints.dir), job, ctx, "without committing its output", discard=tmp
+        )
+        if ctx.is_main:
+            (_replace if whole else _move_into)(tmp, out)
+            _remove_unfinished(out)
+            log.info("saved the %s to %s", "model" if config.method == "full" else "adapter", out)
+        ctx.barrier()
+    except OSError as exc:
+        raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save the output to {out}: {exc}") from exc
+    return out
+
+
+def replaceable(out: Path, checkpoint_dir: Path, job: JobRef) -> bool:
+    """Whether the output folder is the job's own, to be replaced whole (see the module's docstring)."""
+    resolved, holds_checkpoints = out.resolve(), checkpoint_dir.resolve()
+    if resolved == holds_checkpoints or resolved in holds_checkpoints.parents or os.path.ismount(out):
+        return False
+    if not out.exists():
+        return True
+    if {p.name for p in out.iterdir()} <= {TRAIN_LOG_FILE}:
+        return True
+    try:
+        return bool(json.loads((out / SUMMARY_FILE).read_text())["job"] == _identity(job))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _identity(job: JobRef) -> dict[str, str]:
+    """What says whose output a folder holds (in ``summary.json``): the attempt does not matter."""
+    return {"namespace": job.namespace, "name": job.name, "uid": job.uid}
+
+
+def _readable_and_synced(folder: Path) -> None:
+    for parent, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            path = Path(parent) / name
+            path.chmod(FILE_MODE)
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
+        for name in dirs:
+            (Path(parent) / name).chmod(DIR_MODE)
+        fsync_dir(Path(parent))
+    folder.chmod(DIR_MODE)
+
+
+def _remove_unfinished(out: Path) -> None:
+    """Other attempts' unfinished outputs (killed, or superseded), beside ``out`` or inside it."""
+    unfinished = re.compile(rf"{re.escape(TMP_PREFIX + out.name)}-attempt-\d+(-replaced)?")
+    for where in (out.parent, out):
+        for path in where.iterdir():
+            if unfinished.fullmatch(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``, after moving an earlier ``out`` away (renamed, then deleted)."""
+    earlier = tmp.with_name(f"{tmp.name}-replaced")
+    if out.exists():
+        shutil.rmtree(earlier, ignore_errors=True)
+        os.rename(out, earlier)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(earlier, ignore_errors=True)
+
+
+def _move_into(tmp: Path, out: Path) -> None:
+    """Move each file of ``tmp`` (a folder inside ``out``) into ``out``, ``summary.json`` last."""
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
+    fsync_dir(out)
+    for path in tmp.iterdir():
+        if path.name != SUMMARY_FILE:
+            os.replace(path, out / path.name)
+    fsync_dir(out)
+    os.replace(tmp / SUMMARY_FILE, out / SUMMARY_FILE)
+    fsync_dir(out)
+    tmp.rmdir()
