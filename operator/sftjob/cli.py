@@ -58,6 +58,9 @@ FLAGS_DATASET = "none"
 UNNAMED_MODEL = "unnamed-model"
 
 
+GENERATED_SUFFIX = 5  # characters the API server appends to metadata.generateName
+
+
 class InputError(Exception):
     """Bad command-line or YAML input, with a message naming the flag or the field."""
 
@@ -76,7 +79,11 @@ def _read_spec(path: str) -> dict[str, Any]:
                 f"{path}: kind {doc.get('kind')!r}, apiVersion {doc.get('apiVersion')!r}: expected kind"
                 f" {c.KIND}, apiVersion {api_version} (one object per file)"
             )
-        name = (doc.get("metadata") or {}).get("name")
+        metadata = doc.get("metadata") or {}
+        name = metadata.get("name")
+        prefix = metadata.get("generateName")
+        if name is None and isinstance(prefix, str):  # the API server appends 5 characters
+            name = prefix + "x" * GENERATED_SUFFIX
         if not isinstance(name, str) or not valid_job_name(name):
             raise InputError(
                 f"{path}: metadata.name {name!r}: at most {MAX_JOB_NAME} characters, a lowercase letter"

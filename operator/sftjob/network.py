@@ -7,6 +7,11 @@ clusters, a secondary network that Multus attaches from a pod annotation (``spec
 Without them NCCL falls back to TCP sockets over the pod network, several times slower: the planner's
 throughput model (:mod:`sftjob.throughput`) must know which one it plans for. Single-node jobs talk over
 NVLink or PCIe and request no RDMA devices whatever the spec says.
+
+No capability is added: RDMA memory registration pins pages up to RLIMIT_MEMLOCK, and an IPC_LOCK the
+device plugins' examples add would never reach the trainer, which runs as a non-root user (Kubernetes
+puts added capabilities in no ambient set, kubernetes/kubernetes#56374). The nodes' container runtime
+must give containers an unlimited memlock limit (containerd's and CRI-O's usual LimitMEMLOCK=infinity).
 """
 
 from __future__ import annotations
@@ -21,8 +26,6 @@ from sftjob.kube_names import SpecModel, valid_label_key
 # What one node's trainer pod moves between nodes, in Gb/s, when the spec does not say.
 DEFAULT_RDMA_GBPS = 200  # one HDR InfiniBand or 200 GbE RoCE NIC
 DEFAULT_TCP_GBPS = 25  # NCCL's socket transport over the pod network
-# RDMA memory registration pins pages; the device plugins' own examples add this capability.
-RDMA_CAPABILITY = "IPC_LOCK"
 # An extended resource: a domain prefix (not kubernetes.io, which is the API server's), '/', a name.
 EXTENDED_RESOURCE_RULE = (
     "an extended resource name: a DNS subdomain outside kubernetes.io, '/', then a name of at most 63"

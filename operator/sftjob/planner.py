@@ -126,7 +126,10 @@ def _describe(request: PlanRequest, gpu: GpuProfile, c: Candidate) -> list[str]:
             " set by spec.training.gradientCheckpointing"
         )
     elif c.checkpointing:
-        lines.append("gradient checkpointing on: nothing fits without it (~25% slower)")
+        lines.append(
+            "gradient checkpointing on: nothing fits without it, or the memory it frees runs a faster"
+            " configuration (it recomputes activations, ~25% more compute)"
+        )
     top = sorted(c.memory.terms, key=lambda t: -t.gib)[:3]
     lines.append(
         f"memory ~{c.memory.total_gib:.1f} of {c.memory.budget_gib:.1f} GiB usable per GPU"

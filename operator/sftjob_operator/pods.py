@@ -6,8 +6,7 @@ just inside it. A multi-node job's pods share one GPU product, each on its own n
 (:func:`sftjob_operator.scheduling.gang_affinity`). The pod mounts its config (the ConfigMap's row for
 each candidate card), the checkpoint claim, a memory-backed /dev/shm, a scratch /tmp that is also its
 HOME and, when the spec names them, the model, dataset and output volumes; it
-meets the restricted Pod Security profile, unless the spec adds hostPath or nfs volumes, or RDMA devices
-to a multi-node job (``spec.network.rdma``), whose pods add the capability memory registration needs.
+meets the restricted Pod Security profile unless the spec adds hostPath or nfs volumes.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from typing import Any
 
 from sftjob import constants as c
 from sftjob.config import JobRef
-from sftjob.network import RDMA_CAPABILITY
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
 from sftjob_operator import builders
@@ -210,11 +208,9 @@ def trainer_pod(
         ports.append({"name": "rendezvous", "containerPort": c.TORCHRUN_PORT})
     requests: Manifest = {"cpu": plan.resources.cpu, "memory": plan.resources.memory, c.GPU_RESOURCE: gpus}
     limits: Manifest = {"memory": plan.resources.memory, c.GPU_RESOURCE: gpus}
-    capabilities: Manifest = {"drop": ["ALL"]}
     rdma = spec.network.rdma
     if rdma is not None and spec.gpu.nodes > 1:
         requests[rdma.resource_name] = limits[rdma.resource_name] = str(rdma.count)
-        capabilities["add"] = [RDMA_CAPABILITY]
     container: Manifest = {
         "name": CONTAINER,
         "image": image,
@@ -225,7 +221,7 @@ def trainer_pod(
         "volumeMounts": mounts,
         "terminationMessagePath": c.TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": capabilities},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     name = pod_name(job.name, job.attempt, rank)
     pod_spec: Manifest = {

@@ -307,3 +307,11 @@ def test_a_file_admission_would_refuse_for_a_bound_is_an_input_error(tmp_path, c
     )
     code, out, err = run(capsys, "plan", "-f", str(job))
     assert code == 2 and out == "" and "spec.training." in err
+
+
+def test_a_file_with_generate_name_is_planned_when_the_generated_name_fits(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("metadata: {name: demo}", "metadata: {generateName: llama-8b-}"))
+    assert run(capsys, "plan", "-f", str(job))[0] == 0
+    job.write_text(JOB.replace("metadata: {name: demo}", "metadata: {generateName: " + "a" * 36 + "}"))
+    assert run(capsys, "plan", "-f", str(job))[0] == 2

@@ -83,7 +83,7 @@ def test_an_l40s_is_not_suggested_as_a_bigger_card_than_an_a40():
     assert not any("L40S" in s for s in plan(request("70B", "qlora"), A40).suggestions)
 
 
-def test_gradient_checkpointing_is_used_only_when_nothing_fits_without_it():
+def test_gradient_checkpointing_is_used_only_when_nothing_fits_without_it_or_it_runs_faster():
     assert not plan(request("1B", "full"), A800).training.gradient_checkpointing
     big = plan(request("70B", "qlora"), A800)
     assert big.fits and big.training.gradient_checkpointing
@@ -336,3 +336,22 @@ def test_mistral_v0_1_packed_past_its_window_is_planned_with_eager_attention():
     assert any("sliding window of 4096" in r for r in long.reasons)
     short = plan(request("mistralai/Mistral-7B-v0.1", "lora", max_seq_length=4096), L40S)
     assert short.training.attention == "sdpa"
+
+
+def test_checkpointing_that_lets_ddp_fit_beats_sharding_at_micro_batch_one():
+    # examples/a40-multinode.yaml's shape: 8B LoRA on 2 nodes x 2 L40S over TCP. FSDP fits at micro-batch
+    # 1 without recomputation but crosses the nodes every micro-batch; DDP with checkpointing does not.
+    p = plan(request("8B", "lora", gpus_per_node=2, nodes=2, max_seq_length=4096), L40S)
+    assert p.training.gradient_checkpointing and p.distributed.sharding == "ddp"
+    unchecked = plan(
+        request(
+            "8B",
+            "lora",
+            gpus_per_node=2,
+            nodes=2,
+            max_seq_length=4096,
+            overrides=TrainingOverrides(gradient_checkpointing=False),
+        ),
+        L40S,
+    )
+    assert p.predicted_tokens_per_second > 1.05 * unchecked.predicted_tokens_per_second
