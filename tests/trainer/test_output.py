@@ -99,6 +99,21 @@ def test_a_fully_fine_tuned_model_keeps_the_kv_cache_setting_of_its_base(tmp_pat
     assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_prepared_model_trains_with_its_checkpointed_layers_recomputed(method: str) -> None:
+    tokenizer = make_tokenizer()
+    model = prepare_for_training(
+        _tiny_llama(tokenizer), method, LoraSettings(), TrainingSettings(gradient_checkpointing=True), CPU
+    )
+    assert model.training
+    attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
+    calls = []
+    attention.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+
+
 def test_an_adapter_names_the_revision_of_the_base_it_was_trained_on(tmp_path: Path) -> None:
     tokenizer = make_tokenizer()
     model = prepare_for_training(

@@ -8,6 +8,7 @@ torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -27,6 +28,10 @@ from sftjob.failures import ExitCode, TrainerError
 log = logging.getLogger(__name__)
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # checkpoint saves of big models can hold ranks apart
+# How long the other ranks wait for rank 0's download and load of the pretrained weights (a 70B base is
+# 140 GB), on a CPU group of their own: NCCL's watchdog would abort them after PROCESS_GROUP_TIMEOUT.
+# The operator's stall timeout (restartPolicy.stallTimeoutSeconds) is the limit that applies.
+SETUP_TIMEOUT = timedelta(days=1)
 
 
 @dataclass(frozen=True)
@@ -65,9 +70,22 @@ class DistContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def wait_for_rank0(self) -> None:
+        """Collective: every rank waits here, up to ``SETUP_TIMEOUT``, until rank 0 arrives (after a
+        long piece of work of its own, before the collectives that need its result)."""
+        if self.active:
+            dist.barrier(group=_setup_group())
+
     def close(self) -> None:
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
+            _setup_group.cache_clear()
+
+
+@functools.cache
+def _setup_group() -> Any:
+    """A gloo group over every rank with a one-day timeout (created on first use, by every rank)."""
+    return dist.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
 
 
 def init_distributed(config: TrainerConfig) -> DistContext:

@@ -234,7 +234,9 @@ def prepare_for_training(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
     if method in ("lora", "qlora"):
         model = add_adapters(model, lora, training.seed, revision)
-    return model
+    # Loaded models come in eval mode, in which transformers never recomputes a checkpointed layer (it
+    # checks ``self.training``) and dropout is off: training mode, for both.
+    return model.train()
 
 
 def add_adapters(model: Any, lora: LoraSettings, seed: int, revision: str | None) -> Any:
@@ -254,7 +256,9 @@ def add_adapters(model: Any, lora: LoraSettings, seed: int, revision: str | None
         target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    with torch.random.fork_rng(devices=[]):  # peft draws on the CPU, then moves the adapters
+    # peft draws on the CPU; manual_seed reseeds the GPUs too, so their states are kept as well.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         return get_peft_model(model, adapters, revision=revision)
 

@@ -305,6 +305,7 @@ class Training:
         """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
         loading = time.monotonic()
         weights = pretrained_weights(self.config, attention) if self.ctx.is_main else {}
+        self.ctx.wait_for_rank0()  # its download may outlast NCCL's timeout: the others wait on the CPU
         load_rank0_weights(model, weights)
         log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
 
