@@ -1,7 +1,7 @@
 {{/*
 The operator's permissions, in one place. Every verb here is one the operator (or kopf under it) calls,
 or one it must hold to grant it: Kubernetes only lets the operator create the per-job trainer Role
-(pods get, patch on the job's own pods) if the operator holds those verbs itself.
+(patch on the job's own pods) if the operator holds those verbs itself.
 tests/e2e/test_chart_install.py checks each rule against what the operator does when it runs as this
 ServiceAccount. docs/install.md lists why each rule exists.
 */}}
