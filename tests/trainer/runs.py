@@ -91,3 +91,24 @@ def trainer_output(config_path: Path) -> str:
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return str(response.read().decode())
+
+
+# For the multi-rank probes: a two-layer model wrapped for the config's sharding (the script defines the
+# imports: json, sys, torch, nn, TrainerConfig, init_distributed, wrap_model).
+SMALL_SHARDED_MODEL = """
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+config = TrainerConfig.load(sys.argv[1])
+ctx = init_distributed(config)
+torch.manual_seed(0)
+model = wrap_model(Small(), config, ctx, torch.float32)
+"""

@@ -22,7 +22,7 @@ from sftjob.config import TrainerConfig
 from sftjob_trainer import distributed
 from sftjob_trainer.distributed import DistContext, wrap_model
 from sftjob_trainer.model import build_model, load_model
-from tests.trainer.runs import RANKS, MakeConfig, torchrun, trainer_output
+from tests.trainer.runs import RANKS, SMALL_SHARDED_MODEL, MakeConfig, torchrun, trainer_output
 
 pytestmark = pytest.mark.trainer
 
@@ -36,7 +36,8 @@ SHARDED = {
 }
 
 # Two micro-batches of fp16 training on a small model sharded over the ranks; each rank writes what it saw.
-FSDP_PROBE = """
+FSDP_PROBE = (
+    """
 import json, sys
 import torch
 from torch import nn
@@ -46,22 +47,9 @@ from sftjob_trainer.distributed import init_distributed, no_sync, wrap_model
 from sftjob_trainer.loop import make_scaler
 from sftjob_trainer.model import precision_plan
 
-class Small(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).sum()
-
-config = TrainerConfig.load(sys.argv[1])
-ctx = init_distributed(config)
-torch.manual_seed(0)
-model = wrap_model(Small(), config, ctx, torch.float32)
-scaler = make_scaler(precision_plan("full", "fp16"), ctx.device, sharded=True)
+"""
+    + SMALL_SHARDED_MODEL
+    + """scaler = make_scaler(precision_plan("full", "fp16"), ctx.device, sharded=True)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 seen = {"scaler": type(scaler).__name__, "stepped": [], "scale": []}
 for overflow in (False, True):
@@ -86,6 +74,7 @@ with open(f"{sys.argv[2]}/rank-{ctx.rank}.json", "w") as fh:
 ctx.barrier()
 ctx.close()
 """
+)
 
 
 # Each rank builds, shards and fills the model as a fresh full fine-tuning run does, then writes its logits.

@@ -25,7 +25,7 @@ from torch import nn
 from sftjob.failures import ExitCode
 from sftjob_trainer.train import run
 from tests.trainer import runs
-from tests.trainer.runs import MakeConfig, torchrun, trainer_output
+from tests.trainer.runs import SMALL_SHARDED_MODEL, MakeConfig, torchrun, trainer_output
 from tests.trainer.test_distributed import (
     _assert_same_training,
     _checkpoint_root,
@@ -43,29 +43,17 @@ STEPS = 6
 WEIGHTS_ATOL = 1e-4
 
 # Two micro-batches of a small model on the 2 x 2 mesh; each rank writes what it saw.
-HSDP_PROBE = """
+HSDP_PROBE = (
+    """
 import json, sys
 import torch
 from torch import nn
 from sftjob.config import TrainerConfig
 from sftjob_trainer.distributed import init_distributed, no_sync, wrap_model
 
-class Small(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.head = nn.Linear(8, 1)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).sum()
-
-config = TrainerConfig.load(sys.argv[1])
-ctx = init_distributed(config)
-torch.manual_seed(0)
-model = wrap_model(Small(), config, ctx, torch.float32)
-weight = model.layers[0].weight
+"""
+    + SMALL_SHARDED_MODEL
+    + """weight = model.layers[0].weight
 seen = {
     "mesh": weight.device_mesh.mesh.tolist(),
     "dims": list(weight.device_mesh.mesh_dim_names),
@@ -83,6 +71,7 @@ with open(f"{sys.argv[2]}/rank-{ctx.rank}.json", "w") as fh:
 ctx.barrier()
 ctx.close()
 """
+)
 
 
 @pytest.fixture
