@@ -33,11 +33,10 @@ from sftjob.spec import (
     ANY_ORDER,
     MAX_JOB_NAME,
     SFTJobSpec,
-    batch_problem,
-    packing_problem,
     to_plan_request,
     valid_job_name,
 )
+from sftjob.spec_rules import batch_problem, packing_problem
 from sftjob.storage import too_small
 
 EXIT_NOTHING_FITS = 1

@@ -5,10 +5,11 @@ second line of defence the operator parses every spec with, and the vocabulary t
 Blocks the trainer contract already defines are reused as they are: ``spec.training`` is
 :class:`~sftjob.config.TrainingOverrides`, ``spec.lora`` is :class:`~sftjob.config.LoraSettings`,
 ``spec.model.architecture`` is :class:`~sftjob.architectures.Architecture` (its ``family`` narrowed to the
-CRD's enum), ``spec.restartPolicy`` is :class:`~sftjob.attempts.RestartPolicy`. Tolerations, node labels,
-names and the checkpoint size are checked as the API server checks them in the pods and the claim, so
-an admitted job's children are not refused for them. A unit test keeps the CRD and these models on the
-same field names, enums, patterns and numeric bounds.
+CRD's enum), ``spec.restartPolicy`` is :class:`~sftjob.attempts.RestartPolicy`, volumes are
+:mod:`sftjob.volumes`'s, ``spec.network`` :mod:`sftjob.network`'s. Tolerations, node labels, names and
+sizes are checked as the API server checks them in the pods and the claim (:mod:`sftjob.kube_names`), so
+an admitted job's children are not refused for them; cross-field rules are :mod:`sftjob.spec_rules`'s. A
+unit test keeps the CRD and these models on the same field names, enums, patterns and numeric bounds.
 """
 
 from __future__ import annotations
@@ -20,13 +21,7 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from sftjob.architectures import Architecture, ModelFamily
 from sftjob.attempts import OnOOM, RestartPolicy
-from sftjob.config import (
-    DEFAULT_MAX_BAD_ROW_FRACTION,
-    DatasetFormat,
-    LoraSettings,
-    Method,
-    TrainingOverrides,
-)
+from sftjob.config import DEFAULT_MAX_BAD_ROW_FRACTION, DatasetFormat, LoraSettings, Method, TrainingOverrides
 from sftjob.constants import CHECKPOINT_VOLUME_NAMES
 from sftjob.kube_names import (
     ENV_NAME,
@@ -41,6 +36,7 @@ from sftjob.kube_names import (
     valid_label_value,
 )
 from sftjob.network import NetworkSpec, inter_node_gbs
+from sftjob.volumes import VolumeSource, relative_path, writable
 
 if TYPE_CHECKING:
     from sftjob.planner import PlanRequest
@@ -74,59 +70,6 @@ def _hub_id(name: str | None, field: str) -> str | None:
     if name is not None and not re.fullmatch(HUB_ID, name):
         raise ValueError(f"{field} {name!r} is not {HUB_ID_RULE}")
     return name
-
-
-def _writable(volume: VolumeSource | None, field: str) -> None:
-    source = None if volume is None else volume.persistent_volume_claim or volume.nfs
-    if source is not None and source.read_only:
-        raise ValueError(f"{field} must be writable: remove readOnly")
-
-
-def _relative(path: str | None, field: str) -> str | None:
-    if path is not None and (path.startswith("/") or ".." in path):
-        raise ValueError(f"{field} must be a relative path inside the volume without '..', got {path!r}")
-    return path
-
-
-class PersistentVolumeClaimSource(SpecModel):
-    claim_name: ObjectName
-    read_only: bool = False
-
-
-class NfsSource(SpecModel):
-    server: Annotated[str, StringConstraints(min_length=1, max_length=253)]
-    path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")]
-    read_only: bool = False
-
-
-class HostPathSource(SpecModel):
-    path: Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=r"^/")]
-
-    @field_validator("path")
-    @classmethod
-    def _no_backsteps(cls, path: str) -> str:
-        if ".." in path.split("/"):
-            raise ValueError(f"hostPath.path {path!r} must not contain a '..' segment")
-        return path
-
-
-class VolumeSource(SpecModel):
-    """Where data lives: exactly one of a PersistentVolumeClaim, an NFS export or a host path."""
-
-    persistent_volume_claim: PersistentVolumeClaimSource | None = None
-    nfs: NfsSource | None = None
-    host_path: HostPathSource | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> VolumeSource:
-        given = [s for s in (self.persistent_volume_claim, self.nfs, self.host_path) if s is not None]
-        if len(given) != 1:
-            raise ValueError("volume needs exactly one of persistentVolumeClaim, nfs or hostPath")
-        return self
-
-    def to_kubernetes(self) -> dict[str, object]:
-        """The Pod ``volumes[]`` source block (without the name)."""
-        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 class SecretKeyRef(SpecModel):
@@ -174,8 +117,8 @@ class ModelSpec(SpecModel):
 
     @field_validator("path")
     @classmethod
-    def _path_is_relative(cls, path: str | None) -> str | None:
-        return _relative(path, "spec.model.path")
+    def _path_isrelative_path(cls, path: str | None) -> str | None:
+        return relative_path(path, "spec.model.path")
 
     @field_validator("name")
     @classmethod
@@ -202,8 +145,8 @@ class DatasetSpec(SpecModel):
 
     @field_validator("path")
     @classmethod
-    def _path_is_relative(cls, path: str | None) -> str | None:
-        return _relative(path, "spec.dataset.path")
+    def _path_isrelative_path(cls, path: str | None) -> str | None:
+        return relative_path(path, "spec.dataset.path")
 
     @field_validator("name")
     @classmethod
@@ -266,7 +209,7 @@ class CheckpointSpec(SpecModel):
     def _one_schedule(self) -> CheckpointSpec:
         if self.every_steps is not None and self.every_minutes is not None:
             raise ValueError("spec.checkpoints takes everySteps or everyMinutes, not both")
-        _writable(self.volume, "spec.checkpoints.volume")
+        writable(self.volume, "spec.checkpoints.volume")
         return self
 
 
@@ -276,12 +219,12 @@ class OutputSpec(SpecModel):
 
     @field_validator("path")
     @classmethod
-    def _path_is_relative(cls, path: str) -> str:
-        return _relative(path, "spec.output.path") or path
+    def _path_isrelative_path(cls, path: str) -> str:
+        return relative_path(path, "spec.output.path") or path
 
     @model_validator(mode="after")
     def _volume_is_writable(self) -> OutputSpec:
-        _writable(self.volume, "spec.output.volume")
+        writable(self.volume, "spec.output.volume")
         if self.volume is None and re.match(CHECKPOINT_VOLUME_NAMES, self.path):
             raise ValueError(
                 f"spec.output.path {self.path!r} is the checkpoint volume's own (its root, checkpoint-N,"
@@ -422,38 +365,6 @@ class SFTJobSpec(SpecModel):
 def valid_job_name(name: str) -> bool:
     """Whether a job name leaves room for the children's names (the CRD enforces the same rule)."""
     return len(name) <= MAX_JOB_NAME and re.match(JOB_NAME_PATTERN, name) is not None
-
-
-def packing_problem(spec: SFTJobSpec) -> str | None:
-    """Packed rows longer than the sequence length: refused at admission by the CRD's rule, and by the
-    CLI, but not by this model: a job admitted before the rule existed keeps running, its rows planned at
-    ``maxSeqLength`` (:func:`to_plan_request`), as they were then."""
-    length = spec.training.packing_length
-    if length is not None and length > spec.dataset.max_seq_length:
-        return (
-            f"spec.training.packingLength {length} exceeds spec.dataset.maxSeqLength"
-            f" {spec.dataset.max_seq_length}: packed rows hold at most maxSeqLength tokens"
-        )
-    return None
-
-
-def batch_problem(spec: SFTJobSpec) -> str | None:
-    """A global batch the GPUs cannot split evenly, or a micro-batch that does not divide a GPU's share:
-    refused at admission by the CRD's rules, and by the CLI (the planner would call it DoesNotFit)."""
-    t, gpus = spec.training, spec.gpu.count * spec.gpu.nodes
-    if t.global_batch_size is None:
-        return None
-    if t.global_batch_size % gpus:
-        return (
-            f"spec.training.globalBatchSize {t.global_batch_size} is not divisible by the job's {gpus} GPUs"
-            " (gpu.count x gpu.nodes)"
-        )
-    if t.micro_batch_size is not None and (t.global_batch_size // gpus) % t.micro_batch_size:
-        return (
-            f"spec.training.microBatchSize {t.micro_batch_size} does not divide each GPU's share"
-            f" {t.global_batch_size // gpus} of globalBatchSize {t.global_batch_size}"
-        )
-    return None
 
 
 def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanRequest:

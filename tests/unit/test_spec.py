@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from sftjob.architectures import KNOWN_ARCHITECTURES, ModelFamily
 from sftjob.job_status import SFTJobStatus
-from sftjob.spec import SFTJobSpec, batch_problem, packing_problem, to_plan_request, valid_job_name
+from sftjob.spec import SFTJobSpec, to_plan_request, valid_job_name
+from sftjob.spec_rules import batch_problem, packing_problem
 from tests.unit.test_crd import ARCHITECTURE
 
 PVC = {"persistentVolumeClaim": {"claimName": "models"}}

@@ -1,0 +1,41 @@
+"""The spec's cross-field rules the CRD's CEL applies at admission, in Python for ``sftjob plan``.
+
+The spec model does not apply them: a job admitted before a rule existed must keep running (the
+operator plans it as it was planned then).
+"""
+
+from __future__ import annotations
+
+from sftjob.spec import SFTJobSpec
+
+
+def packing_problem(spec: SFTJobSpec) -> str | None:
+    """Packed rows longer than the sequence length: refused at admission by the CRD's rule, and by the
+    CLI, but not by this model: a job admitted before the rule existed keeps running, its rows planned at
+    ``maxSeqLength`` (:func:`sftjob.spec.to_plan_request`), as they were then."""
+    length = spec.training.packing_length
+    if length is not None and length > spec.dataset.max_seq_length:
+        return (
+            f"spec.training.packingLength {length} exceeds spec.dataset.maxSeqLength"
+            f" {spec.dataset.max_seq_length}: packed rows hold at most maxSeqLength tokens"
+        )
+    return None
+
+
+def batch_problem(spec: SFTJobSpec) -> str | None:
+    """A global batch the GPUs cannot split evenly, or a micro-batch that does not divide a GPU's share:
+    refused at admission by the CRD's rules, and by the CLI (the planner would call it DoesNotFit)."""
+    t, gpus = spec.training, spec.gpu.count * spec.gpu.nodes
+    if t.global_batch_size is None:
+        return None
+    if t.global_batch_size % gpus:
+        return (
+            f"spec.training.globalBatchSize {t.global_batch_size} is not divisible by the job's {gpus} GPUs"
+            " (gpu.count x gpu.nodes)"
+        )
+    if t.micro_batch_size is not None and (t.global_batch_size // gpus) % t.micro_batch_size:
+        return (
+            f"spec.training.microBatchSize {t.micro_batch_size} does not divide each GPU's share"
+            f" {t.global_batch_size // gpus} of globalBatchSize {t.global_batch_size}"
+        )
+    return None
