@@ -236,7 +236,7 @@ def _progress(pod: Obj) -> ProgressStatus | None:
             tokens_per_second=_rounded(report.get("tokensPerSecond"), 1),
             eta_seconds=None if eta is None else int(eta),
             updated=report.get("updated"),
-            summary=f"{step}/{total}",
+            summary=f"{step}/{total or '?'}",  # no total yet: a download heartbeat before the data is read
         )
     except (ValueError, TypeError, ValidationError):
         return None

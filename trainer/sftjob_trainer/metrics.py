@@ -126,6 +126,10 @@ class TrainerMetrics:
             registry=self.registry,
         )
         self.enter(Phase.INITIALIZING)
+        self.download_bytes = gauge(
+            "sftjob_train_download_bytes",
+            "Bytes of the job's hub repos in the Hugging Face cache, as of the last download heartbeat",
+        )
         self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (1 = first)")
         self.bad_rows = counter("sftjob_train_bad_rows", "Malformed dataset rows skipped")
         info = Gauge(

@@ -23,7 +23,7 @@ from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT, CONFIG_VARIANT
 from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
-from sftjob_trainer import checkpoints, output
+from sftjob_trainer import checkpoints, heartbeat, output
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Course, Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -146,9 +146,10 @@ class Training:
         # Data: every rank tokenizes the same rows the same way; the schedule picks its share.
         if self.metrics is not None:
             self.metrics.enter(Phase.LOADING_DATA)
-        tokenizer = load_tokenizer(config.model)
         packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
-        examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
+        with heartbeat.downloads(config, Phase.LOADING_DATA, self.metrics):
+            tokenizer = load_tokenizer(config.model)
+            examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
         units = make_units(examples, packing_length)
         del examples  # the units hold the tokens now; every rank (and its workers) would keep both
         schedule = Schedule(
@@ -215,7 +216,10 @@ class Training:
         # Model. Under FSDP: no weights yet, on any rank (they come from rank 0 or a checkpoint below).
         plan = precision_plan(config.method, t.precision)
         rank0_weights = loads_on_rank0(config, ctx)
-        base = build_model(config, attention) if rank0_weights else load_model(config, ctx.device, attention)
+        with heartbeat.downloads(config, Phase.LOADING_MODEL, self.metrics, observer):
+            base = (
+                build_model(config, attention) if rank0_weights else load_model(config, ctx.device, attention)
+            )
         counts = count_parameters(base)
         flops = flops_model(base.config.to_dict(), config.method, counts.non_embedding)
         model = prepare_for_training(
@@ -255,10 +259,10 @@ class Training:
         # fine-tuning, and only on a fresh start (its checkpoint holds every weight).
         full = config.method == "full"
         if rank0_weights and not full:
-            self.load_pretrained(model, attention)
+            self.load_pretrained(model, attention, observer)
         resumed = checkpoints.load_latest(root, parts, ctx)
         if rank0_weights and full and not resumed:
-            self.load_pretrained(model, attention)
+            self.load_pretrained(model, attention, observer)
         state = resumed[0] if resumed else TrainState(fingerprint=fingerprint)
         resumed_from = state.step if resumed else None
         if resumed and state.fingerprint != fingerprint:
@@ -301,10 +305,11 @@ class Training:
         self.save_outputs(model, tokenizer, summary)
         return summary
 
-    def load_pretrained(self, model: torch.nn.Module, attention: str) -> None:
+    def load_pretrained(self, model: torch.nn.Module, attention: str, observer: Observer | None) -> None:
         """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
         loading = time.monotonic()
-        weights = pretrained_weights(self.config, attention) if self.ctx.is_main else {}
+        with heartbeat.downloads(self.config, Phase.RESTORING, self.metrics, observer):
+            weights = pretrained_weights(self.config, attention) if self.ctx.is_main else {}
         self.ctx.wait_for_rank0()  # its download may outlast NCCL's timeout: the others wait on the CPU
         load_rank0_weights(model, weights)
         log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
