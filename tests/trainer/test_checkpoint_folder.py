@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from sftjob.config import JobRef
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints
+from sftjob_trainer import checkpoints, ownership
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 
@@ -44,16 +44,16 @@ def _trainables() -> Trainables:
 
 
 def test_an_attempt_takes_over_the_folder_and_saves_into_it(tmp_path: Path) -> None:
-    checkpoints.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
     assert _owner(tmp_path) == {"job": "uid-1", "attempt": 2}
     checkpoints.save(tmp_path, TrainState(step=5), _trainables(), ONE_PROCESS, keep=2, job=_attempt(2))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [5]
 
 
 def test_a_save_of_an_attempt_superseded_meanwhile_is_discarded_not_committed(tmp_path: Path) -> None:
-    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     checkpoints.save(tmp_path, TrainState(step=4), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
-    checkpoints.take_over(tmp_path, _attempt(2), ONE_PROCESS)  # the restart began while attempt 1 still ran
+    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)  # the restart began while attempt 1 still ran
 
     with pytest.raises(TrainerError) as stopped:
         checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
@@ -64,16 +64,16 @@ def test_a_save_of_an_attempt_superseded_meanwhile_is_discarded_not_committed(tm
 
 
 def test_an_attempt_that_starts_after_a_later_one_owns_the_folder_stops(tmp_path: Path) -> None:
-    checkpoints.take_over(tmp_path, _attempt(3), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(3), ONE_PROCESS)
     with pytest.raises(TrainerError) as stopped:
-        checkpoints.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+        ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
     assert stopped.value.code == ExitCode.PREEMPTED
     assert _owner(tmp_path)["attempt"] == 3
 
 
 def test_a_job_recreated_under_the_same_name_takes_over_the_folder_it_kept(tmp_path: Path) -> None:
-    checkpoints.take_over(tmp_path, _attempt(3, uid="old"), ONE_PROCESS)
-    checkpoints.take_over(tmp_path, _attempt(1, uid="new"), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(3, uid="old"), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1, uid="new"), ONE_PROCESS)
     assert _owner(tmp_path) == {"job": "new", "attempt": 1}
     with pytest.raises(TrainerError, match="superseded by job new"):
         checkpoints.save(
@@ -86,7 +86,7 @@ def test_an_attempt_taking_over_removes_the_unfinished_saves_of_the_attempts_bef
 ) -> None:
     leftover = tmp_path / ".tmp-checkpoint-4-attempt-1" / checkpoints.TENSORS_DIR
     leftover.mkdir(parents=True)  # attempt 1 was killed while saving step 4
-    checkpoints.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_OWNER_FILE]
 
 
@@ -111,7 +111,7 @@ def test_a_checkpoint_holds_the_trainable_parameters_only_not_buffers_frozen_wei
     model(torch.tensor([1, 2])).sum().backward()
     optimizer.step()
     parts = Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
-    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     path = checkpoints.save(tmp_path, TrainState(step=1), parts, ONE_PROCESS, keep=1, job=_attempt(1))
 
     saved = FileSystemReader(path / checkpoints.TENSORS_DIR).read_metadata().state_dict_metadata
@@ -137,12 +137,12 @@ def _bad(root: Path) -> list[str]:
 def test_checkpoints_newer_than_the_one_resumed_from_are_set_aside_and_no_later_save_deletes_the_progress(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     for step in (4, 10):
         checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=5, job=_attempt(1))
     _unloadable(tmp_path / "checkpoint-10")
 
-    checkpoints.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
     resumed = checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS)
     assert resumed is not None and resumed[0].step == 4
     assert _bad(tmp_path) == [".bad-checkpoint-10"]
@@ -155,7 +155,7 @@ def test_checkpoints_newer_than_the_one_resumed_from_are_set_aside_and_no_later_
 
 
 def test_a_save_keeps_the_checkpoint_it_committed_whatever_is_newer(tmp_path: Path) -> None:
-    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     for step in (4, 10, 6):
         checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=1, job=_attempt(1))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [10, 6]
@@ -164,7 +164,7 @@ def test_a_save_keeps_the_checkpoint_it_committed_whatever_is_newer(tmp_path: Pa
 def test_checkpoints_whose_small_files_do_not_load_stop_the_run_rather_than_start_it_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     for step in (2, 4):
         path = checkpoints.save(
             tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1)
@@ -180,7 +180,7 @@ def test_checkpoints_whose_small_files_do_not_load_stop_the_run_rather_than_star
 
 
 def test_a_fresh_start_sets_incomplete_checkpoints_aside(tmp_path: Path) -> None:
-    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     path = checkpoints.save(tmp_path, TrainState(step=2), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
     (path / CHECKPOINT_COMPLETE_MARKER).unlink()
     assert checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS) is None
@@ -188,7 +188,7 @@ def test_a_fresh_start_sets_incomplete_checkpoints_aside(tmp_path: Path) -> None
 
 
 def test_rotation_leaves_unfinished_saves_to_the_attempt_that_takes_the_folder_over(tmp_path: Path) -> None:
-    checkpoints.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     in_progress = tmp_path / ".tmp-checkpoint-8-attempt-2"  # the save of a restart that took over meanwhile
     in_progress.mkdir()
     checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=1, job=_attempt(1))
@@ -203,7 +203,7 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from sftjob.config import JobRef
 from sftjob.failures import TrainerError
-from sftjob_trainer import checkpoints
+from sftjob_trainer import checkpoints, ownership
 from sftjob_trainer.checkpoints import Trainables, TrainState, rng_file
 from sftjob_trainer.distributed import DistContext
 
@@ -220,7 +220,7 @@ def parts():
 
 for case, broken in {"one": [4], "all": [4, 2]}.items():
     root = Path(sys.argv[1]) / case
-    checkpoints.take_over(root, job, ctx)
+    ownership.take_over(root, job, ctx)
     for step in (2, 4):
         checkpoints.save(root, TrainState(step=step), parts(), ctx, keep=2, job=job)
     if ctx.rank == 1:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from sftjob.config import JobRef, LoraSettings, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, output
+from sftjob_trainer import output, ownership
 from sftjob_trainer.checkpoints import checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.model import prepare_for_training, save_output
@@ -164,8 +164,8 @@ def test_the_output_appears_whole_or_not_at_all(tmp_path: Path) -> None:
 def test_an_attempt_superseded_before_or_while_writing_its_output_writes_none(tmp_path: Path) -> None:
     old, new = _config(tmp_path, attempt=1), _config(tmp_path, attempt=2)
     root = Path(old.checkpoints.dir)
-    checkpoints.take_over(root, old.job, ONE_PROCESS)
-    checkpoints.take_over(root, new.job, ONE_PROCESS)  # the restart began while attempt 1 still ran
+    ownership.take_over(root, old.job, ONE_PROCESS)
+    ownership.take_over(root, new.job, ONE_PROCESS)  # the restart began while attempt 1 still ran
 
     with pytest.raises(TrainerError) as before:
         output.check_owner(old, ONE_PROCESS)
@@ -199,7 +199,7 @@ def test_an_output_folder_that_is_not_the_jobs_own_keeps_what_it_holds(tmp_path:
     if where == "the checkpoint folder":
         config = _config(tmp_path, output_dir=tmp_path / "checkpoints")
         root = Path(config.checkpoints.dir)
-        checkpoints.take_over(root, config.job, ONE_PROCESS)
+        ownership.take_over(root, config.job, ONE_PROCESS)
         (root / "checkpoint-4").mkdir()
     else:
         config = _config(tmp_path)

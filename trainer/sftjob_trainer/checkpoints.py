@@ -49,9 +49,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from sftjob.config import JobRef
-from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE, CHECKPOINT_PREFIX
+from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.distributed import DistContext, unwrap
+from sftjob_trainer.durable import TMP_PREFIX, fsync_dir, save_file, write_text
+from sftjob_trainer.ownership import check_owner
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,6 @@ TENSORS_DIR = "tensors"  # model and optimizer, torch.distributed.checkpoint's f
 SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
 REQUIRED_FILES = (STATE_FILE, SCHEDULER_FILE)
-TMP_PREFIX = ".tmp-"
 BAD_PREFIX = ".bad-"  # a checkpoint set aside: newer than the one resumed from, so not usable
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
@@ -133,54 +134,6 @@ def _tensors_problem(folder: Path) -> str | None:
     return None
 
 
-# --- ownership -----------------------------------------------------------------------------------
-
-
-def take_over(root: Path, job: JobRef, ctx: DistContext) -> None:
-    """Collective: make this attempt of ``job`` the owner of the checkpoint folder, before anything is
-    read from it. An attempt that finds a later attempt of the same job owning it was superseded and
-    stops; a job recreated under the same name (a new uid, resuming a kept folder) takes over."""
-    owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
-    if owner is not None and owner[0] == job.uid and owner[1] > job.attempt:
-        raise _superseded(root, job, owner, "as it starts")
-    if ctx.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f"{TMP_PREFIX}{CHECKPOINT_OWNER_FILE}-{job.attempt}"
-        _write_text(tmp, json.dumps({"job": job.uid, "attempt": job.attempt}) + "\n")
-        os.replace(tmp, root / CHECKPOINT_OWNER_FILE)
-        fsync_dir(root)
-        for leftover in root.glob(f"{TMP_PREFIX}{CHECKPOINT_PREFIX}*"):  # saves no attempt can commit now
-            shutil.rmtree(leftover, ignore_errors=True)
-    ctx.barrier()
-
-
-def check_owner(root: Path, job: JobRef, ctx: DistContext, when: str, discard: Path | None = None) -> None:
-    """Collective: stop (PREEMPTED) when another attempt owns the folder now, removing ``discard`` (this
-    attempt's unfinished save) first. A folder without an owner is anyone's."""
-    owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
-    if owner is None or owner == (job.uid, job.attempt):
-        return
-    if discard is not None and ctx.is_main:
-        shutil.rmtree(discard, ignore_errors=True)
-    raise _superseded(root, job, owner, when)
-
-
-def _owner(root: Path) -> tuple[str, int] | None:
-    try:
-        owner = json.loads((root / CHECKPOINT_OWNER_FILE).read_text())
-        return str(owner["job"]), int(owner["attempt"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _superseded(root: Path, job: JobRef, owner: tuple[str, int], when: str) -> TrainerError:
-    by = f"attempt {owner[1]}" if owner[0] == job.uid else f"job {owner[0] or '(local)'}"
-    return TrainerError(
-        ExitCode.PREEMPTED,
-        f"attempt {job.attempt} was superseded by {by}, which owns {root}: stopping {when}",
-    )
-
-
 # --- saving --------------------------------------------------------------------------------------
 
 
@@ -199,17 +152,17 @@ def save(
             dcp.save(
                 _tensors(parts), storage_writer=FileSystemWriter(tmp / TENSORS_DIR), no_dist=not ctx.active
             )
-        _save_file(capture_rng(), tmp / rng_file(ctx.rank))
+        save_file(capture_rng(), tmp / rng_file(ctx.rank))
         if ctx.is_main:
-            _save_file(parts.scheduler.state_dict(), tmp / SCHEDULER_FILE)
+            save_file(parts.scheduler.state_dict(), tmp / SCHEDULER_FILE)
             if parts.scaler is not None:
-                _save_file(parts.scaler.state_dict(), tmp / SCALER_FILE)
-            _write_text(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
+                save_file(parts.scaler.state_dict(), tmp / SCALER_FILE)
+            write_text(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
         ctx.barrier()
         check_owner(root, job, ctx, f"without committing its checkpoint of step {state.step}", discard=tmp)
         if ctx.is_main:
             fsync_dir(tmp / TENSORS_DIR)
-            _write_text(tmp / CHECKPOINT_COMPLETE_MARKER, f"step {state.step} saved {time.time():.0f}\n")
+            write_text(tmp / CHECKPOINT_COMPLETE_MARKER, f"step {state.step} saved {time.time():.0f}\n")
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -257,28 +210,6 @@ def _failures(exc: CheckpointException) -> str:
     return "; ".join(
         f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in exc.failures.items()
     )
-
-
-def _save_file(obj: Any, path: Path) -> None:
-    with path.open("wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _write_text(path: Path, text: str) -> None:
-    with path.open("w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def rotate(root: Path, keep: int, committed: int) -> None:

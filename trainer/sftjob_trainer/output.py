@@ -4,7 +4,7 @@ the job.
 Rank 0 writes the output (the adapter or the model, the tokenizer, ``summary.json`` last) into a
 temporary folder, ``.tmp-<name>-attempt-A``, fsyncs it and makes it readable by any user (safetensors
 writes its files 0600: a serving pod running as another user could not read them). Every rank then
-checks that this attempt still owns the job's checkpoint folder (``checkpoints.check_owner``: a
+checks that this attempt still owns the job's checkpoint folder (``ownership.check_owner``: a
 superseded attempt still running commits nothing), and rank 0 puts the folder in place. A kill leaves
 the previous output or the new one whole, never a config beside a cut-off weight file (or, between
 moving an earlier output aside and renaming the new one, none: the restart writes it again);
@@ -31,9 +31,9 @@ from typing import Any
 
 from sftjob.config import JobRef, TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints
-from sftjob_trainer.checkpoints import TMP_PREFIX, fsync_dir
+from sftjob_trainer import ownership
 from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.durable import TMP_PREFIX, fsync_dir
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ FILE_MODE, DIR_MODE = 0o644, 0o755  # readable by a serving pod's user, whatever
 
 def check_owner(config: TrainerConfig, ctx: DistContext) -> None:
     """Collective: stop (PREEMPTED) before gathering the weights when another attempt owns the job now."""
-    checkpoints.check_owner(Path(config.checkpoints.dir), config.job, ctx, "without saving its output")
+    ownership.check_owner(Path(config.checkpoints.dir), config.job, ctx, "without saving its output")
 
 
 def save(
@@ -65,7 +65,7 @@ def save(
             (tmp / SUMMARY_FILE).write_text(json.dumps(summary | {"job": _identity(job)}, indent=2) + "\n")
             _readable_and_synced(tmp)
         ctx.barrier()
-        checkpoints.check_owner(
+        ownership.check_owner(
             Path(config.checkpoints.dir), job, ctx, "without committing its output", discard=tmp
         )
         if ctx.is_main:

@@ -23,7 +23,7 @@ from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT, CONFIG_VARIANT
 from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
-from sftjob_trainer import checkpoints, heartbeat, output
+from sftjob_trainer import checkpoints, heartbeat, output, ownership
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Course, Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -253,7 +253,7 @@ class Training:
             "seed": t.seed,
             "packing": t.packing,
         }
-        checkpoints.take_over(root, config.job, ctx)
+        ownership.take_over(root, config.job, ctx)
         # Rank 0 reads the pretrained weights and broadcasts them into the shards: before the resume for
         # adapters (their checkpoint holds no base; it overwrites the fresh adapters); after it for full
         # fine-tuning, and only on a fresh start (its checkpoint holds every weight).
