@@ -58,6 +58,7 @@ CONTRACT_METRICS = [
     "sftjob_train_phase",
     "sftjob_train_attempt_start_timestamp_seconds",
     "sftjob_train_checkpoint_interval_seconds",
+    "sftjob_train_download_bytes",
 ]
 
 
