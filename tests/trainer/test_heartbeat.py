@@ -125,20 +125,35 @@ def test_a_data_download_on_rank_0_is_reported_through_a_reporter_of_its_own(
     blobs = tmp_path / "hub" / "datasets--org--chats" / "blobs"
     blobs.mkdir(parents=True)
     with downloads(config, Phase.LOADING_DATA, metrics, hub_cache=tmp_path / "hub", interval=INTERVAL):
-        (blobs / "abc.incomplete").touch()
-        os.truncate(blobs / "abc.incomplete", 35_200_000_000)  # sparse: the size without the bytes
+        with (blobs / "abc.incomplete").open("wb") as blob:
+            blob.write(bytes(2_000_000))
         _wait_for(recorder.records, 1)
     assert recorder.records == [
         {
             "step": 0,
             "phase": "loading_data",
-            "message": "downloading org/chats: 35.2 GB",
-            "downloadedBytes": 35_200_000_000,
+            "message": "downloading org/chats: 2.0 MB",
+            "downloadedBytes": 2_000_000,
         }
     ]
     assert recorder.closed
     gauge = metrics.registry.get_sample_value("sftjob_train_download_bytes", {"sftjob": "run", "gpu": "cpu"})
-    assert gauge == 35_200_000_000
+    assert gauge == 2_000_000
+
+
+def test_a_file_whose_length_is_set_first_counts_the_bytes_written_into_it(tmp_path: Path) -> None:
+    blob = tmp_path / "blobs" / "abc.incomplete"
+    blob.parent.mkdir()
+    with blob.open("wb") as fh:
+        fh.truncate(35_200_000_000)  # sparse: the length, none of the bytes
+    sizes: list[int] = []
+    with DownloadHeartbeat({"org/model": blob.parent}, sizes.append, INTERVAL):
+        with blob.open("r+b") as fh:
+            fh.write(bytes(1_048_576))
+            fh.flush()
+            os.fsync(fh.fileno())
+        _wait_for(sizes, 1)
+    assert sizes == [1_048_576]
 
 
 def _heartbeats() -> int:

@@ -34,8 +34,12 @@ JOIN_TIMEOUT_SECONDS = 10
 
 
 def cache_bytes(folders: Mapping[str, Path]) -> int:
-    """Bytes of the files directly in ``folders`` (a repo's ``blobs``, partial downloads included); a
-    folder not there yet counts 0, a file renamed or removed while measured is skipped."""
+    """Bytes written to the files directly in ``folders`` (a repo's ``blobs``, partial downloads
+    included); a folder not there yet counts 0, a file renamed or removed while measured is skipped.
+
+    A file counts what it holds on disk, at most its size: a download that sets the file's length first
+    and fills it in as chunks arrive (hf-xet assembles files this way) still grows, where its size would
+    not."""
     total = 0
     for folder in folders.values():
         try:
@@ -45,7 +49,8 @@ def cache_bytes(folders: Mapping[str, Path]) -> int:
         for entry in entries:
             with contextlib.suppress(OSError):
                 if entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
+                    stat = entry.stat(follow_symlinks=False)
+                    total += min(stat.st_size, stat.st_blocks * 512)
     return total
 
 
@@ -125,7 +130,8 @@ def downloads(
     repos = ", ".join(folders)
 
     def report(size: int) -> None:
-        message = f"downloading {repos}: {size / 1e9:.1f} GB"
+        amount = f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+        message = f"downloading {repos}: {amount}"
         log.info("%s (%s)", message, phase)
         metrics.download_bytes.set(size)
         reporter.progress(record | {"message": message, "downloadedBytes": size})
