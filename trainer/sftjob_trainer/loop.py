@@ -1,4 +1,4 @@
-"""One optimizer step, and the optimizer, scheduler and scaler it needs.
+"""One optimizer step, and the optimizer, scheduler and scaler it needs, and the course a resume follows.
 
 Kept apart from ``train.py`` so the throughput benchmark times exactly the code jobs run. The loss is
 normalised by the number of target tokens in the whole global batch (all micro-batches, all ranks),
@@ -8,9 +8,10 @@ so gradient accumulation and data parallelism give the same gradient as one big 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -19,9 +20,11 @@ from torch import nn
 from sftjob.config import TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.batching import Course
-from sftjob_trainer.checkpoints import Trainables
+from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.distributed import DistContext, no_sync
 from sftjob_trainer.model import PrecisionPlan
+
+log = logging.getLogger("sftjob_trainer")
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
 
@@ -103,6 +106,44 @@ def follow_course(parts: Trainables, training: TrainingSettings, course: Course)
     parts.scheduler.load_state_dict(restored)
     for group, rate in zip(optimizer.param_groups, rates, strict=True):
         group["lr"] = rate
+
+
+def continue_course(state: TrainState, parts: Trainables, training: TrainingSettings, planned: int) -> Course:
+    """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
+    (``planned``; an OOM re-plan halved the rows) keeps the fraction of the run already done: it ends
+    after the share still to do and follows the learning-rate schedule at the new pace. A run length
+    the user changed (a job recreated over its kept checkpoints) starts a new schedule instead."""
+    t = training
+    length = f"maxSteps {t.max_steps}" if t.max_steps is not None else f"epochs {t.epochs:g}"
+    before = Course(**state.course) if state.course else None
+    if before is None or before.length != length:
+        course = Course.fresh(planned, length)
+        if before is not None:
+            log.warning(
+                "resuming at step %d with another run length (%s, was %s): the learning-rate schedule"
+                " is laid out over %d steps",
+                state.step,
+                length,
+                before.length or "unknown",
+                planned,
+            )
+        state.course = asdict(course)
+        return course
+    course = before.resumed(state.step, planned)
+    state.course = asdict(course)
+    if course != before:
+        log.warning(
+            "resuming at step %d with a data layout that takes %d steps for the whole run instead of %d:"
+            " %.1f%% of the run is done, so it ends at step %d, the learning rate continuing from there",
+            state.step,
+            planned,
+            before.total + before.offset,
+            100 * course.from_position / course.schedule_steps,
+            course.total,
+        )
+    if course.replanned:
+        follow_course(parts, training, course)
+    return course
 
 
 def make_scaler(

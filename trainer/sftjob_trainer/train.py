@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from sftjob.config import TrainerConfig
-from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT, CONFIG_VARIANT
+from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
-from sftjob.gpus import profile_for_product
 from sftjob_trainer import checkpoints, heartbeat, output, ownership
 from sftjob_trainer.attention import FLATTENED
-from sftjob_trainer.batching import Course, Layout, Schedule, StepBatches, Unit, make_units
+from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
+from sftjob_trainer.configs import config_for_device, load_config
 from sftjob_trainer.data import load_examples
 from sftjob_trainer.distributed import (
     DistContext,
@@ -39,7 +39,7 @@ from sftjob_trainer.distributed import (
 )
 from sftjob_trainer.failures import classify, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
-from sftjob_trainer.loop import build_optimizer, build_scheduler, follow_course, make_scaler, train_step
+from sftjob_trainer.loop import build_optimizer, build_scheduler, continue_course, make_scaler, train_step
 from sftjob_trainer.metrics import Phase, TrainerMetrics, start_metrics
 from sftjob_trainer.model import (
     build_model,
@@ -106,28 +106,6 @@ def run(config_path: str) -> ExitCode:
             ctx.close()
 
 
-def config_for_device(path: str) -> str:
-    """The plan for the card this pod landed on: for `gpu.type: Any` or a preference list the operator
-    renders ``config-<profile>.json`` per candidate card beside the default ``config.json``."""
-    if not torch.cuda.is_available():
-        return path
-    profile = profile_for_product(torch.cuda.get_device_name())
-    if profile is None:
-        return path
-    variant = Path(path).with_name(CONFIG_VARIANT.format(profile=profile.key))
-    if not variant.exists():
-        return path
-    log.info("using the plan for %s: %s", profile.key, variant)
-    return str(variant)
-
-
-def load_config(path: str) -> TrainerConfig:
-    try:
-        return TrainerConfig.load(path)
-    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        raise TrainerError(ExitCode.CONFIG_ERROR, f"cannot load the trainer config {path}: {exc}") from exc
-
-
 class Training:
     def __init__(
         self, config: TrainerConfig, ctx: DistContext, stop: GracefulStop, metrics: TrainerMetrics | None
@@ -156,7 +134,7 @@ class Training:
             len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
         )
         schedule.validate()
-        planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (continue_course)
+        planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (loop.continue_course)
         longest = max(n for unit in units for n in unit.lengths)
         attention = resolve_attention(
             t.attention, ctx.device, t.packing, load_model_config(config.model), longest
@@ -274,7 +252,7 @@ class Training:
                 state.step,
             )
         state.fingerprint = fingerprint
-        course = self.continue_course(state, parts, planned)
+        course = continue_course(state, parts, self.t, planned)
         schedule = replace(schedule, offset=course.offset)
         if observer is not None:
             observer.follow(schedule, course.total)
@@ -313,43 +291,6 @@ class Training:
         self.ctx.wait_for_rank0()  # its download may outlast NCCL's timeout: the others wait on the CPU
         load_rank0_weights(model, weights)
         log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
-
-    def continue_course(self, state: TrainState, parts: Trainables, planned: int) -> Course:
-        """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
-        (``planned``; an OOM re-plan halved the rows) keeps the fraction of the run already done: it ends
-        after the share still to do and follows the learning-rate schedule at the new pace. A run length
-        the user changed (a job recreated over its kept checkpoints) starts a new schedule instead."""
-        t = self.t
-        length = f"maxSteps {t.max_steps}" if t.max_steps is not None else f"epochs {t.epochs:g}"
-        before = Course(**state.course) if state.course else None
-        if before is None or before.length != length:
-            course = Course.fresh(planned, length)
-            if before is not None:
-                log.warning(
-                    "resuming at step %d with another run length (%s, was %s): the learning-rate schedule"
-                    " is laid out over %d steps",
-                    state.step,
-                    length,
-                    before.length or "unknown",
-                    planned,
-                )
-            state.course = asdict(course)
-            return course
-        course = before.resumed(state.step, planned)
-        state.course = asdict(course)
-        if course != before:
-            log.warning(
-                "resuming at step %d with a data layout that takes %d steps for the whole run instead of %d:"
-                " %.1f%% of the run is done, so it ends at step %d, the learning rate continuing from there",
-                state.step,
-                planned,
-                before.total + before.offset,
-                100 * course.from_position / course.schedule_steps,
-                course.total,
-            )
-        if course.replanned:
-            follow_course(parts, self.t, course)
-        return course
 
     def loop(
         self,
