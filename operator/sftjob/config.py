@@ -25,6 +25,8 @@ Optimizer = Literal["adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_ada
 Sharding = Literal["none", "ddp", "fsdp", "hsdp"]
 # Malformed dataset rows the trainer skips (and counts) before it fails the job with DataError.
 DEFAULT_MAX_BAD_ROW_FRACTION = 0.01
+# Held-out examples an evaluation reads at most (a bounded pause at every checkpoint).
+DEFAULT_EVAL_MAX_SAMPLES = 1000
 
 
 class _Strict(BaseModel):
@@ -71,6 +73,27 @@ class DatasetSource(_Strict):
     def _one_source(self) -> DatasetSource:
         if (self.name is None) == (self.path is None):
             raise ValueError("dataset needs exactly one of name (hub id) or path")
+        return self
+
+
+class EvaluationSettings(_Strict):
+    """Examples kept out of training whose mean loss per target token the trainer reports: at every
+    checkpoint, every ``every_steps`` steps when set, and after the last step. They come from another
+    ``split`` of the dataset or are a ``fraction`` of the training rows, held out the same way on every
+    rank and attempt; at most ``max_samples`` of them."""
+
+    split: str | None = Field(default=None, min_length=1, max_length=64)
+    fraction: float | None = Field(default=None, gt=0, le=0.5)
+    max_samples: int = Field(default=DEFAULT_EVAL_MAX_SAMPLES, ge=1, le=100_000)
+    every_steps: int | None = Field(default=None, ge=1, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvaluationSettings:
+        if (self.split is None) == (self.fraction is None):
+            raise ValueError(
+                "evaluation needs exactly one of split (another split of the dataset) or fraction"
+                " (a share of the training rows held out)"
+            )
         return self
 
 
@@ -176,6 +199,7 @@ class TrainerConfig(_Strict):
     job: JobRef = JobRef()
     model: ModelSource
     dataset: DatasetSource
+    evaluation: EvaluationSettings | None = None
     method: Method = "lora"
     lora: LoraSettings = LoraSettings()
     training: TrainingSettings = TrainingSettings()

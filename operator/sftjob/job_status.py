@@ -65,6 +65,8 @@ class ProgressStatus(_Status):
     learning_rate: float | None = None
     tokens_per_second: float | None = None
     eta_seconds: int | None = None
+    eval_loss: float | None = None  # spec.evaluation's loss, measured at eval_step
+    eval_step: int | None = None
     updated: datetime | None = None
     summary: str = ""  # printer column: "120/1000"
 
@@ -72,6 +74,7 @@ class ProgressStatus(_Status):
 class CheckpointStatus(_Status):
     step: int
     path: str
+    eval_loss: float | None = None
     time: datetime | None = None
 
 

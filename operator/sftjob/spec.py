@@ -4,6 +4,7 @@ The CRD schema (``crds/sftjob.io_sftjobs.yaml``) rejects bad input at admission;
 second line of defence the operator parses every spec with, and the vocabulary the reconcile speaks.
 Blocks the trainer contract already defines are reused as they are: ``spec.training`` is
 :class:`~sftjob.config.TrainingOverrides`, ``spec.lora`` is :class:`~sftjob.config.LoraSettings`,
+``spec.evaluation`` is :class:`~sftjob.config.EvaluationSettings`,
 ``spec.model.architecture`` is :class:`~sftjob.architectures.Architecture` (its ``family`` narrowed to the
 CRD's enum), ``spec.restartPolicy`` is :class:`~sftjob.attempts.RestartPolicy`, volumes are
 :mod:`sftjob.volumes`'s, ``spec.network`` :mod:`sftjob.network`'s. Tolerations, node labels, names and
@@ -21,7 +22,14 @@ from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from sftjob.architectures import Architecture, ModelFamily
 from sftjob.attempts import OnOOM, RestartPolicy
-from sftjob.config import DEFAULT_MAX_BAD_ROW_FRACTION, DatasetFormat, LoraSettings, Method, TrainingOverrides
+from sftjob.config import (
+    DEFAULT_MAX_BAD_ROW_FRACTION,
+    DatasetFormat,
+    EvaluationSettings,
+    LoraSettings,
+    Method,
+    TrainingOverrides,
+)
 from sftjob.constants import CHECKPOINT_VOLUME_NAMES
 from sftjob.kube_names import (
     ENV_NAME,
@@ -297,6 +305,7 @@ class RestartPolicySpec(RestartPolicy):
 class SFTJobSpec(SpecModel):
     model: ModelSpec
     dataset: DatasetSpec
+    evaluation: EvaluationSettings | None = None
     method: Method = "lora"
     lora: LoraSettings = LoraSettings()
     gpu: GpuSpec = GpuSpec()
@@ -345,6 +354,15 @@ class SFTJobSpec(SpecModel):
         if self.method == "qlora" and (self.gpu.count != 1 or self.gpu.nodes != 1):
             raise ValueError(
                 "spec.method qlora runs on exactly one GPU: set spec.gpu.count 1 and spec.gpu.nodes 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _evaluation_is_held_out(self) -> SFTJobSpec:
+        if self.evaluation is not None and self.evaluation.split == self.dataset.split:
+            raise ValueError(
+                f"spec.evaluation.split {self.dataset.split!r} is the split the job trains on"
+                " (spec.dataset.split): name another split, or hold out a fraction of it"
             )
         return self
 

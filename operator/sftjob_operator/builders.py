@@ -143,6 +143,7 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
             max_seq_length=data.max_seq_length,
             max_bad_row_fraction=data.max_bad_row_fraction,
         ),
+        evaluation=spec.evaluation,
         method=spec.method,
         lora=LoraSettings(
             r=spec.lora.r,

@@ -235,6 +235,8 @@ def _progress(pod: Obj) -> ProgressStatus | None:
             learning_rate=_finite(report.get("learningRate")),
             tokens_per_second=_rounded(report.get("tokensPerSecond"), 1),
             eta_seconds=None if eta is None else int(eta),
+            eval_loss=_rounded(report.get("evalLoss"), 4),
+            eval_step=int(report["evalStep"]) if report.get("evalStep") is not None else None,
             updated=report.get("updated"),
             summary=f"{step}/{total or '?'}",  # no total yet: a download heartbeat before the data is read
         )
@@ -252,6 +254,9 @@ def _checkpoint(pod: Obj) -> CheckpointStatus | None:
     if report is None:
         return None
     try:
-        return CheckpointStatus.model_validate(report)
+        checkpoint = CheckpointStatus.model_validate(report)
     except ValidationError:
         return None
+    if checkpoint.eval_loss is not None and not math.isfinite(checkpoint.eval_loss):
+        return checkpoint.model_copy(update={"eval_loss": None})  # a JSON status holds no NaN
+    return checkpoint

@@ -178,6 +178,17 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.network.rdma.count",
     ),
     "zero network bandwidth": (spec_with(network={"bandwidthGbps": 0}), "spec.network.bandwidthGbps"),
+    "evaluation with both split and fraction": (
+        spec_with(evaluation={"split": "test", "fraction": 0.1}),
+        "spec.evaluation",
+    ),
+    "evaluation with neither split nor fraction": (
+        spec_with(evaluation={"maxSamples": 10}),
+        "spec.evaluation",
+    ),
+    "evaluation on the training split": (spec_with(evaluation={"split": "train"}), "spec.evaluation.split"),
+    "half the rows and more held out": (spec_with(evaluation={"fraction": 0.6}), "spec.evaluation.fraction"),
+    "zero held-out rows": (spec_with(evaluation={"fraction": 0}), "spec.evaluation.fraction"),
     "unknown architecture family": (
         spec_with(model={"name": "acme/model", "architecture": architecture(kvHeads=4, family="phi3")}),
         "spec.model.architecture.family",
@@ -225,6 +236,7 @@ def test_the_spec_is_immutable_except_suspend_deadline_and_ttl(jobs: Jobs) -> No
         ('{"spec":{"image":"evil:latest"}}', "spec.image"),
         ('{"spec":{"network":{"bandwidthGbps":100}}}', "spec.network"),
         ('{"spec":{"podAnnotations":{"a":"b"}}}', "spec.podAnnotations"),
+        ('{"spec":{"evaluation":{"fraction":0.1}}}', "spec.evaluation"),
     ):
         result = jobs.kubectl("patch", "sft", "settled", "--type=merge", "-p", patch, check=False)
         assert result.returncode != 0 and field in result.stderr and "immutable" in result.stderr

@@ -30,7 +30,8 @@ def train_log(config_path: Path) -> dict[int, float]:
             record = json.loads(line)
         except json.JSONDecodeError:  # the last line of a killed run may be cut
             continue
-        losses[record["step"]] = record["loss"]
+        if "loss" in record:  # not an evaluation's line
+            losses[record["step"]] = record["loss"]
     return losses
 
 

@@ -68,7 +68,8 @@ def _summary(config: Path) -> dict[str, Any]:
 
 def _grad_norms(config: Path) -> dict[int, float]:
     lines = (_output(config) / TRAIN_LOG_FILE).read_text().splitlines()
-    return {record["step"]: record["gradNorm"] for record in map(json.loads, lines)}
+    records = [json.loads(line) for line in lines]
+    return {r["step"]: r["gradNorm"] for r in records if "gradNorm" in r}  # not an evaluation's line
 
 
 def _assert_same_training(got: Path, expected: dict[int, tuple[float, float]], steps: range) -> None:
@@ -78,6 +79,10 @@ def _assert_same_training(got: Path, expected: dict[int, tuple[float, float]], s
     assert sorted(losses) == sorted(expected), (losses, expected)
     for step in steps:
         assert (losses[step], norms[step]) == pytest.approx(expected[step], rel=REL), step
+
+
+# A share of the rows held out and evaluated every two steps (spec.evaluation).
+HELD_OUT = {"evaluation": {"fraction": 0.1, "everySteps": 2}}
 
 
 def _training(config: Path) -> dict[int, tuple[float, float]]:
@@ -99,13 +104,15 @@ def test_two_ddp_ranks_train_with_the_losses_of_one_process_on_the_same_global_b
     trainer_config: MakeConfig, termination_log: Path
 ) -> None:
     lora = {"lora": {"dropout": 0.0}}
-    one = trainer_config("messages", name="one", **_batch(1), **lora)
+    one = trainer_config("messages", name="one", **_batch(1), **lora, **HELD_OUT)
     assert run(str(one)) == ExitCode.OK
 
-    two = trainer_config("messages", name="two", **_batch(RANKS), **lora)
+    two = trainer_config("messages", name="two", **_batch(RANKS), **lora, **HELD_OUT)
     assert torchrun(two, termination_log) == ExitCode.OK, trainer_output(two)
     _assert_same_training(two, _training(one), range(1, STEPS + 1))
     assert _summary(two)["tokens"] == _summary(one)["tokens"]  # counted over both ranks
+    # Each rank evaluates its share of the held-out examples; the loss is over all of them.
+    assert _summary(two)["evalLoss"] == pytest.approx(_summary(one)["evalLoss"], rel=REL)
     assert termination_log.read_text().startswith(f"completed {STEPS} steps")
 
 
@@ -232,11 +239,11 @@ def _pretrained_loads(folder: Path) -> list[int]:
 def test_fsdp2_full_fine_tuning_on_two_ranks_trains_and_resumes_with_the_losses_of_one_process(
     trainer_config: MakeConfig, termination_log: Path
 ) -> None:
-    one = trainer_config("messages", name="one", method="full", **_batch(1))
+    one = trainer_config("messages", name="one", method="full", **_batch(1), **HELD_OUT)
     assert run(str(one)) == ExitCode.OK
     expected = _training(one)
 
-    two = trainer_config("messages", name="fsdp", method="full", **_batch(RANKS, sharding="fsdp"))
+    two = trainer_config("messages", name="fsdp", method="full", **_batch(RANKS, sharding="fsdp"), **HELD_OUT)
     script = two.parent / "record_pretrained_loads.py"
     script.write_text(RECORD_PRETRAINED_LOADS)
     entry = [str(script), str(two.parent)]
@@ -253,3 +260,5 @@ def test_fsdp2_full_fine_tuning_on_two_ranks_trains_and_resumes_with_the_losses_
     _assert_same_training(two, expected, range(5, STEPS + 1))
     _assert_same_weights(_output(two), _output(one))
     assert _pretrained_loads(two.parent) == [1, 0]
+    # The shards gather in every evaluation's forward passes: the ranks run as many, short ones included.
+    assert _summary(two)["evalLoss"] == pytest.approx(_summary(one)["evalLoss"], rel=REL)

@@ -59,6 +59,10 @@ CONTRACT_METRICS = [
     "sftjob_train_attempt_start_timestamp_seconds",
     "sftjob_train_checkpoint_interval_seconds",
     "sftjob_train_download_bytes",
+    "sftjob_train_eta_seconds",
+    "sftjob_train_eval_loss",
+    "sftjob_train_eval_step",
+    "sftjob_train_eval_duration_seconds_bucket",
 ]
 
 
@@ -75,6 +79,7 @@ def test_metrics_endpoint_serves_every_contract_metric_during_a_run(
     config = trainer_config(
         training={"maxSteps": 400},
         checkpoints={"everySteps": 2},
+        evaluation={"fraction": 0.05},
         report={"metricsPort": port},
         job={"name": "tiny", "attempt": 2},
     )

@@ -34,12 +34,15 @@ class Recorder:
 
     def __init__(self) -> None:
         self.progress_records: list[dict[str, Any]] = []
+        self.checkpoints: list[tuple[int, float | None]] = []  # (step, eval loss)
 
     def progress(self, record: dict[str, Any]) -> None:
         self.progress_records.append(record)
 
-    def checkpoint(self, step: int, path: str, saved_at: float | None = None) -> None:
-        pass
+    def checkpoint(
+        self, step: int, path: str, saved_at: float | None = None, eval_loss: float | None = None
+    ) -> None:
+        self.checkpoints.append((step, eval_loss))
 
     def close(self) -> None:
         pass
@@ -97,6 +100,35 @@ def test_slow_steps_are_reported_before_the_next_would_leave_an_interval_without
         3,
         6,
     ]
+
+
+def test_an_evaluation_is_reported_at_once_and_in_every_report_after_it_and_with_its_checkpoint(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10, total=30)
+    for step in range(1, 11):
+        _step(observer, clock, step, 0.1)
+    state = TrainState(step=10, loss=1.0, eval_loss=2.5, eval_step=10)
+    observer.evaluating()
+    observer.evaluated(state, 3.0)
+    observer.checkpoint_saved(state, "/checkpoints/checkpoint-10", 1.0)
+    for step in range(11, 21):
+        _step(observer, clock, step, 0.1)
+    observer.checkpoint_saved(
+        TrainState(step=20, eval_loss=2.5, eval_step=10), "/checkpoints/checkpoint-20", 1.0
+    )
+    step_10, again, step_20 = recorder.progress_records
+    assert "evalLoss" not in step_10
+    assert again == step_10 | {"evalLoss": 2.5, "evalStep": 10}  # the step's figures kept
+    assert (step_20["step"], step_20["evalLoss"], step_20["evalStep"]) == (20, 2.5, 10)
+    assert recorder.checkpoints == [(10, 2.5), (20, None)]  # checkpoint 20's weights were not evaluated
+    assert (
+        observer.metrics.registry.get_sample_value("sftjob_train_eval_loss", {"sftjob": "run", "gpu": "cpu"})
+        == 2.5
+    )
+    lines = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert {"step": 10, "evalLoss": 2.5, "evalSeconds": 3.0} in lines
 
 
 def test_fast_steps_are_reported_only_at_logging_steps(tmp_path: Path, recorder: Recorder) -> None:
@@ -158,3 +190,9 @@ def test_a_restart_reports_the_step_it_resumes_from_while_it_loads(
     phases = [(r["phase"], r["step"]) for r in recorder.progress_records if "phase" in r]
     assert phases == [("data ready", 5), ("model loaded", 5), ("resumed", 5)]
     assert recorder.progress_records[2]["loss"] > 0
+
+
+def test_a_run_without_evaluation_exports_no_eval_loss() -> None:
+    metrics = TrainerMetrics("run", "cpu", "m", "lora", "fp32")
+    labels = {"sftjob": "run", "gpu": "cpu"}
+    assert metrics.registry.get_sample_value("sftjob_train_eval_loss", labels) is None

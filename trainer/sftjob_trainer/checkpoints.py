@@ -75,6 +75,8 @@ class TrainState:
     tokens: int = 0
     samples: int = 0
     loss: float | None = None
+    eval_loss: float | None = None  # the last evaluation's (spec.evaluation), at step eval_step
+    eval_step: int | None = None
     fingerprint: dict[str, Any] = field(default_factory=dict)
     course: dict[str, Any] = field(default_factory=dict)
 

@@ -39,6 +39,7 @@ class Phase(StrEnum):
     LOADING_MODEL = "loading_model"  # model, adapters, sharding, optimizer
     RESTORING = "restoring"  # the newest checkpoint, or (FSDP, fresh start) the pretrained weights
     TRAINING = "training"  # the optimizer steps and their checkpoints
+    EVALUATING = "evaluating"  # the loss on spec.evaluation's held-out examples, between two steps
 
 
 def checkpoint_interval(every: CheckpointSettings, seconds_per_step: float | None) -> float:
@@ -85,6 +86,9 @@ class TrainerMetrics:
         self.samples = counter("sftjob_train_samples", "Samples trained on, all ranks")
         self.tokens_per_second = gauge("sftjob_train_tokens_per_second", "Real tokens/s, last window")
         self.samples_per_second = gauge("sftjob_train_samples_per_second", "Samples/s, last window")
+        self.eta_seconds = gauge(
+            "sftjob_train_eta_seconds", "Estimated time to the last step at the last window's step rate"
+        )
         self.step_duration = histogram(
             "sftjob_train_step_duration_seconds",
             "Optimizer step time, without the wait for its batch",
@@ -129,6 +133,23 @@ class TrainerMetrics:
         self.download_bytes = gauge(
             "sftjob_train_download_bytes",
             "Bytes of the job's hub repos in the Hugging Face cache, as of the last download heartbeat",
+        )
+        # Exported from the first evaluation on: a job without spec.evaluation shows no eval loss of 0.
+        self._eval_loss = Gauge(
+            "sftjob_train_eval_loss",
+            "Mean loss per target token on the held-out examples (spec.evaluation), last evaluation",
+            names,
+            registry=self.registry,
+        )
+        self._eval_step = Gauge(
+            "sftjob_train_eval_step", "Optimizer step of the last evaluation", names, registry=self.registry
+        )
+        self._eval_duration = Histogram(
+            "sftjob_train_eval_duration_seconds",
+            "Time one evaluation took",
+            names,
+            buckets=SAVE_BUCKETS,
+            registry=self.registry,
         )
         self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (1 = first)")
         self.bad_rows = counter("sftjob_train_bad_rows", "Malformed dataset rows skipped")
@@ -197,6 +218,14 @@ class TrainerMetrics:
             self.memory_reserved.set(torch.cuda.memory_reserved(device))
             self.memory_peak.set(torch.cuda.max_memory_allocated(device))
             self.memory_total.set(torch.cuda.get_device_properties(device).total_memory)
+
+    def record_eval(self, step: int, loss: float, seconds: float | None) -> None:
+        """An evaluation that took ``seconds``; or (``seconds`` None) the one of the checkpoint a run
+        resumed from."""
+        self._eval_loss.labels(**self._labels).set(loss)
+        self._eval_step.labels(**self._labels).set(step)
+        if seconds is not None:
+            self._eval_duration.labels(**self._labels).observe(seconds)
 
     def record_checkpoint(self, step: int, seconds: float | None, saved_at: float | None = None) -> None:
         """A save that took ``seconds``; or (``seconds`` None) the checkpoint a run resumed from."""

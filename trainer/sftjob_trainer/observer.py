@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -56,6 +57,8 @@ class Observer:
         self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
         self._window: list[tuple[StepResult, float, float]] = []  # (result, wall seconds, flops)
         self._reported = clock()  # when the last progress report was sent
+        self._eval: dict[str, Any] = {}  # the last evaluation, in every report from then on
+        self._last: dict[str, Any] = {}  # the last report, sent again with a new evaluation
 
     def follow(self, schedule: Schedule, total: int) -> None:
         """The course this attempt follows once resumed (a changed data layout ends it at another step)."""
@@ -88,7 +91,8 @@ class Observer:
         self.metrics.training_started()
 
     def _progress(self, record: dict[str, Any]) -> None:
-        self.reporter.progress(record)
+        self._last = record
+        self.reporter.progress(record | self._eval)
         self._reported = self.clock()
 
     def _due(self, step: int, seconds: float) -> bool:
@@ -127,6 +131,7 @@ class Observer:
         eta = (self.total - state.step) * per_step
         self._window.clear()
         self.metrics.record_window(rates, self.ctx.device)
+        self.metrics.eta_seconds.set(eta)
         self.metrics.checkpoint_interval.set(checkpoint_interval(self.checkpoints, per_step))
         log.info(
             "step %d/%d (epoch %.2f) | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s | MFU %.1f%%"
@@ -154,19 +159,48 @@ class Observer:
         with self.train_log.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(record | {"gradNorm": result.grad_norm, "tokens": state.tokens}) + "\n")
 
-    def checkpoint_saved(self, step: int, path: str, seconds: float) -> None:
-        self.metrics.record_checkpoint(step, seconds)
-        self.reporter.checkpoint(step, path)
+    def evaluating(self) -> None:
+        self.metrics.enter(Phase.EVALUATING)
 
-    def resumed_from(self, step: int, path: Path) -> None:
+    def evaluated(self, state: TrainState, seconds: float) -> None:
+        """An evaluation at ``state.step`` ended: its loss goes into the metrics, the train log and every
+        progress report from now on."""
+        assert state.eval_loss is not None and state.eval_step is not None
+        self.metrics.enter(Phase.TRAINING)
+        self.metrics.record_eval(state.eval_step, state.eval_loss, seconds)
+        log.info("step %d: eval loss %.4f (%.1fs)", state.eval_step, state.eval_loss, seconds)
+        self._remember_eval(state)
+        self._progress(self._last or {"step": state.step, "totalSteps": self.total})
+        with self.train_log.open("a", encoding="utf-8") as fh:
+            line = {"step": state.step, "evalLoss": state.eval_loss, "evalSeconds": round(seconds, 3)}
+            fh.write(json.dumps(line) + "\n")
+
+    def _remember_eval(self, state: TrainState) -> None:
+        if state.eval_loss is not None and math.isfinite(state.eval_loss):
+            self._eval = {"evalLoss": state.eval_loss, "evalStep": state.eval_step}
+
+    def checkpoint_saved(self, state: TrainState, path: str, seconds: float) -> None:
+        self.metrics.record_checkpoint(state.step, seconds)
+        self.reporter.checkpoint(state.step, path, eval_loss=_eval_at(state, state.step))
+
+    def resumed_from(self, state: TrainState, path: Path) -> None:
         """The checkpoint this run resumed from, as old as it is (its completion marker's time): not a
         save of this run, so the save-duration histogram is left alone."""
         saved_at = (path / CHECKPOINT_COMPLETE_MARKER).stat().st_mtime
+        step = state.step
         self.metrics.record_checkpoint(step, None, saved_at)
         self.metrics.step.set(step)
         self.metrics.epoch.set(self.schedule.epoch_of(step))
-        self.reporter.checkpoint(step, str(path), saved_at)
+        self._remember_eval(state)
+        if state.eval_loss is not None and state.eval_step is not None:
+            self.metrics.record_eval(state.eval_step, state.eval_loss, None)
+        self.reporter.checkpoint(step, str(path), saved_at, eval_loss=_eval_at(state, step))
 
     def close(self) -> None:
         """The progress reports stop; the metrics endpoint belongs to the whole attempt (``run``)."""
         self.reporter.close()
+
+
+def _eval_at(state: TrainState, step: int) -> float | None:
+    """The evaluation of the weights saved at ``step``, if there was one."""
+    return state.eval_loss if state.eval_step == step else None

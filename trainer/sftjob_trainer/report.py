@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 from datetime import UTC, datetime
@@ -75,8 +76,13 @@ class ProgressReporter:
     def progress(self, record: dict[str, Any]) -> None:
         self._set(ANNOTATION_PROGRESS, record | {"updated": rfc3339_now()})
 
-    def checkpoint(self, step: int, path: str, saved_at: float | None = None) -> None:
-        self._set(ANNOTATION_CHECKPOINT, {"step": step, "path": path, "time": rfc3339_now(saved_at)})
+    def checkpoint(
+        self, step: int, path: str, saved_at: float | None = None, eval_loss: float | None = None
+    ) -> None:
+        record: dict[str, Any] = {"step": step, "path": path, "time": rfc3339_now(saved_at)}
+        if eval_loss is not None and math.isfinite(eval_loss):
+            record["evalLoss"] = eval_loss
+        self._set(ANNOTATION_CHECKPOINT, record)
 
     def _set(self, key: str, value: dict[str, Any]) -> None:
         if self._api is None:

@@ -47,6 +47,11 @@ def read_rows(source: DatasetSource) -> Iterator[tuple[str, Any]]:
 
 
 def _read_path(path: Path, split: str) -> Iterator[tuple[str, Any]]:
+    return _read_files(files_of(path, split))
+
+
+def files_of(path: Path, split: str) -> list[Path]:
+    """The data files ``dataset.path`` holds for ``split``: the file itself, or the folder's files of it."""
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
         if not files:
@@ -60,7 +65,7 @@ def _read_path(path: Path, split: str) -> Iterator[tuple[str, Any]]:
         files = [path]
     else:
         raise TrainerError(ExitCode.DATA_ERROR, f"dataset path {path} does not exist")
-    return _read_files(files)
+    return files
 
 
 def split_files(folder: Path, files: list[Path], split: str) -> list[Path]:

@@ -27,7 +27,7 @@ from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.configs import config_for_device, load_config
-from sftjob_trainer.data import load_examples
+from sftjob_trainer.data import Example, load_examples
 from sftjob_trainer.distributed import (
     DistContext,
     init_distributed,
@@ -37,6 +37,7 @@ from sftjob_trainer.distributed import (
     unwrap,
     wrap_model,
 )
+from sftjob_trainer.evaluation import EvalSet, eval_set, evaluate, hold_out, load_split
 from sftjob_trainer.failures import classify, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
 from sftjob_trainer.loop import build_optimizer, build_scheduler, continue_course, make_scaler, train_step
@@ -128,6 +129,7 @@ class Training:
         with heartbeat.downloads(config, Phase.LOADING_DATA, self.metrics):
             tokenizer = load_tokenizer(config.model)
             examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
+            examples, held = self.held_out(examples, fmt, tokenizer, packing_length)
         units = make_units(examples, packing_length)
         del examples  # the units hold the tokens now; every rank (and its workers) would keep both
         schedule = Schedule(
@@ -135,11 +137,12 @@ class Training:
         )
         schedule.validate()
         planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (loop.continue_course)
-        longest = max(n for unit in units for n in unit.lengths)
+        longest = max([n for unit in units for n in unit.lengths] + [len(e.input_ids) for e in held])
         attention = resolve_attention(
             t.attention, ctx.device, t.packing, load_model_config(config.model), longest
         )
         layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=tokenizer.pad_token_id)
+        evaluation = eval_set(held, packing_length, t.micro_batch_size, layout) if held else None
         log.info(
             "%d training units (%s), %d steps per epoch, %d steps in all",
             len(units),
@@ -167,7 +170,11 @@ class Training:
                 "truncated": stats.truncated,
                 "withoutTarget": stats.without_target,
             }
-            summary = self.train(tokenizer, units, schedule, layout, attention, planned, observer, data)
+            if evaluation is not None:
+                data["evalExamples"] = evaluation.examples
+            summary = self.train(
+                tokenizer, units, schedule, layout, attention, planned, observer, data, evaluation
+            )
             if ctx.is_main:
                 log.info("done: %s", json.dumps(summary))
             return summary
@@ -185,6 +192,7 @@ class Training:
         planned: int,
         observer: Observer | None,
         data: dict[str, Any],
+        evaluation: EvalSet | None,
     ) -> dict[str, Any]:
         """Model, optimizer, resume, the loop and the output; returns this attempt's summary (``data``: what
         loading the data counted, in it too)."""
@@ -257,7 +265,7 @@ class Training:
         if observer is not None:
             observer.follow(schedule, course.total)
             if resumed:
-                observer.resumed_from(state.step, resumed[1])
+                observer.resumed_from(state, resumed[1])
             observer.phase("resumed" if resumed else "starting", state.step, state.loss)
 
         seconds, tokens = self.loop(
@@ -268,6 +276,7 @@ class Training:
             course.total,
             observer,
             flops,
+            evaluation,
         )
         summary = {
             "finalLoss": state.loss,
@@ -280,8 +289,26 @@ class Training:
             "resumedFromStep": resumed_from,
             "method": config.method,
         } | data
+        if evaluation is not None:
+            summary |= {"evalLoss": state.eval_loss, "evalStep": state.eval_step}
         self.save_outputs(model, tokenizer, summary)
         return summary
+
+    def held_out(
+        self, examples: list[Example], fmt: str, tokenizer: Any, packing_length: int | None
+    ) -> tuple[list[Example], list[Example]]:
+        """(training, held-out) examples as ``evaluation`` asks; every example trains without it."""
+        settings, seed = self.config.evaluation, self.t.seed
+        if settings is None:
+            return examples, []
+        if settings.split is None:
+            examples, held = hold_out(examples, settings, seed)
+            where = f"held out of the {len(examples) + len(held)} training examples"
+        else:
+            held = load_split(self.config.dataset, settings, fmt, tokenizer, packing_length, seed)
+            where = f"from split {settings.split}"
+        log.info("evaluation: %d examples %s", len(held), where)
+        return examples, held
 
     def load_pretrained(self, model: torch.nn.Module, attention: str, observer: Observer | None) -> None:
         """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
@@ -301,9 +328,12 @@ class Training:
         total: int,
         observer: Observer | None,
         flops: Any,
+        evaluation: EvalSet | None,
     ) -> tuple[float, int]:
-        """Train from ``state.step`` to ``total``; returns (seconds, tokens) of this attempt."""
+        """Train from ``state.step`` to ``total``, evaluating (``evaluation``) before each checkpoint, every
+        ``evaluation.everySteps`` steps and after the last step; returns (seconds, tokens) of this attempt."""
         ctx, t, every = self.ctx, self.t, self.config.checkpoints
+        eval_every = self.config.evaluation.every_steps if self.config.evaluation else None
         # Its own generator: seeding workers must not draw from the global RNG restored from the checkpoint.
         loader = DataLoader(
             batches,
@@ -340,14 +370,23 @@ class Training:
             # The last step of an adapter run is saved too (a few MiB), so that a failure while writing the
             # output repeats no training; a full model's last step waits for the output alone.
             last = state.step == total and self.config.method != "full"
-            if stopping or last or (due and state.step < total):
+            save = stopping or last or (due and state.step < total)
+            scheduled = eval_every is not None and state.step % eval_every == 0
+            if evaluation is not None and not stopping and (save or scheduled or state.step == total):
+                if observer is not None:
+                    observer.evaluating()
+                state.eval_loss, took = evaluate(parts.model, evaluation, plan, ctx)
+                state.eval_step = state.step
+                if observer is not None:
+                    observer.evaluated(state, took)
+            if save:
                 saved = time.monotonic()
                 path = checkpoints.save(
                     Path(every.dir), state, parts, ctx, keep=every.keep, job=self.config.job
                 )
                 last_save = time.monotonic()
                 if observer is not None:
-                    observer.checkpoint_saved(state.step, str(path), last_save - saved)
+                    observer.checkpoint_saved(state, str(path), last_save - saved)
                 log.info("checkpoint %s saved in %.1fs", path, last_save - saved)
             if stopping:
                 raise TrainerError(

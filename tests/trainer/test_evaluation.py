@@ -1,0 +1,135 @@
+"""spec.evaluation: which examples are held out, how their loss is measured, and where it is reported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sftjob.config import DatasetSource, EvaluationSettings
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.batching import Layout
+from sftjob_trainer.checkpoints import newest_complete_step
+from sftjob_trainer.data import IGNORE_INDEX, Example
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.evaluation import eval_set, evaluate, hold_out, load_split
+from sftjob_trainer.model import precision_plan
+from sftjob_trainer.tiny import write_dataset
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig
+
+pytestmark = pytest.mark.trainer
+
+ONE_PROCESS = DistContext(0, 1, 0, 1, torch.device("cpu"))
+
+
+def _examples(count: int) -> list[Example]:
+    return [Example([1, 2 + i % 50, 3], [IGNORE_INDEX, 2 + i % 50, 3]) for i in range(count)]
+
+
+def test_a_held_out_fraction_is_the_same_examples_every_time_and_none_of_them_trains() -> None:
+    examples = _examples(200)
+    settings = EvaluationSettings(fraction=0.1)
+    train, held = hold_out(examples, settings, seed=7)
+    again_train, again_held = hold_out(examples, settings, seed=7)
+    assert len(held) == 20 and len(train) == 180
+    assert [id(e) for e in held] == [id(e) for e in again_held]
+    assert [id(e) for e in train] == [id(e) for e in again_train]
+    assert not {id(e) for e in held} & {id(e) for e in train}
+    _, other = hold_out(examples, settings, seed=8)
+    assert [id(e) for e in other] != [id(e) for e in held]
+
+
+def test_a_held_out_fraction_keeps_at_most_max_samples_and_at_least_one() -> None:
+    _, capped = hold_out(_examples(200), EvaluationSettings(fraction=0.5, max_samples=7), seed=0)
+    assert len(capped) == 7
+    _, one = hold_out(_examples(3), EvaluationSettings(fraction=0.01), seed=0)
+    assert len(one) == 1
+
+
+def test_a_fraction_that_leaves_nothing_to_train_on_is_a_data_error() -> None:
+    with pytest.raises(TrainerError) as err:
+        hold_out(_examples(1), EvaluationSettings(fraction=0.5), seed=0)
+    assert err.value.code == ExitCode.DATA_ERROR and "leaves none to train on" in str(err.value)
+
+
+def test_every_rank_runs_as_many_eval_batches_and_a_short_rank_gets_no_targets() -> None:
+    layout = Layout(packing=False, flatten=False, pad_id=0)
+    held = eval_set(_examples(5), None, 2, layout)
+    first, second = list(held.batches(0, 2)), list(held.batches(1, 2))
+    assert len(first) == len(second) == 2
+    assert [int(b["num_targets"]) for b in first] == [4, 2]  # units 0, 2 then 4
+    assert [int(b["num_targets"]) for b in second] == [4, 0]  # units 1, 3 then a blank batch
+    assert held.examples == 5
+
+
+@pytest.mark.parametrize(("packing", "micro"), [(None, 1), (None, 3), (128, 2)])
+def test_the_eval_loss_is_the_mean_loss_per_target_token_however_the_examples_are_batched(
+    tiny_model: Path, packing: int | None, micro: int
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
+    model.train()  # evaluate switches dropout and recomputation off, and puts the mode back
+    examples = [Example([5, 6 + i, 7, 8 + i, 9], [IGNORE_INDEX, IGNORE_INDEX, 7, 8 + i, 9]) for i in range(7)]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for e in examples:
+            logits = model(input_ids=torch.tensor([e.input_ids])).logits[0, :-1]
+            labels = torch.tensor(e.labels[1:])
+            total += float(torch.nn.functional.cross_entropy(logits, labels, reduction="sum"))
+            count += int((labels != IGNORE_INDEX).sum())
+    layout = Layout(packing=packing is not None, flatten=False, pad_id=0)
+    loss, seconds = evaluate(
+        model, eval_set(examples, packing, micro, layout), precision_plan("full", "fp32"), ONE_PROCESS
+    )
+    assert loss == pytest.approx(total / count, rel=1e-5)
+    assert seconds >= 0 and model.training
+
+
+def test_an_eval_split_that_reads_the_training_file_is_a_data_error(tmp_path: Path) -> None:
+    data = write_dataset(tmp_path / "rows.jsonl", "messages", rows=8)
+    source = DatasetSource(path=str(data))
+    with pytest.raises(TrainerError) as err:
+        load_split(source, EvaluationSettings(split="validation"), "messages", None, None, 0)
+    assert err.value.code == ExitCode.DATA_ERROR and "use evaluation.fraction" in str(err.value)
+
+
+def test_a_run_reports_its_eval_loss_in_the_summary_the_train_log_and_the_checkpoints(
+    trainer_config: MakeConfig,
+) -> None:
+    config = trainer_config(
+        "messages",
+        training={"maxSteps": 6},
+        checkpoints={"everySteps": 4},
+        evaluation={"fraction": 0.1, "everySteps": 3},
+    )
+    assert run(str(config)) == ExitCode.OK
+    settings = json.loads(config.read_text())
+    output = Path(settings["outputDir"])
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["evalStep"] == 6 and summary["evalExamples"] == 13  # 10% of 128 rows
+    lines = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    evaluations = [line for line in lines if "evalLoss" in line]
+    assert [line["step"] for line in evaluations] == [3, 4, 6]  # everySteps, the checkpoint, the end
+    assert evaluations[-1]["evalLoss"] == pytest.approx(summary["evalLoss"])
+    root = Path(settings["checkpoints"]["dir"])
+    step = newest_complete_step(root)
+    state = json.loads((root / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    assert state["eval_step"] == step and state["eval_loss"] == pytest.approx(summary["evalLoss"])
+
+
+def test_an_eval_split_of_a_dataset_folder_reads_its_own_files(
+    trainer_config: MakeConfig, tmp_path: Path
+) -> None:
+    folder = tmp_path / "data"
+    write_dataset(folder / "train.jsonl", "alpaca", rows=64, seed=0)
+    write_dataset(folder / "validation.jsonl", "alpaca", rows=5, seed=3)
+    config = trainer_config(
+        "alpaca", training={"maxSteps": 2}, dataset={"path": str(folder)}, evaluation={"split": "validation"}
+    )
+    assert run(str(config)) == ExitCode.OK
+    summary = json.loads((Path(json.loads(config.read_text())["outputDir"]) / "summary.json").read_text())
+    assert summary["evalExamples"] == 5 and summary["evalLoss"] > 0

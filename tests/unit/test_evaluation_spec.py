@@ -1,0 +1,92 @@
+"""spec.evaluation: what the spec accepts, what the trainer is told and what the status shows of it."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from sftjob.config import EvaluationSettings
+from sftjob.constants import ANNOTATION_CHECKPOINT, ANNOTATION_PROGRESS
+from sftjob.spec import SFTJobSpec
+from sftjob_operator import observe
+
+BASE: dict[str, Any] = {"model": {"name": "meta-llama/Llama-3.1-8B"}, "dataset": {"name": "org/chats"}}
+
+
+def _spec(**changes: Any) -> SFTJobSpec:
+    return SFTJobSpec.model_validate(BASE | changes)
+
+
+def test_evaluation_is_off_unless_asked_for_and_keeps_a_thousand_examples_by_default() -> None:
+    assert _spec().evaluation is None
+    settings = _spec(evaluation={"fraction": 0.02}).evaluation
+    assert settings == EvaluationSettings(fraction=0.02, max_samples=1000, every_steps=None)
+
+
+@pytest.mark.parametrize(
+    ("evaluation", "words"),
+    [
+        ({"split": "test", "fraction": 0.1}, "exactly one of split"),
+        ({"everySteps": 10}, "exactly one of split"),
+        ({"split": "train"}, "the split the job trains on"),
+        ({"fraction": 0.6}, "less than or equal to 0.5"),
+        ({"fraction": 0}, "greater than 0"),
+        ({"fraction": 0.1, "maxSamples": 0}, "greater than or equal to 1"),
+    ],
+)
+def test_an_evaluation_that_holds_out_nothing_or_everything_is_refused(
+    evaluation: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(ValidationError, match=words):
+        _spec(evaluation=evaluation)
+
+
+def test_another_split_than_the_training_split_is_accepted() -> None:
+    spec = _spec(dataset={"name": "org/chats", "split": "train_sft"}, evaluation={"split": "test_sft"})
+    assert spec.evaluation is not None and spec.evaluation.split == "test_sft"
+
+
+def _pod(progress: dict[str, Any] | None = None, checkpoint: dict[str, Any] | None = None) -> observe.Obj:
+    annotations = {}
+    if progress is not None:
+        annotations[ANNOTATION_PROGRESS] = json.dumps(progress)
+    if checkpoint is not None:
+        annotations[ANNOTATION_CHECKPOINT] = json.dumps(checkpoint)
+    return {"metadata": {"name": "job-1-0", "annotations": annotations}, "status": {}}
+
+
+def test_the_status_shows_the_last_eval_loss_and_the_step_it_was_measured_at() -> None:
+    progress = observe.progress_of(
+        [_pod({"step": 40, "totalSteps": 100, "evalLoss": 1.234567, "evalStep": 30})]
+    )
+    assert progress is not None and (progress.eval_loss, progress.eval_step) == (1.2346, 30)
+    assert observe.progress_of([_pod({"step": 40, "totalSteps": 100})]).eval_loss is None  # type: ignore[union-attr]
+
+
+def test_a_checkpoint_carries_the_eval_loss_of_its_weights_and_never_a_nan() -> None:
+    checkpoint = {"step": 30, "path": "/checkpoints/checkpoint-30", "evalLoss": 1.5}
+    found = observe.checkpoint_of([_pod(checkpoint=checkpoint)])
+    assert found is not None and found.eval_loss == 1.5
+    nan = observe.checkpoint_of([_pod(checkpoint=checkpoint | {"evalLoss": math.nan})])
+    assert nan is not None and nan.eval_loss is None and nan.step == 30
+
+
+def test_the_trainer_is_told_the_evaluation_as_the_spec_gives_it() -> None:
+    from sftjob.config import JobRef
+    from sftjob_operator import builders
+    from sftjob_operator.planning import plan_candidates
+    from sftjob_operator.scheduling import default_products
+
+    spec = _spec(evaluation={"split": "test", "everySteps": 50})
+    job = JobRef(namespace="ns", name="job", uid="u", attempt=1)
+    config = builders.trainer_config(job, spec, plan_candidates(spec, default_products()).first)
+    assert config.evaluation == EvaluationSettings(split="test", every_steps=50)
+    plain = _spec()
+    assert (
+        builders.trainer_config(job, plain, plan_candidates(plain, default_products()).first).evaluation
+        is None
+    )

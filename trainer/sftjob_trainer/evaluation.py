@@ -1,0 +1,160 @@
+"""The loss on examples the run does not train on (``spec.evaluation``): which ones, and how it is measured.
+
+The held-out examples are another split of the dataset, or a fraction of the training examples picked by
+a shuffle seeded with ``training.seed``: the same ones on every rank and in every attempt, so a resumed run
+never trains on what it evaluated before. At most ``max_samples`` of them are kept (the first of the same
+shuffle). They are packed like the training rows and cut to the same length.
+
+Every rank evaluates its share in micro-batches of the training's size, as many forward passes on every
+rank (a sharded model gathers its weights in each one; a rank with nothing left runs a batch without
+targets), in eval mode (no dropout, no recomputation) and without gradients. The loss is the sum over
+every target token of every rank divided by their number, as training's is. Liger's fused loss is asked
+for explicitly (it skips the logits only in training mode by default): evaluation then needs no more
+memory than a training step did.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from sftjob.config import DatasetSource, EvaluationSettings
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.batching import Layout, Unit, collate, make_units
+from sftjob_trainer.data import IGNORE_INDEX, Example, load_examples
+from sftjob_trainer.distributed import DistContext, unwrap
+from sftjob_trainer.loop import model_inputs
+from sftjob_trainer.model import PrecisionPlan, liger_kernels_in
+from sftjob_trainer.sources import files_of
+
+log = logging.getLogger("sftjob_trainer")
+
+
+def hold_out(
+    examples: list[Example], settings: EvaluationSettings, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) examples: ``settings.fraction`` of them held out (at least one, at most
+    ``max_samples``), or none when the held-out examples come from another split."""
+    if settings.fraction is None:
+        return examples, []
+    count = min(settings.max_samples, max(1, round(settings.fraction * len(examples))))
+    if count >= len(examples):
+        raise TrainerError(
+            ExitCode.DATA_ERROR,
+            f"evaluation.fraction {settings.fraction} of {len(examples)} examples leaves none to train on:"
+            " add data or evaluate on another split (evaluation.split)",
+        )
+    held = np.zeros(len(examples), dtype=bool)
+    held[_shuffled(len(examples), seed)[:count]] = True
+    return [e for e, h in zip(examples, held, strict=True) if not h], [
+        e for e, h in zip(examples, held, strict=True) if h
+    ]
+
+
+def load_split(
+    source: DatasetSource,
+    settings: EvaluationSettings,
+    fmt: str,
+    tokenizer: Any,
+    row_length: int | None,
+    seed: int,
+) -> list[Example]:
+    """The held-out examples of ``settings.split``, read in the training data's format; at most
+    ``max_samples`` of them. Files that the training split reads too are refused (a single file, or a
+    folder whose file names name no split, reads the same rows for every split)."""
+    assert settings.split is not None
+    if source.path is not None:
+        path = Path(source.path)
+        shared = set(files_of(path, source.split)) & set(files_of(path, settings.split))
+        if shared:
+            raise TrainerError(
+                ExitCode.DATA_ERROR,
+                f"evaluation.split {settings.split!r} reads {len(shared)} file(s) that the training split"
+                f" {source.split!r} reads too (e.g. {sorted(shared)[0]}): name the splits in the dataset"
+                " folder's file names (train.jsonl, validation.jsonl) or use evaluation.fraction",
+            )
+    held_source = source.model_copy(update={"split": settings.split, "format": fmt})
+    examples, _, _ = load_examples(held_source, tokenizer, row_length)
+    if len(examples) > settings.max_samples:
+        keep = np.sort(_shuffled(len(examples), seed)[: settings.max_samples])
+        examples = [examples[i] for i in keep]
+    return examples
+
+
+def _shuffled(count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).permutation(count)
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The held-out units and how one rank batches them."""
+
+    units: list[Unit]
+    micro_batch_size: int
+    layout: Layout
+
+    @property
+    def examples(self) -> int:
+        return sum(len(u.lengths) for u in self.units)
+
+    def batches(self, rank: int, world_size: int) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's micro-batches: every rank yields the same number of them (the ranks' forward
+        passes must pair up), a rank short of units a batch without targets."""
+        mine = self.units[rank::world_size]
+        count = math.ceil(math.ceil(len(self.units) / world_size) / self.micro_batch_size)
+        blank = Unit(
+            self.units[0].input_ids, np.full_like(self.units[0].labels, IGNORE_INDEX), self.units[0].lengths
+        )
+        for i in range(count):
+            picked = mine[i * self.micro_batch_size : (i + 1) * self.micro_batch_size]
+            yield collate(picked or [blank], self.layout)
+
+
+def eval_set(
+    examples: list[Example], packing_length: int | None, micro_batch_size: int, layout: Layout
+) -> EvalSet:
+    return EvalSet(make_units(examples, packing_length), micro_batch_size, layout)
+
+
+@contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode without gradients for the duration; the model's own mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def evaluate(
+    model: nn.Module, held_out: EvalSet, plan: PrecisionPlan, ctx: DistContext
+) -> tuple[float, float]:
+    """Collective: the mean loss per target token over every rank's share of ``held_out``, and the
+    seconds it took."""
+    started = time.monotonic()
+    extra = {"skip_logits": True} if "fused linear cross-entropy" in liger_kernels_in(unwrap(model)) else {}
+    one = torch.ones((), device=ctx.device)
+    loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
+    targets = 0.0
+    with evaluating(model):
+        for batch in held_out.batches(ctx.rank, ctx.world_size):
+            inputs = model_inputs(batch, ctx.device)
+            with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
+                # num_items_in_batch 1: the loss comes back as the sum over the batch's target tokens.
+                out = model(**inputs, use_cache=False, num_items_in_batch=one, **extra)
+            loss_sum += out.loss.detach().double()
+            targets += float(batch["num_targets"])
+    total, count = ctx.sum([float(loss_sum), targets])
+    return total / max(count, 1.0), time.monotonic() - started
