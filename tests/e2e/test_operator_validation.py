@@ -250,6 +250,6 @@ def test_the_wide_listing_shows_every_printer_column_with_the_reason(jobs: Jobs)
     jobs.wait_phase("listed", "Suspended")
     header, row = jobs.kubectl("get", "sft", "listed", "-o", "wide").stdout.splitlines()
     assert header.split() == [
-        *("NAME", "GPU", "PHASE", "PROGRESS", "LOSS", "TOK/S", "RESTARTS", "AGE", "PLAN", "REASON")
+        *("NAME", "GPU", "PHASE", "PROGRESS", "LOSS", "TOK/S", "RESTARTS", "AGE", "PLAN", "EVAL", "REASON")
     ]
     assert row.split()[-1] == "SuspendedBySpec"
