@@ -1,10 +1,11 @@
 """One plan per GPU profile the job may land on, made at admission and re-derived on every pass.
 
 A job for one GPU type is planned for that type's cards; ``Any`` or an ordered list is planned for
-every candidate card. The ConfigMap carries all of them (the trainer picks its row from the device it
-finds), the affinity keeps the pods off cards whose plan does not fit, and ``status.plan`` shows the
-plan of the card the pods landed on. Planning is pure and memoised on the spec, so re-deriving it on
-every reconcile pass costs nothing after the first.
+every candidate card; a nodeSelector on the GPU product label narrows them to that product's card
+(``sftjob.gpu_products``, the cards ``sftjob plan`` shows). The ConfigMap carries all of them (the
+trainer picks its row from the device it finds), the affinity keeps the pods off cards whose plan does
+not fit, and ``status.plan`` shows the plan of the card the pods landed on. Planning is pure and
+memoised on the spec, so re-deriving it on every reconcile pass costs nothing after the first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sftjob import constants as c
+from sftjob.gpu_products import GpuCards, ProductMap, cards_for_job
 from sftjob.gpus import GpuProfile
 from sftjob.job_plan import plan_job
 from sftjob.job_status import PlanStatus
@@ -20,7 +23,6 @@ from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
 from sftjob.storage import too_small
 from sftjob_operator.conditions import Reason
-from sftjob_operator.scheduling import ProductMap, profile_of
 
 PlanFn = Callable[[SFTJobSpec, GpuProfile], Plan]
 
@@ -65,20 +67,13 @@ def planner_plan(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
 
 
 def plan_candidates(spec: SFTJobSpec, products: ProductMap, plan_fn: PlanFn = planner_plan) -> CandidatePlans:
-    """Plans for every card the job's GPU types cover; raises PlanningError when none can run it."""
-    profiles: dict[str, GpuProfile] = {}
-    by_product: dict[str, str] = {}
-    for gpu_type in spec.gpu.candidates():
-        for product in products[gpu_type]:
-            profile = profile_of(product, gpu_type)
-            if profile is None:
-                continue
-            profiles.setdefault(profile.key, profile)
-            by_product[product] = profile.key
-    plans = {key: _cached_plan(plan_fn, spec, profile) for key, profile in profiles.items()}
-    found = CandidatePlans(plans, by_product)
+    """Plans for every card the job may land on (:func:`sftjob.gpu_products.cards_for_job`); raises
+    PlanningError when none can run it, the card its nodeSelector names included."""
+    cards = cards_for_job(spec, products)
+    plans = {key: _cached_plan(plan_fn, spec, profile) for key, profile in cards.profiles.items()}
+    found = CandidatePlans(plans, cards.profile_by_product)
     if not found.fitting:
-        raise PlanningError(Reason.DOES_NOT_FIT, _no_fit_message(spec, plans))
+        raise PlanningError(Reason.DOES_NOT_FIT, _no_fit_message(spec, cards, plans))
     return found
 
 
@@ -120,7 +115,7 @@ def _memo(plan_fn: PlanFn, spec_json: str, profile: GpuProfile) -> Plan:
     return plan_fn(SFTJobSpec.model_validate_json(spec_json), profile)
 
 
-def _no_fit_message(spec: SFTJobSpec, plans: dict[str, Plan]) -> str:
+def _no_fit_message(spec: SFTJobSpec, cards: GpuCards, plans: dict[str, Plan]) -> str:
     if not plans:
         return "no GPU profile is known for the products of spec.gpu.type"
     verdicts = [
@@ -129,4 +124,7 @@ def _no_fit_message(spec: SFTJobSpec, plans: dict[str, Plan]) -> str:
     ]
     suggestions = next((p.suggestions for p in plans.values() if p.suggestions), [])
     advice = f"; try: {'; '.join(suggestions[:3])}" if suggestions else ""
-    return f"{spec.method} does not fit on {spec.gpu.describe()}: {' | '.join(verdicts)}{advice}"
+    where = spec.gpu.describe()
+    if cards.selected is not None:
+        where += f" narrowed by spec.nodeSelector {c.GFD_PRODUCT}={cards.selected}"
+    return f"{spec.method} does not fit on {where}: {' | '.join(verdicts)}{advice}"

@@ -19,7 +19,8 @@ node would talk over TCP instead of NVLink. The first pod goes wherever the node
 in the cluster does) and the others follow its product; when that product has no other free node, they
 wait Pending, as the scheduler never moves a bound pod.
 
-The mapping is operator configuration (``--gpu-products``); the default comes from ``sftjob.gpus``.
+The mapping is operator configuration (``--gpu-products``, parsed here); the default and the cards it
+leads to are ``sftjob.gpu_products``, shared with ``sftjob plan``.
 """
 
 from __future__ import annotations
@@ -29,18 +30,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sftjob import constants as c
-from sftjob.gpus import GPU_TYPES, GpuProfile, products_for_type, profile_for_product, profile_for_type
+from sftjob.gpu_products import ProductMap, default_products
+from sftjob.gpus import GPU_TYPES
 
-ProductMap = Mapping[str, Sequence[str]]  # GPU type ("A800") -> GFD product labels
 HOSTNAME_FIELD = "metadata.name"
 HOSTNAME_LABEL = "kubernetes.io/hostname"  # the kubelet's label: one value per node
 # The weight of "not a node that failed the job before": at least the top GPU-type preference (100), so
 # a healthy node of any candidate type outscores a failed node of the most preferred one (100 + 25 > 100).
 AVOID_WEIGHT = 100
-
-
-def default_products() -> dict[str, list[str]]:
-    return {gpu_type: products_for_type(gpu_type) for gpu_type in GPU_TYPES}
 
 
 def parse_products(text: str) -> dict[str, list[str]]:
@@ -62,14 +59,6 @@ def parse_products(text: str) -> dict[str, list[str]]:
             raise ValueError(f"products for {gpu_type} must be a non-empty list of labels")
         mapping[gpu_type] = list(products)
     return mapping
-
-
-def profile_of(product: str, gpu_type: str | None = None) -> GpuProfile | None:
-    """The profile for a node's product label; a configured product the table lacks plans as its type."""
-    found = profile_for_product(product)
-    if found is None and gpu_type is not None:
-        return profile_for_type(gpu_type)
-    return found
 
 
 def type_of(product: str, products: ProductMap) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sftjob.failures import FailureClass
+from sftjob.gpu_products import profile_of
 from sftjob.job_status import GpuStatus, SFTJobStatus
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
@@ -19,7 +20,7 @@ from sftjob_operator import observe
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason, set_condition
 from sftjob_operator.planning import CandidatePlans
-from sftjob_operator.scheduling import ProductMap, profile_of, type_of
+from sftjob_operator.scheduling import ProductMap, type_of
 
 Obj = Mapping[str, Any]
 # Rounds of repairs before a status is given up as unreadable; each round removes what the previous

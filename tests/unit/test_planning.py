@@ -1,12 +1,23 @@
-"""The operator's plans per candidate GPU: what the user's spec.resources changes in the planned pod."""
+"""The operator's plans per candidate GPU: the cards planned (a product nodeSelector narrows them), and
+what the user's spec.resources changes in the planned pod."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+import pytest
+
+from sftjob import constants as c
+from sftjob.gpu_products import cards_for_job
 from sftjob.spec import SFTJobSpec
-from sftjob_operator.planning import plan_candidates
+from sftjob_operator.conditions import Reason
+from sftjob_operator.planning import PlanningError, plan_candidates
+from sftjob_operator.reconcile import reconcile
 from sftjob_operator.scheduling import default_products
+from tests.unit.reconcile_cases import CTX, condition, fake_plan, observed
+
+PRODUCTS = default_products()
 
 SPEC: dict[str, Any] = {
     "model": {"name": "Qwen/Qwen2.5-0.5B-Instruct"},
@@ -17,7 +28,7 @@ SPEC: dict[str, Any] = {
 
 
 def planned(**changes: Any) -> Any:
-    return plan_candidates(SFTJobSpec.model_validate({**SPEC, **changes}), default_products()).first
+    return plan_candidates(SFTJobSpec.model_validate({**SPEC, **changes}), PRODUCTS).first
 
 
 def test_without_resources_the_plan_sizes_cpus_workers_and_threads_itself() -> None:
@@ -41,3 +52,42 @@ def test_a_users_memory_alone_leaves_the_planned_cpus_alone() -> None:
     plan = planned(resources={"memory": "200Gi"})
     assert plan.resources.memory == "200Gi" and plan.resources.cpu == "32"
     assert plan.training.dataloader_workers == 4
+
+
+def test_the_operator_plans_exactly_the_cards_sftjob_plan_is_given() -> None:
+    for gpu in ({"type": "A800"}, {"type": "Any"}, {"types": ["L40S", "A800"]}):
+        spec = SFTJobSpec.model_validate({**SPEC, "gpu": gpu})
+        assert list(plan_candidates(spec, PRODUCTS, fake_plan).plans) == list(
+            cards_for_job(spec, PRODUCTS).profiles
+        )
+
+
+def test_a_node_selector_on_a_card_too_small_for_the_job_fails_planning_with_that_cards_reason() -> None:
+    spec = SFTJobSpec.model_validate(
+        {**SPEC, "model": {"name": "Qwen/Qwen2.5-72B-Instruct"}, "method": "qlora", "gpu": {"type": "A800"}}
+    )
+    assert plan_candidates(spec, PRODUCTS).allowed_products()  # the 80 GB cards fit it
+    narrowed = spec.model_copy(update={"node_selector": {c.GFD_PRODUCT: "NVIDIA-A800-PCIE-40GB"}})
+    with pytest.raises(PlanningError) as raised:
+        plan_candidates(narrowed, PRODUCTS)
+    assert raised.value.reason == Reason.DOES_NOT_FIT
+    message = raised.value.message
+    assert f"spec.nodeSelector {c.GFD_PRODUCT}=NVIDIA-A800-PCIE-40GB" in message
+    assert "A800-PCIE-40GB: qlora of 72.7B on 1 x A800-PCIE-40GB needs ~" in message
+    assert "SXM4" not in message.split("; try:")[0]  # only the selected card's verdict
+
+
+def test_a_node_selector_on_a_fitting_card_plans_and_admits_that_card_alone() -> None:
+    selector = {c.GFD_PRODUCT: "NVIDIA-A800-PCIE-80GB"}
+    spec = SFTJobSpec.model_validate({**SPEC, "gpu": {"type": "A800"}, "nodeSelector": selector})
+    plans = plan_candidates(spec, PRODUCTS, fake_plan)
+    assert list(plans.plans) == ["A800-PCIE-80GB"] and plans.first.gpu == "A800-PCIE-80GB"
+    assert plans.allowed_products() == ["NVIDIA-A800-PCIE-80GB"]
+
+
+def test_a_job_selecting_a_card_its_plan_does_not_fit_fails_before_any_pod_instead_of_pending() -> None:
+    ctx = replace(CTX, plan_fn=lambda spec, profile: fake_plan(spec, profile, fits=profile.memory_gib > 50))
+    selector = {c.GFD_PRODUCT: "NVIDIA-A800-PCIE-40GB"}
+    actions = reconcile(observed(spec={**SPEC, "gpu": {"type": "A800"}, "nodeSelector": selector}), ctx)
+    assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "DoesNotFit")
+    assert condition(actions, "Planned") == ("False", "DoesNotFit") and not actions.children

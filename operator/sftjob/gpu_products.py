@@ -1,0 +1,73 @@
+"""The GPU cards a job may land on: its GPU types expanded to product labels, then to GPU profiles.
+
+A GPU type covers several cards (A800: SXM4 80 GB, PCIe 80 GB, PCIe 40 GB), each with its own memory
+and interconnect and so its own plan. The operator plans every card here (``sftjob_operator.planning``)
+and ``sftjob plan`` shows the same cards, so the two can never disagree on what a job may run on. A
+``spec.nodeSelector`` on the GPU Feature Discovery product label names one card: the job can land
+nowhere else, so it is planned for that card alone (and fails when that card's plan does not fit,
+instead of waiting Pending for nodes its affinity and its selector can never both match).
+
+The product mapping is operator configuration (``--gpu-products``); the default comes from
+``sftjob.gpus``. Pure: no I/O, no cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sftjob import constants as c
+from sftjob.gpus import GPU_TYPES, GpuProfile, products_for_type, profile_for_product, profile_for_type
+from sftjob.spec import SFTJobSpec
+
+ProductMap = Mapping[str, Sequence[str]]  # GPU type ("A800") -> GFD product labels
+
+
+@dataclass(frozen=True)
+class GpuCards:
+    """The distinct GPU profiles a job may land on, by key in preference order, and the product
+    labels each serves (``selected``: the product a nodeSelector narrowed them to, if any)."""
+
+    profiles: dict[str, GpuProfile]
+    profile_by_product: dict[str, str]
+    selected: str | None = None
+
+
+def default_products() -> dict[str, list[str]]:
+    return {gpu_type: products_for_type(gpu_type) for gpu_type in GPU_TYPES}
+
+
+def profile_of(product: str, gpu_type: str | None = None) -> GpuProfile | None:
+    """The profile for a node's product label; a configured product the table lacks plans as its type."""
+    return profile_for_product(product) if gpu_type is None else _card(product, gpu_type)
+
+
+def cards_for_types(
+    gpu_types: Sequence[str], products: ProductMap, node_selector: Mapping[str, str] | None = None
+) -> GpuCards:
+    """Every card of ``gpu_types`` (in that order) under ``products``; a ``node_selector`` naming one
+    of their product labels narrows them to that product's card. A selector naming a product outside
+    them narrows nothing: admission refuses it (``scheduling.selector_problem``), and a job started
+    before the operator's mapping changed keeps its cards."""
+    profiles: dict[str, GpuProfile] = {}
+    by_product: dict[str, str] = {}
+    for gpu_type in gpu_types:
+        for product in products[gpu_type]:
+            profile = _card(product, gpu_type)
+            profiles.setdefault(profile.key, profile)
+            by_product[product] = profile.key
+    wanted = (node_selector or {}).get(c.GFD_PRODUCT)
+    if wanted is None or wanted not in by_product:
+        return GpuCards(profiles, by_product)
+    key = by_product[wanted]
+    return GpuCards({key: profiles[key]}, {wanted: key}, selected=wanted)
+
+
+def cards_for_job(spec: SFTJobSpec, products: ProductMap) -> GpuCards:
+    """The cards the operator plans ``spec`` for: its GPU types, most preferred first, narrowed by its
+    nodeSelector."""
+    return cards_for_types(spec.gpu.candidates(), products, spec.node_selector)
+
+
+def _card(product: str, gpu_type: str) -> GpuProfile:
+    return profile_for_product(product) or profile_for_type(gpu_type)
