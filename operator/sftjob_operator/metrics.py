@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from datetime import datetime
 from importlib.metadata import version
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -66,10 +67,16 @@ _job_states: dict[tuple[str, str], tuple[str, str]] = {}  # (namespace, name) ->
 _job_counts: Tally[tuple[str, str]] = Tally()
 
 
-def serve(port: int) -> None:
+def serve(port: int) -> WSGIServer:
+    """Start the metrics endpoint (port 0 picks a free one). It listens on IPv6 and IPv4 together, so an
+    IPv6-only cluster scrapes it too, and on IPv4 alone where the kernel has no IPv6."""
     BUILD_INFO.labels(version=version("sftjob")).set(1)
     create_series()
-    start_http_server(port)
+    try:
+        server, _thread = start_http_server(port, addr="::")
+    except OSError:
+        server, _thread = start_http_server(port)
+    return server
 
 
 def create_series() -> None:

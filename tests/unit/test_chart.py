@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -232,6 +233,16 @@ def test_operator_runs_once_with_recreate_peering_named_for_the_release_and_json
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"metrics": 8080, "healthz": 8081}
     assert one(docs, "ClusterKopfPeering")["metadata"]["name"] == RELEASE
+
+
+@pytest.mark.parametrize(
+    ("host", "bound"), [("0.0.0.0", "0.0.0.0"), ("::", "::"), ("[::]", "::"), ("fd00::1", "fd00::1")]
+)
+def test_the_liveness_endpoint_binds_the_address_family_liveness_host_names(host: str, bound: str) -> None:
+    # kopf binds the host of its --liveness URL exactly, as urlsplit reads it: an IPv6 host needs brackets.
+    args = operator_container(render("default", (f"liveness.host={host}",)))["args"]
+    (url,) = [urlsplit(a.removeprefix("--liveness=")) for a in args if a.startswith("--liveness=")]
+    assert (url.hostname, url.port, url.path) == (bound, 8081, "/healthz")
 
 
 def operator_env(docs: list[Manifest]) -> dict[str, str]:

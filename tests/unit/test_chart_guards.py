@@ -47,3 +47,19 @@ def test_every_service_name_is_a_dns_label_whatever_the_release_is_called(
     assert services and all(DNS_LABEL.match(name) for name in services), services
     # Everything else takes a DNS subdomain (253 characters), which the release's 53 always leave room for.
     assert all(len(d["metadata"]["name"]) <= 253 for d in docs)
+
+
+@pytest.mark.parametrize("monitor", ["serviceMonitor", "podMonitor"])
+def test_a_scrape_timeout_longer_than_the_interval_fails_instead_of_a_monitor_prometheus_drops(
+    monitor: str,
+) -> None:
+    stderr = refusal(f"metrics.{monitor}.enabled=true", f"metrics.{monitor}.interval=5s")
+    assert f"metrics.{monitor}.scrapeTimeout (10s) is longer than metrics.{monitor}.interval (5s)" in stderr
+
+
+@pytest.mark.parametrize(("interval", "timeout"), [("5s", "5000ms"), ("1m", "59s"), ("1h", "59m59s")])
+def test_a_scrape_timeout_up_to_the_interval_renders(interval: str, timeout: str) -> None:
+    sets = ("metrics.podMonitor.enabled=true", f"metrics.podMonitor.interval={interval}")
+    out = helm(*template_args(sets=(*sets, f"metrics.podMonitor.scrapeTimeout={timeout}"))).stdout
+    monitor = next(d for d in yaml.safe_load_all(out) if d and d["kind"] == "PodMonitor")
+    assert monitor["spec"]["podMetricsEndpoints"][0]["scrapeTimeout"] == timeout

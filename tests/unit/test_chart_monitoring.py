@@ -311,3 +311,36 @@ def test_a_job_hung_before_its_first_step_is_alerted_as_stalled(tmp_path: Path) 
     promtool_test(
         tmp_path, series, [quiet(15, STALLED), fires(17, STALLED, "n/j has been at step 0 for 15 minutes.")]
     )
+
+
+def test_ratio_thresholds_given_with_helm_set_reach_the_rules_as_valid_promql(tmp_path: Path) -> None:
+    # helm --set gives a decimal as a string; the schema takes it like the number a values file gives.
+    sets = ("alerts.thresholds.throughputDropRatio=0.3", "alerts.thresholds.gpuMemoryRatio=.9")
+    rules = {r["alert"]: r["expr"] for g in rule_groups(*BOTH_MONITORS, *sets) for r in g["rules"]}
+    assert "< 0.3 * avg_over_time" in rules["SFTJobThroughputDropped"]
+    assert "> .9 and" in rules["SFTJobGPUMemoryNearlyFull"]
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is missing: apt-get install prometheus (hack/test.sh does)")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups(*BOTH_MONITORS, *sets)}))
+    result = subprocess.run(
+        [promtool, "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "throughputDropRatio=1",
+        "throughputDropRatio=1.5",
+        "throughputDropRatio=0.0",
+        "throughputDropRatio=half",
+        "gpuMemoryRatio=1.01",
+        "gpuMemoryRatio=0",
+    ],
+)
+def test_a_ratio_threshold_outside_its_range_is_refused_naming_it(setting: str) -> None:
+    sets = ("alerts.enabled=true", *BOTH_MONITORS, f"alerts.thresholds.{setting}")
+    result = helm(*template_args(sets=sets), check=False)
+    assert result.returncode != 0 and f"/alerts/thresholds/{setting.split('=')[0]}" in result.stderr

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import socket
 from datetime import UTC, datetime, timedelta
+from urllib.request import urlopen
 
+import pytest
 from prometheus_client import REGISTRY
 
 from sftjob.attempts import AttemptRecord
@@ -92,3 +95,25 @@ def test_restart_counters_exist_at_zero_for_every_failure_class_before_the_first
             is not None
         )
     assert REGISTRY.get_sample_value("sftjob_jobs_finished_total", {"result": "Succeeded"}) is not None
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_the_metrics_endpoint_answers_on_ipv6_and_ipv4_alike() -> None:
+    server = metrics.serve(0)
+    try:
+        port = server.server_port
+        for url in (f"http://[::1]:{port}/metrics", f"http://127.0.0.1:{port}/metrics"):
+            with urlopen(url, timeout=5) as response:
+                assert b"sftjob_operator_build_info" in response.read(), url
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -52,6 +52,37 @@ app.kubernetes.io/part-of: sftjob
 {{- end }}
 {{- end }}
 
+{{/* kopf's --liveness URL. kopf binds the URL's host exactly (asyncio makes an IPv6 socket IPv6-only),
+       so liveness.host picks the family; an IPv6 address goes in brackets, given with or without them. */}}
+{{- define "sftjob.livenessUrl" -}}
+{{- $host := .Values.liveness.host | trimPrefix "[" | trimSuffix "]" }}
+{{- if contains ":" $host }}
+{{- $host = printf "[%s]" $host }}
+{{- end }}
+{{- printf "http://%s:%d/healthz" $host (int .Values.liveness.port) }}
+{{- end }}
+
+{{/* A duration of the form the schema allows (numbers with ms, s, m or h, e.g. 1m30s), in milliseconds. */}}
+{{- define "sftjob.durationMs" -}}
+{{- $ms := 0 }}
+{{- $unitMs := dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000 }}
+{{- range regexFindAll "[0-9]+(ms|s|m|h)" . -1 }}
+{{- $number := regexFind "^[0-9]+" . }}
+{{- $ms = add $ms (mul (int $number) (get $unitMs (trimPrefix $number .))) }}
+{{- end }}
+{{- $ms }}
+{{- end }}
+
+{{/* Fails when a monitor's scrapeTimeout is longer than its interval: the Prometheus Operator rejects
+       such a monitor and scrapes nothing of it. Takes (dict "name" "metrics.podMonitor" "monitor" ...). */}}
+{{- define "sftjob.checkScrapeTimeout" -}}
+{{- $interval := .monitor.interval }}
+{{- $timeout := .monitor.scrapeTimeout }}
+{{- if gt (int (include "sftjob.durationMs" $timeout)) (int (include "sftjob.durationMs" $interval)) }}
+{{- fail (printf "%s.scrapeTimeout (%s) is longer than %s.interval (%s): the Prometheus Operator rejects such a monitor and nothing is scraped; set %s.scrapeTimeout to at most %s" .name $timeout .name $interval .name $interval) }}
+{{- end }}
+{{- end }}
+
 {{- define "sftjob.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
