@@ -11,9 +11,11 @@ warns, then fails with DataError, rather than train on what is left.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sftjob.config import DatasetSource
@@ -41,10 +43,12 @@ FALLBACK_CHAT_TEMPLATE = (
 
 @dataclass(frozen=True)
 class Example:
-    """One tokenized sample: ``labels`` is ``IGNORE_INDEX`` where no loss is taken."""
+    """One tokenized sample: ``labels`` is ``IGNORE_INDEX`` where no loss is taken; ``row`` is the number of
+    the dataset row it came from (from 0, malformed rows counted)."""
 
     input_ids: list[int]
     labels: list[int]
+    row: int = 0
 
 
 @dataclass
@@ -78,7 +82,8 @@ def load_examples(
     if not head:
         raise TrainerError(ExitCode.DATA_ERROR, f"dataset {_where(source)} is empty")
     fmt = source.format if source.format != "auto" else detect_format([r for _, r in head])
-    ensure_chat_template(tokenizer)
+    if fmt != "text":
+        ensure_chat_template(tokenizer)
     limit = min(source.max_seq_length, row_length or source.max_seq_length)
     stats = DataStats()
     examples: list[Example] = []
@@ -90,7 +95,7 @@ def load_examples(
             stats.bad(where, str(exc))
             continue
         if example is not None:
-            examples.append(example)
+            examples.append(replace(example, row=stats.rows - 1))
     _check_quality(source, stats, limit, len(examples))
     log.info(
         "data: %d rows (%s format), %d malformed skipped, %d truncated to %d tokens, %d without a target"
@@ -222,7 +227,9 @@ def chat_segments(tokenizer: Any, chat: list[dict[str, str]]) -> list[tuple[str,
     Some templates render earlier turns differently once a later one follows (Qwen3 drops an earlier
     answer's ``<think>`` block), so a turn's rendering is no prefix of the next: the conversation is
     then the context of its last assistant turn, which alone is trained on (what the model sees at
-    inference). A chat the template cannot render even that way is a bad row.
+    inference). A generation prompt may add text the rendered answer lacks (DeepSeek-R1's and QwQ's
+    ``<think>`` opening): the answer is then trained from where the two part. A chat the template cannot
+    render even that way is a bad row.
     """
 
     def render(messages: list[dict[str, str]], prompt: bool) -> str:
@@ -231,22 +238,49 @@ def chat_segments(tokenizer: Any, chat: list[dict[str, str]]) -> list[tuple[str,
         except Exception as exc:  # jinja raises for chats the template refuses
             raise BadRow(f"the chat template rejected the conversation: {exc}") from exc
 
+    def answer_start(i: int, prompt: str, full: str) -> int | None:
+        """Where turn ``i``'s answer starts in ``full``: after the generation prompt, or where the two
+        part, but never inside the conversation before it."""
+        if full.startswith(prompt):
+            return len(prompt)
+        start = _shared_length(prompt, full)
+        history = render(chat[:i], False)
+        if start == len(full) or not (full.startswith(history) and prompt.startswith(history)):
+            return None
+        _note_generation_prompt(tokenizer.chat_template, prompt[start:])
+        return start
+
     turns = [i for i, message in enumerate(chat) if message["role"] == "assistant"]
     segments: list[tuple[str, bool]] = []
     done = ""
     for i in turns:
         prompt, full = render(chat[:i], True), render(chat[: i + 1], False)
-        if not prompt.startswith(done) or not full.startswith(prompt):
+        start = answer_start(i, prompt, full) if full.startswith(done) else None
+        if start is None or start < len(done):
             break
-        segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        segments += [(full[len(done) : start], False), (full[start:], True)]
         done = full
     else:
         return segments
     last = turns[-1]
     prompt, full = render(chat[:last], True), render(chat[: last + 1], False)
-    if not full.startswith(prompt):
+    start = answer_start(last, prompt, full)
+    if start is None:
         raise BadRow("the chat template renders the last answer's prompt differently from its answer")
-    return [(prompt, False), (full[len(prompt) :], True)]
+    return [(full[:start], False), (full[start:], True)]
+
+
+_NOTED_PROMPTS: set[tuple[str, str]] = set()
+
+
+def _note_generation_prompt(template: str, extra: str) -> None:
+    if (template, extra) not in _NOTED_PROMPTS:
+        _NOTED_PROMPTS.add((template, extra))
+        log.info(
+            "the chat template's generation prompt ends with %r, which its rendered answers do not start"
+            " with: answers are trained from where the two part",
+            extra,
+        )
 
 
 def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataStats) -> Example | None:
@@ -254,11 +288,11 @@ def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataSt
         ids = _text_ids(row, tokenizer)
         labels = list(ids)
     else:
-        ids, labels = [], []
-        for text, trainable in chat_segments(tokenizer, row_messages(row, fmt)):
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids += piece
-            labels += piece if trainable else [IGNORE_INDEX] * len(piece)
+        segments = chat_segments(tokenizer, row_messages(row, fmt))
+        ids, pieces = tokenize_pieces(tokenizer, [text for text, _ in segments])
+        labels = [
+            token if segments[piece][1] else IGNORE_INDEX for token, piece in zip(ids, pieces, strict=True)
+        ]
     if len(ids) > max_len:
         stats.truncated += 1
         ids, labels = ids[:max_len], labels[:max_len]
@@ -267,6 +301,53 @@ def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataSt
         stats.without_target += 1
         return None
     return Example(ids, labels)
+
+
+def tokenize_pieces(tokenizer: Any, pieces: list[str]) -> tuple[list[int], list[int]]:
+    """The tokens of the pieces' whole text, tokenized once as inference tokenizes it, and for each the
+    piece its last character lies in.
+
+    Tokenizing each piece alone would differ where a SentencePiece-style tokenizer prepends ``▁`` to each
+    or a merge spans a boundary. Fast tokenizers give each token's character span; for others the
+    tokens before each boundary are those the text up to it shares with the whole.
+    """
+    text = "".join(pieces)
+    ends = list(itertools.accumulate(len(piece) for piece in pieces))
+    if getattr(tokenizer, "is_fast", False):
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return encoding["input_ids"], [bisect.bisect_left(ends, end) for _, end in encoding["offset_mapping"]]
+    ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    owners: list[int] = []
+    for piece, end in enumerate(ends[:-1]):
+        before = tokenizer(text[:end], add_special_tokens=False)["input_ids"]
+        owners += [piece] * (_shared_length(before, ids) - len(owners))
+    return ids, owners + [len(pieces) - 1] * (len(ids) - len(owners))
+
+
+def _shared_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    return next((n for n, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+_PROBE_CHAT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def answer_end_token(tokenizer: Any) -> int | None:
+    """The special token the chat template ends an answer with (Llama 3's ``<|eot_id|>``, Qwen's
+    ``<|im_end|>``, the fallback template's EOS): the one a model trained on chats learns to stop at.
+    None without a template, when it refuses a one-turn chat, or ends answers with no special token."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    try:
+        segments = chat_segments(tokenizer, _PROBE_CHAT)
+    except BadRow:
+        return None
+    ids, pieces = tokenize_pieces(tokenizer, [text for text, _ in segments])
+    special = set(tokenizer.all_special_ids)
+    special |= {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    ends = [
+        token for token, piece in zip(ids, pieces, strict=True) if segments[piece][1] and token in special
+    ]
+    return ends[-1] if ends else None
 
 
 def _text_ids(row: Any, tokenizer: Any) -> list[int]:

@@ -1,9 +1,10 @@
 """The loss on examples the run does not train on (``spec.evaluation``): which ones, and how it is measured.
 
-The held-out examples are another split of the dataset, or a fraction of the training examples picked by
-a shuffle seeded with ``training.seed``: the same ones on every rank and in every attempt, so a resumed run
-never trains on what it evaluated before. At most ``max_samples`` of them are kept (the first of the same
-shuffle). They are packed like the training rows and cut to the same length.
+The held-out examples are another split of the dataset, or a fraction of the training rows: each row gets
+a random key from ``training.seed`` and its row number, and the rows with the smallest keys are held out,
+the same ones on every rank and in every attempt (also after an OOM re-plan cut the examples shorter), so
+a resumed run never trains on what it evaluated before. At most ``max_samples`` of them are kept. They are
+packed like the training rows and cut to the same length.
 
 Every rank evaluates its share in micro-batches of the training's size, as many forward passes on every
 rank (a sharded model gathers its weights in each one; a rank with nothing left runs a batch without
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from sftjob.config import DatasetSource, EvaluationSettings
+from sftjob.config import DatasetSource, EvaluationSettings, TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.batching import Layout, Unit, collate, make_units
 from sftjob_trainer.data import IGNORE_INDEX, Example, load_examples
@@ -40,25 +41,51 @@ from sftjob_trainer.sources import files_of
 log = logging.getLogger("sftjob_trainer")
 
 
-def hold_out(
-    examples: list[Example], settings: EvaluationSettings, seed: int
+def held_out(
+    config: TrainerConfig,
+    examples: list[Example],
+    rows: int,
+    fmt: str,
+    tokenizer: Any,
+    row_length: int | None,
 ) -> tuple[list[Example], list[Example]]:
-    """(training, held-out) examples: ``settings.fraction`` of them held out (at least one, at most
-    ``max_samples``), or none when the held-out examples come from another split."""
-    if settings.fraction is None:
+    """(training, held-out) examples as ``config.evaluation`` asks (every example trains without it);
+    ``rows``: the dataset rows the examples came from."""
+    settings, seed = config.evaluation, config.training.seed
+    if settings is None:
         return examples, []
-    count = min(settings.max_samples, max(1, round(settings.fraction * len(examples))))
-    if count >= len(examples):
+    if settings.split is None:
+        examples, held = hold_out(examples, rows, settings, seed)
+        where = f"held out of {len(examples) + len(held)} training examples"
+    else:
+        held = load_split(config.dataset, settings, fmt, tokenizer, row_length, seed)
+        where = f"from split {settings.split}"
+    log.info("evaluation: %d examples %s", len(held), where)
+    return examples, held
+
+
+def hold_out(
+    examples: list[Example], rows: int, settings: EvaluationSettings, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """(training, held-out) examples: the rows whose seeded key falls below ``settings.fraction``, at most
+    ``max_samples`` of them (the smallest keys), at least one. A row's key depends on the seed and its
+    number alone, so the rows held out stay the same whatever else changes (an OOM re-plan cutting the
+    examples shorter drops others)."""
+    assert settings.fraction is not None
+    keys = _row_keys(rows, seed)
+    cap = _smallest(keys, settings.max_samples)
+    held = [e.row for e in examples if keys[e.row] < settings.fraction and keys[e.row] <= cap]
+    if not held and examples:
+        held = [min(examples, key=lambda e: keys[e.row]).row]
+    chosen = set(held)
+    train = [e for e in examples if e.row not in chosen]
+    if not train:
         raise TrainerError(
             ExitCode.DATA_ERROR,
             f"evaluation.fraction {settings.fraction} of {len(examples)} examples leaves none to train on:"
             " add data or evaluate on another split (evaluation.split)",
         )
-    held = np.zeros(len(examples), dtype=bool)
-    held[_shuffled(len(examples), seed)[:count]] = True
-    return [e for e, h in zip(examples, held, strict=True) if not h], [
-        e for e, h in zip(examples, held, strict=True) if h
-    ]
+    return train, [e for e in examples if e.row in chosen]
 
 
 def load_split(
@@ -70,8 +97,9 @@ def load_split(
     seed: int,
 ) -> list[Example]:
     """The held-out examples of ``settings.split``, read in the training data's format; at most
-    ``max_samples`` of them. Files that the training split reads too are refused (a single file, or a
-    folder whose file names name no split, reads the same rows for every split)."""
+    ``max_samples`` of them (those of the rows with the smallest seeded keys). Files that the training
+    split reads too are refused (a single file, or a folder whose file names name no split, reads the same
+    rows for every split)."""
     assert settings.split is not None
     if source.path is not None:
         path = Path(source.path)
@@ -84,15 +112,19 @@ def load_split(
                 " folder's file names (train.jsonl, validation.jsonl) or use evaluation.fraction",
             )
     held_source = source.model_copy(update={"split": settings.split, "format": fmt})
-    examples, _, _ = load_examples(held_source, tokenizer, row_length)
-    if len(examples) > settings.max_samples:
-        keep = np.sort(_shuffled(len(examples), seed)[: settings.max_samples])
-        examples = [examples[i] for i in keep]
-    return examples
+    examples, stats, _ = load_examples(held_source, tokenizer, row_length)
+    keys = _row_keys(stats.rows, seed)
+    bound = _smallest(keys, settings.max_samples)
+    return [e for e in examples if keys[e.row] <= bound]
 
 
-def _shuffled(count: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(count)
+def _row_keys(rows: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).random(rows)
+
+
+def _smallest(keys: np.ndarray, count: int) -> float:
+    """The ``count``-th smallest key (every key when there are no more)."""
+    return float(np.partition(keys, count - 1)[count - 1]) if count < len(keys) else 1.0
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.configs import config_for_device, load_config
-from sftjob_trainer.data import Example, load_examples
+from sftjob_trainer.data import load_examples
 from sftjob_trainer.distributed import (
     DistContext,
     init_distributed,
@@ -37,13 +37,14 @@ from sftjob_trainer.distributed import (
     unwrap,
     wrap_model,
 )
-from sftjob_trainer.evaluation import EvalSet, eval_set, evaluate, hold_out, load_split
+from sftjob_trainer.evaluation import EvalSet, eval_set, evaluate, held_out
 from sftjob_trainer.failures import classify, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
 from sftjob_trainer.loop import build_optimizer, build_scheduler, continue_course, make_scaler, train_step
 from sftjob_trainer.metrics import Phase, TrainerMetrics, start_metrics
 from sftjob_trainer.model import (
     build_model,
+    check_positions,
     count_parameters,
     load_model,
     load_model_config,
@@ -129,7 +130,7 @@ class Training:
         with heartbeat.downloads(config, Phase.LOADING_DATA, self.metrics):
             tokenizer = load_tokenizer(config.model)
             examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
-            examples, held = self.held_out(examples, fmt, tokenizer, packing_length)
+            examples, held = held_out(config, examples, stats.rows, fmt, tokenizer, packing_length)
         units = make_units(examples, packing_length)
         del examples  # the units hold the tokens now; every rank (and its workers) would keep both
         schedule = Schedule(
@@ -138,9 +139,9 @@ class Training:
         schedule.validate()
         planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (loop.continue_course)
         longest = max([n for unit in units for n in unit.lengths] + [len(e.input_ids) for e in held])
-        attention = resolve_attention(
-            t.attention, ctx.device, t.packing, load_model_config(config.model), longest
-        )
+        model_config = load_model_config(config.model)
+        check_positions(model_config, longest)
+        attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest)
         layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=tokenizer.pad_token_id)
         evaluation = eval_set(held, packing_length, t.micro_batch_size, layout) if held else None
         log.info(
@@ -293,22 +294,6 @@ class Training:
             summary |= {"evalLoss": state.eval_loss, "evalStep": state.eval_step}
         self.save_outputs(model, tokenizer, summary)
         return summary
-
-    def held_out(
-        self, examples: list[Example], fmt: str, tokenizer: Any, packing_length: int | None
-    ) -> tuple[list[Example], list[Example]]:
-        """(training, held-out) examples as ``evaluation`` asks; every example trains without it."""
-        settings, seed = self.config.evaluation, self.t.seed
-        if settings is None:
-            return examples, []
-        if settings.split is None:
-            examples, held = hold_out(examples, settings, seed)
-            where = f"held out of the {len(examples) + len(held)} training examples"
-        else:
-            held = load_split(self.config.dataset, settings, fmt, tokenizer, packing_length, seed)
-            where = f"from split {settings.split}"
-        log.info("evaluation: %d examples %s", len(held), where)
-        return examples, held
 
     def load_pretrained(self, model: torch.nn.Module, attention: str, observer: Observer | None) -> None:
         """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
