@@ -29,8 +29,28 @@ Obj = Mapping[str, Any]
 NODE_LOST_GRACE_SECONDS = 120.0
 MESSAGE_MAX_CHARS = 300
 
-IMAGE_PULL_WAITING = frozenset({"ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull"})
-CONFIG_WAITING = frozenset({"CreateContainerConfigError"})
+# Waiting reasons of a container that cannot start. An image the kubelet will never pull ends the attempt
+# at once, and so does a pull whose error says the image cannot be had (no such image or tag, no access).
+IMAGE_UNUSABLE = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+# (Not a bare "not found" or "denied": a layer that failed to unpack on the node says those too.)
+IMAGE_PULL_FINAL = re.compile(
+    r"failed to resolve reference .*: not found|code = NotFound|manifest unknown|name unknown"
+    r"|repository does not exist|pull access denied|\bdenied: |unauthorized|forbidden|\b40[134]\b",
+    re.IGNORECASE,
+)
+# Other pull failures (a registry's 429 or 5xx, a timeout) may pass: the kubelet shows ImagePullBackOff right
+# after the first failed pull and retries with a backoff growing to 5 minutes. They end the attempt once the
+# pod has failed to start this long after the kubelet took it (a large image's pull included). ErrImagePull
+# itself, one failed pull between two back-offs, is always given the kubelet's retry.
+IMAGE_PULL_BACKOFF = "ImagePullBackOff"
+IMAGE_PULL_WAITING = frozenset({"ErrImagePull", IMAGE_PULL_BACKOFF})
+IMAGE_PULL_GIVE_UP_SECONDS = 900.0
+# A Secret, ConfigMap or key the pod refers to is missing: final, unless it is being created just now.
+# Anything else (the kubelet's "failed to sync secret cache" while the API server is slow) may pass too.
+CONFIG_WAITING = "CreateContainerConfigError"
+CONFIG_MISSING = re.compile(r"\bnot found\b|couldn't find key", re.IGNORECASE)
+CONFIG_MISSING_GIVE_UP_SECONDS = 180.0
+CONFIG_GIVE_UP_SECONDS = 600.0
 # Kubelet admission failures that mean the node advertised GPUs it could not hand out.
 GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/gpu"})
 # DisruptionTarget reasons that mean the node went away rather than someone asking the pod to leave.
@@ -114,9 +134,7 @@ def classify_pod(
 
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
     node_name = spec.get("nodeName") or node_name
-    node_gone = node_name is not None and (
-        node is None or (_not_ready_for(node, now) or 0.0) > node_lost_grace_seconds
-    )
+    node_gone = node_name is not None and node_lost(node, now, grace_seconds=node_lost_grace_seconds)
     terminated = _terminated_state(status)
     phase = status.get("phase")
 
@@ -127,7 +145,7 @@ def classify_pod(
     if phase == "Failed" or terminated is not None:
         return _classify_ended(status, terminated, node_name, node_gone)
 
-    waiting = _waiting_failure(status, node_name)
+    waiting = _waiting_failure(pod, now, node_name)
     if waiting is not None:
         return waiting
     if node_gone:
@@ -275,17 +293,30 @@ def _failed(cls: FailureClass, code: int | None, message: str, node: str | None)
     return Classification(Outcome.FAILED, cls, code, _trim(message), node)
 
 
-def _waiting_failure(status: Obj, node_name: str | None) -> Classification | None:
+def _waiting_failure(pod: Obj, now: datetime, node_name: str | None) -> Classification | None:
+    """A container that cannot start and will not: its image cannot be had, or its Secret or ConfigMap is
+    missing; a failure that may pass once it has lasted its give-up time."""
+    status = pod.get("status") or {}
+    # Since the kubelet took the pod (before it pulls), not since creation: a pod may wait for GPUs long.
+    since = parse_time(status.get("startTime") or (pod.get("metadata") or {}).get("creationTimestamp"))
+    waited = 0.0 if since is None else (now - since).total_seconds()
     for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason, message = waiting.get("reason", ""), waiting.get("message", "")
-        if reason in IMAGE_PULL_WAITING:
-            return _failed(
-                FailureClass.IMAGE_PULL_ERROR, None, f"{reason}: {message or cs.get('image')}", node_name
-            )
-        if reason in CONFIG_WAITING:
-            return _failed(FailureClass.CONFIG_ERROR, None, f"{reason}: {message}", node_name)
+        said = f"{reason}: {message or cs.get('image')}"
+        if reason in IMAGE_UNUSABLE or (reason in IMAGE_PULL_WAITING and IMAGE_PULL_FINAL.search(message)):
+            return _failed(FailureClass.IMAGE_PULL_ERROR, None, said, node_name)
+        if reason == IMAGE_PULL_BACKOFF and waited > IMAGE_PULL_GIVE_UP_SECONDS:
+            return _failed(FailureClass.IMAGE_PULL_ERROR, None, _still(said, waited), node_name)
+        if reason == CONFIG_WAITING:
+            missing = CONFIG_MISSING.search(message) is not None
+            if waited > (CONFIG_MISSING_GIVE_UP_SECONDS if missing else CONFIG_GIVE_UP_SECONDS):
+                return _failed(FailureClass.CONFIG_ERROR, None, _still(said, waited), node_name)
     return None
+
+
+def _still(message: str, waited: float) -> str:
+    return f"{message} (the pod has not started in {int(waited // 60)} min)"
 
 
 def _terminated_state(status: Obj) -> Obj | None:
@@ -306,6 +337,12 @@ def running_since(status: Obj) -> datetime | None:
 
 def _condition(obj_status: Obj, type_: str) -> Obj | None:
     return next((c for c in obj_status.get("conditions") or [] if c.get("type") == type_), None)
+
+
+def node_lost(node: Obj | None, now: datetime, *, grace_seconds: float = NODE_LOST_GRACE_SECONDS) -> bool:
+    """The node (None: deleted) is gone or NotReady longer than the grace: its pods are lost with it,
+    and its kubelet can no longer stop them or confirm their deletion."""
+    return node is None or (_not_ready_for(node, now) or 0.0) > grace_seconds
 
 
 def _not_ready_for(node: Obj, now: datetime) -> float | None:

@@ -282,6 +282,8 @@ async def _apply(job: JobView, observed: Observed, actions: Actions, *, now: dat
     uids = {observe.name(p): observe.uid_of(p) for p in observed.pods}  # every pod it deletes is one of them
     for pod in actions.delete_pods:
         await kube.run(kube.delete_pod, namespace, pod, uids[pod])
+    for pod in actions.force_delete_pods:
+        await kube.run(kube.delete_pod, namespace, pod, uids[pod], 0)
     if actions.delete_job:
         await kube.run(kube.delete_job, namespace, name, job.uid)
     return actions.status

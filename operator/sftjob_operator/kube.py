@@ -171,11 +171,16 @@ class Kube:
         except (ApiException, HTTPError) as err:
             log.warning("could not post event %s: %s", manifest["reason"], _describe(err))
 
-    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
-        """Delete the pod ``name`` if it is still the one with ``uid``. Gone (404), or replaced by a newer
-        pod of that name (409, the precondition failed), leaves nothing to do: that pod's watch event
-        brings the pass that decides about it."""
-        options = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+    def delete_pod(
+        self, namespace: str, name: str, uid: str, grace_period_seconds: int | None = None
+    ) -> None:
+        """Delete the pod ``name`` if it is still the one with ``uid``, within its own grace period or
+        ``grace_period_seconds`` (0: at once, for a pod on a lost node). Gone (404), or replaced by a
+        newer pod of that name (409, the precondition failed), leaves nothing to do: that pod's watch
+        event brings the pass that decides about it."""
+        options = client.V1DeleteOptions(
+            grace_period_seconds=grace_period_seconds, preconditions=client.V1Preconditions(uid=uid)
+        )
         try:
             self.core.delete_namespaced_pod(name, namespace, body=options, _request_timeout=REQUEST_TIMEOUT)
         except ApiException as err:

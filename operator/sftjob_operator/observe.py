@@ -96,7 +96,7 @@ def trim_pod(body: Obj) -> dict[str, Any]:
 
 def _trim_pod_status(status: Obj) -> dict[str, Any]:
     """Phase, reason and message, the conditions the classifier reads, and each container's state."""
-    out: dict[str, Any] = {k: status[k] for k in ("phase", "reason", "message") if status.get(k)}
+    out: dict[str, Any] = {k: status[k] for k in ("phase", "reason", "message", "startTime") if status.get(k)}
     conditions = [
         {k: x.get(k) for k in CONDITION_FIELDS}
         for x in status.get("conditions") or []

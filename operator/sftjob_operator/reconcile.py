@@ -8,14 +8,18 @@ pass after an operator crash decides what the lost pass would have. A status it 
 and attempt numbers never go backwards, so a damaged history never starts a second trainer beside the
 running one. The steps, in order:
 
-1. parse the spec (invalid: Failed/InvalidSpec), complete it with the operator's defaults (kept in
-   ``status.effective``) and plan it for every candidate GPU (nothing fits: Failed/DoesNotFit);
-   finished jobs only wait for their TTL;
+0. a finished job only waits for its TTL: its spec is not judged again;
+1. parse the spec, complete it with the operator's defaults (kept in ``status.effective``) and plan it
+   for every candidate GPU (``job_lifecycle``): before the first attempt, an invalid spec or a job no
+   card can run fails; after it, either is said in ``Admitted``/``Planned`` and the running attempt
+   is kept (an invalid spec holds the job as it is; without a plan no new attempt starts);
 2. ``spec.suspend``: delete the pods, keep everything else; ``activeDeadlineSeconds`` exceeded: Failed;
 3. no attempt under way: ask the attempt policy for the next one and start it (status first, so the
-   attempt number is recorded before its pods exist), or wait for its backoff, or fail;
-4. an attempt under way: classify its pods; when it is over, record how it ended and go to 3;
-   otherwise create whatever pod is missing and report scheduling, GPU, plan and progress.
+   attempt number is recorded before its pods exist), or wait for its backoff, or for an earlier
+   attempt's pods to stop (a trainer saving its SIGTERM checkpoint), or fail;
+4. an attempt under way: fold in its pods' progress reports, classify its pods; when it is over, record
+   how it ended and go to 3; otherwise create whatever pod is missing and report scheduling, GPU, plan
+   and progress.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, timedelta
 
-from pydantic import ValidationError
-
 from sftjob.attempts import AttemptRecord
 from sftjob.config import JobRef
 from sftjob.failures import FailureClass
-from sftjob.spec import SFTJobSpec, valid_job_name
-from sftjob_operator import builders, observe, pods
+from sftjob.job_status import GpuStatus
+from sftjob.plan import Plan
+from sftjob.spec import SFTJobSpec
+from sftjob_operator import builders, observe, pod_lifecycle, pods
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt, numbered
 from sftjob_operator.classify import (
     Classification,
@@ -44,18 +48,12 @@ from sftjob_operator.classify import (
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason
 from sftjob_operator.conditions import get as get_condition
-from sftjob_operator.defaults import JobDefaults, effective
-from sftjob_operator.planning import (
-    CandidatePlans,
-    PlanningError,
-    check_checkpoint_volume,
-    plan_candidates,
-    plan_status,
-)
+from sftjob_operator.job_lifecycle import JobPass
+from sftjob_operator.planning import CandidatePlans, PlanningError, plan_status
 from sftjob_operator.reconcile_io import Actions, Context, Manifest, Obj, Observed
-from sftjob_operator.scheduling import node_affinity, selector_problem
-from sftjob_operator.status import gpu_status, node_of_rank, read_status, validation_message
-from sftjob_operator.status_draft import Event, StatusDraft
+from sftjob_operator.scheduling import node_affinity
+from sftjob_operator.status import gpu_status, node_of_rank
+from sftjob_operator.status_draft import Event
 
 # A pod of the current attempt that the index has not shown within this long after the attempt
 # started is looked up directly (``Actions.check_pods``): only the API server's 404 (``Observed.gone``)
@@ -67,6 +65,11 @@ POD_APPEARANCE_GRACE = timedelta(seconds=60)
 # Pods created by the pass that started the attempt take a moment to reach the index; only after this
 # long is a missing pod re-created (after an operator crash between the status write and the pods).
 POD_INDEX_SETTLE = timedelta(seconds=3)
+# While an earlier attempt's pods stop (a trainer saving its SIGTERM checkpoint), the next attempt
+# looks again this often (their deletion also wakes the job).
+STOPPING_POLL = timedelta(seconds=5)
+# Plans of a job that cannot be planned now (a started job under a newer planner): no card has one.
+UNPLANNED = CandidatePlans(plans={}, profile_by_product={})
 
 
 def reconcile(obs: Observed, ctx: Context) -> Actions:
@@ -75,62 +78,30 @@ def reconcile(obs: Observed, ctx: Context) -> Actions:
     return run.actions()
 
 
-class _Pass(StatusDraft):
-    """One reconcile pass: accumulates the new status (:class:`StatusDraft`) and actions; no I/O."""
-
-    def __init__(self, obs: Observed, ctx: Context) -> None:
-        old, self.repairs = read_status(obs.status)
-        super().__init__(old, generation=obs.generation, now=obs.now)
-        self.obs, self.ctx = obs, ctx
-        if self.repairs:  # said once: the repaired status is written back (``actions``)
-            self.events.append(Event("Warning", Reason.STATUS_REPAIRED, "; ".join(self.repairs)))
-        self.children: list[Manifest] = []
-        self.deletes: list[str] = []
-        self.delete_job = False
-        self.requeue: list[float] = []
-        self.check: list[str] = []
-        self.attempt = max([self.old.attempt, *(observe.attempt_of(p) for p in obs.pods)])
-        self.current = sorted(
-            (p for p in obs.pods if observe.attempt_of(p) == self.attempt), key=observe.rank_of
-        )
+class _Pass(JobPass):
+    """One reconcile pass: the job-level steps of :class:`JobPass` and the attempts; no I/O."""
 
     # --- the steps ------------------------------------------------------------------------------
 
     def run(self) -> None:
-        try:
-            parsed = SFTJobSpec.model_validate(self.obs.spec)
-        except ValidationError as err:
-            return self.fail(Reason.INVALID_SPEC, validation_message(err), admitted=False)
-        # The operator's defaults as they were when the job was first seen, so upgrades change no job.
-        recorded = self.old.effective
-        spec = (JobDefaults.recorded(recorded) if recorded else self.ctx.defaults).fill(parsed)
-        self.update(effective=effective(spec))
-        if not valid_job_name(self.obs.name):
-            return self.fail(
-                Reason.INVALID_SPEC, "metadata.name must be a DNS label of at most 40 characters"
-            )
-        products = self.ctx.products  # an operator reconfigured later never fails a started job for it
-        if not self.status.attempts and (
-            problem := selector_problem(spec.node_selector, spec.gpu.candidates(), products)
-        ):
-            return self.fail(Reason.INVALID_SPEC, problem)
-        self.cond(T.ADMITTED, True, Reason.VALID_SPEC, "the spec is valid")
         if self.status.finished:
-            return self.finished(spec)
+            return self.finished()
+        spec = self.admit()
+        if spec is None:
+            return None
         try:
-            plans = plan_candidates(spec, self.ctx.products, self.ctx.plan_fn)
-            if not self.status.attempts:  # checked before the first attempt, never under a running job
-                check_checkpoint_volume(spec, plans)
+            plans: CandidatePlans | None = self.plan(spec)
         except PlanningError as err:
-            self.cond(T.PLANNED, False, err.reason, err.message)
-            return self.fail(err.reason, err.message)
-        self.cond(T.PLANNED, True, Reason.PLAN_FITS, f"fits on {', '.join(plans.fitting)}")
-        if self.status.plan is None:
-            self.update(plan=plan_status(plans.first))
+            if not self.status.attempts:
+                self.cond(T.PLANNED, False, err.reason, err.message)
+                return self.fail(err.reason, err.message)
+            plans, self.unplanned = None, err.message
+            kept = "the running attempt is kept; no new attempt starts until the job can be planned"
+            self.warn_once(T.PLANNED, err.reason, f"{err.message} ({kept})")
         self.deletes += [observe.name(p) for p in self.obs.pods if observe.attempt_of(p) < self.attempt]
 
         if spec.suspend:
-            return self.suspend(spec)
+            return self.suspend()
         self.cond(T.SUSPENDED, False, Reason.NOT_SUSPENDED, "")
         if self.deadline_passed(spec):
             return self.fail(
@@ -143,10 +114,14 @@ class _Pass(StatusDraft):
             return self.next_attempt(spec, plans)
         return self.under_way(spec, plans, record)
 
-    def next_attempt(self, spec: SFTJobSpec, plans: CandidatePlans) -> None:
+    def next_attempt(self, spec: SFTJobSpec, plans: CandidatePlans | None) -> None:
         # The ended attempt's pods may still be saving a checkpoint (SIGTERM after a suspend): the
         # next attempt records the newest one it knows as where it resumes from.
         self.fold_reports(self.current)
+        if plans is None:
+            return self.between_attempts(
+                f"no new attempt starts until the job can be planned: {self.unplanned}"
+            )
         decision = self.ctx.attempt_policy(
             spec, self.status.attempts, plans, nodes=self.obs.nodes, now=self.now
         )
@@ -157,11 +132,17 @@ class _Pass(StatusDraft):
             self.requeue.append((decision.not_before - self.now).total_seconds())
             # The start time, not a countdown: the condition stays the same from pass to pass.
             at = decision.not_before.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-            message = f"attempt {decision.attempt} starts at {at}. {decision.message}".strip()
-            self.cond(T.RUNNING, False, Reason.RESTARTING, message)
-            self.cond(T.SCHEDULED, False, Reason.RESTARTING, "no pods between attempts")
-            self.set_phase("Restarting", Reason.RESTARTING, message)
-            return None
+            return self.between_attempts(
+                f"attempt {decision.attempt} starts at {at}. {decision.message}".strip()
+            )
+        # The new attempt starts once no older pod may still run its trainer: it takes over the
+        # checkpoint volume, which would throw away the old trainer's SIGTERM save.
+        older = [p for p in self.obs.pods if observe.attempt_of(p) < decision.attempt]
+        stopping = pod_lifecycle.stopping_attempt(older, self.obs.nodes, now=self.now)
+        if stopping is not None:
+            self.deletes += [observe.name(p) for p in older if observe.is_active(p)]
+            self.requeue.append(STOPPING_POLL.total_seconds())
+            return self.between_attempts(f"waiting for attempt {stopping}'s pods to stop")
         self.start(spec, decision)
 
     def start(self, spec: SFTJobSpec, decision: NextAttempt) -> None:
@@ -198,12 +179,16 @@ class _Pass(StatusDraft):
         self.cond(T.SCHEDULED, False, Reason.WAITING_FOR_PODS, "waiting for the scheduler")
         self.observe_running(spec, decision.plans, record)
 
-    def under_way(self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord) -> None:
-        history = [r for r in self.status.attempts if r.attempt < record.attempt]
-        rendering = self.ctx.attempt_policy(spec, history, plans, nodes=self.obs.nodes, now=self.now)
-        if isinstance(rendering, GiveUp):  # the policy changed its mind about a running attempt
-            return self.fail(rendering.reason, rendering.message)
-        rendering = replace(rendering, attempt=record.attempt)  # its pods' names, whatever history was lost
+    def under_way(self, spec: SFTJobSpec, plans: CandidatePlans | None, record: AttemptRecord) -> None:
+        rendering = None  # the attempt's own plans and pods, as its start rendered them
+        if plans is not None:
+            history = [r for r in self.status.attempts if r.attempt < record.attempt]
+            decision = self.ctx.attempt_policy(spec, history, plans, nodes=self.obs.nodes, now=self.now)
+            if isinstance(decision, GiveUp):  # the policy changed its mind about a running attempt
+                return self.fail(decision.reason, decision.message)
+            # Its pods' names, whatever history was lost.
+            rendering = replace(decision, attempt=record.attempt)
+        attempt_plans = rendering.plans if rendering else UNPLANNED
         by_rank = {observe.rank_of(p): p for p in self.current}
         missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
         # A pod whose create the API server refused (FailedCreate) was never there, nor one the status
@@ -218,21 +203,25 @@ class _Pass(StatusDraft):
             self.check = [names[r] for r in missing if names[r] not in self.obs.gone]
             if self.check:  # the index may be behind: decide once the API server has been asked
                 return None
+        # The reports first: the stall clock reads the progress they carry (an operator that was down
+        # longer than the stall timeout finds fresh reports, not its own stale status).
+        self.fold_reports(self.current)
         verdicts = [
             self.classify(spec, by_rank.get(r), r)
             for r in range(spec.gpu.nodes)
             if r in by_rank or grace_over
         ]
-        self.fold_reports(self.current)
         outcome = classify_attempt(verdicts)
         if outcome.over and (outcome.outcome is Outcome.FAILED or not missing):
-            return self.attempt_over(spec, plans, record, outcome)
+            # Where it ran, even when no pass saw it running: the OOM ladder steps down that card.
+            _, _, landed = self.landed(spec, attempt_plans, record)
+            return self.attempt_over(spec, plans, landed, outcome)
         age = self.now - record.start_time if record.start_time else POD_INDEX_SETTLE
-        if missing and age >= POD_INDEX_SETTLE:
+        if missing and rendering is not None and age >= POD_INDEX_SETTLE:
             self.children = self.render(spec, rendering, ranks=missing)
-        elif missing:
+        elif missing and age < POD_INDEX_SETTLE:
             self.requeue.append((POD_INDEX_SETTLE - age).total_seconds())
-        self.observe_running(spec, rendering.plans, record)
+        self.observe_running(spec, attempt_plans, record)
 
     def classify(self, spec: SFTJobSpec, pod: Obj | None, rank: int) -> Classification:
         """One pod's verdict; a pod that is gone is judged by the node its rank was last seen on."""
@@ -242,7 +231,8 @@ class _Pass(StatusDraft):
         started = [running_since(p.get("status") or {}) for p in self.current]
         everyone = len(started) == spec.gpu.nodes and None not in started
         last = max([t for t in started if t is not None], default=None) if everyone else None
-        progress = self.status.progress.updated if self.status.progress else None
+        reported = observe.progress_of(self.current)
+        progress = reported.updated if reported else None
         return classify_pod(
             pod,
             self.obs.nodes.get(node_name) if node_name else None,
@@ -253,38 +243,44 @@ class _Pass(StatusDraft):
         )
 
     def attempt_over(
-        self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord, outcome: Classification
+        self, spec: SFTJobSpec, plans: CandidatePlans | None, record: AttemptRecord, outcome: Classification
     ) -> None:
+        reported = observe.progress_of(self.current)  # this attempt's own, never an earlier one's
         ended = end_record(
             record,
             outcome,
             end_time=self.now,
-            progress_step=self.status.progress.step if self.status.progress else None,
+            progress_step=reported.step if reported else None,
             checkpoint_step=self.status.last_checkpoint.step if self.status.last_checkpoint else None,
         )
         self.replace_record(ended)
         self.deletes += [observe.name(p) for p in self.current if observe.is_active(p)]
         if outcome.outcome is Outcome.SUCCEEDED:
-            return self.succeed()
+            return self.succeeded(self.attempt)
         reason = str(ended.reason or FailureClass.UNKNOWN)
         self.events.append(Event("Warning", reason, describe_failure(ended)))
         self.next_attempt(spec, plans)
 
+    def landed(
+        self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord
+    ) -> tuple[GpuStatus, Plan | None, AttemptRecord]:
+        """Where the attempt's pods landed, that card's plan, and ``record`` (replaced in the status)
+        with the card and plan it runs with once it landed."""
+        gpu, plan = gpu_status(spec, self.current, self.obs.nodes, self.ctx.products, plans)
+        if plan is not None:
+            ladder_step = plan.ladder[-1] if plan.ladder else None
+            record = record.model_copy(
+                update={"gpu": plan.gpu, "plan": plan.summary(), "ladder_step": ladder_step}
+            )
+            self.replace_record(record)
+        return gpu, plan, record
+
     def observe_running(self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord) -> None:
         pods = self.current
-        gpu, plan = gpu_status(spec, pods, self.obs.nodes, self.ctx.products, plans)
+        gpu, plan, record = self.landed(spec, plans, record)
         nodes = gpu.nodes
         self.update(gpu=gpu, plan=plan_status(plan) if plan is not None else self.status.plan)
-        self.replace_record(
-            record.model_copy(
-                update={
-                    "node": nodes[0] if nodes else None,
-                    "gpu": plan.gpu if plan else record.gpu,
-                    "plan": plan.summary() if plan else record.plan,
-                    "ladder_step": (plan.ladder[-1] if plan.ladder else None) if plan else record.ladder_step,
-                }
-            )
-        )
+        self.replace_record(record.model_copy(update={"node": nodes[0] if nodes else None}))
         everyone = len(pods) == spec.gpu.nodes
         unschedulable = observe.unschedulable_message(pods)
         if everyone and len(nodes) == len(pods):
@@ -302,78 +298,15 @@ class _Pass(StatusDraft):
             )
         else:
             reason = Reason.UNSCHEDULABLE if unschedulable else Reason.STARTING
-            self.cond(T.RUNNING, False, reason, unschedulable or "waiting for the trainer containers")
+            # Why a bound pod waits: ContainerCreating for long is often a claim still attached elsewhere.
+            waiting = pod_lifecycle.waiting_reasons([p for p in pods if observe.phase_of(p) != "Running"])
+            starting = "waiting for the trainer containers" + (f": {waiting}" if waiting else "")
+            self.cond(T.RUNNING, False, reason, unschedulable or starting)
             self.set_phase("Pending", reason, unschedulable or "waiting for the pods to start")
         self.cond(T.SUCCEEDED, False, Reason.NOT_FINISHED, "")
         self.cond(T.FAILED, False, Reason.NOT_FINISHED, "")
         if record.start_time is not None and len(pods) < spec.gpu.nodes:
             self.requeue.append(POD_APPEARANCE_GRACE.total_seconds())
-
-    def suspend(self, spec: SFTJobSpec) -> None:
-        self.deletes += [observe.name(p) for p in self.current]
-        # Until they are gone, the suspended attempt's pods report the checkpoint saved on SIGTERM.
-        self.fold_reports(self.current)
-        record = self.record()
-        if record is not None and not record.ended:
-            self.replace_record(record.model_copy(update={"end_time": self.now, "message": "suspended"}))
-        self.cond(T.SUSPENDED, True, Reason.SUSPENDED, "spec.suspend is true: pods deleted, checkpoints kept")
-        self.cond(T.RUNNING, False, Reason.SUSPENDED, "suspended")
-        # Like a Job, a resumed SFTJob's activeDeadlineSeconds counts from the resume.
-        self.update(start_time=None)
-        self.set_phase("Suspended", Reason.SUSPENDED, "spec.suspend is true")
-
-    def finished(self, spec: SFTJobSpec) -> None:
-        """A finished job keeps only its last attempt's ended pods (their logs and exit codes); an
-        operator killed after writing the final status may have left older or running ones."""
-        self.deletes += [
-            observe.name(p)
-            for p in self.obs.pods
-            if observe.is_active(p) or observe.attempt_of(p) < self.attempt
-        ]
-        ttl, done = spec.ttl_seconds_after_finished, self.status.completion_time
-        if ttl is None or done is None:
-            return
-        left = (done + timedelta(seconds=ttl) - self.now).total_seconds()
-        if left <= 0:
-            self.delete_job = True
-            self.events.append(
-                Event("Normal", Reason.FINISHED, f"deleting the job {ttl} s after it finished")
-            )
-        else:
-            self.requeue.append(left)
-
-    def deadline_passed(self, spec: SFTJobSpec) -> bool:
-        limit, since = spec.active_deadline_seconds, self.status.start_time
-        if limit is None or since is None:
-            return False
-        left = (since + timedelta(seconds=limit) - self.now).total_seconds()
-        if left > 0:
-            self.requeue.append(left)
-        return left <= 0
-
-    def succeed(self) -> None:
-        self.cond(T.SUCCEEDED, True, Reason.COMPLETED, f"attempt {self.attempt} completed training")
-        self.cond(T.FAILED, False, Reason.COMPLETED, "")
-        self.cond(T.RUNNING, False, Reason.COMPLETED, "finished")
-        self.update(completion_time=self.now)
-        self.set_phase("Succeeded", Reason.COMPLETED, f"training completed in attempt {self.attempt}")
-
-    def fail(
-        self, reason: str, message: str, *, admitted: bool = True, ended_as: FailureClass | None = None
-    ) -> None:
-        if not admitted:
-            self.cond(T.ADMITTED, False, reason, message)
-        record = self.record()
-        if record is not None and not record.ended:
-            self.replace_record(
-                record.model_copy(update={"end_time": self.now, "reason": ended_as, "message": message})
-            )
-        self.deletes += [observe.name(p) for p in self.obs.pods if observe.is_active(p)]
-        self.cond(T.FAILED, True, reason, message)
-        self.cond(T.SUCCEEDED, False, reason, "")
-        self.cond(T.RUNNING, False, reason, "failed")
-        self.update(completion_time=self.status.completion_time or self.now)
-        self.set_phase("Failed", reason, message)
 
     # --- helpers --------------------------------------------------------------------------------
 
@@ -400,9 +333,6 @@ class _Pass(StatusDraft):
             image_pull_secrets=self.ctx.trainer_image_pull_secrets,
         )
 
-    def record(self) -> AttemptRecord | None:
-        return self.record_of(self.attempt)
-
     def all_bound_once(self, spec: SFTJobSpec) -> bool:
         """The status shows every pod of the current attempt bound to a node (``gpu`` is reset when an
         attempt starts): they were all created, so one that is missing now was deleted."""
@@ -412,17 +342,3 @@ class _Pass(StatusDraft):
         """The API server refused to create one of this attempt's children (see ``status.failed_create``)."""
         scheduled = get_condition(self.status.conditions, T.SCHEDULED)
         return scheduled is not None and scheduled.reason == Reason.FAILED_CREATE
-
-    def actions(self) -> Actions:
-        if self.check:
-            return Actions(status=self.old, status_changed=False, check_pods=self.check)
-        deleting = {observe.name(p) for p in self.obs.pods if p["metadata"].get("deletionTimestamp")}
-        return Actions(
-            status=self.status,
-            status_changed=self.status != self.old or bool(self.repairs),
-            children=self.children,
-            delete_pods=sorted(set(self.deletes) - deleting),
-            delete_job=self.delete_job,
-            events=self.transition_events(),
-            requeue_after=min(self.requeue) if self.requeue else None,
-        )

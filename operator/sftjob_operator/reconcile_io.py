@@ -60,6 +60,9 @@ class Actions:
     status_changed: bool
     children: list[Manifest] = field(default_factory=list)  # created if missing (ConfigMap/Role: replaced)
     delete_pods: list[str] = field(default_factory=list)
+    # Pods on a lost node, deleted with ``gracePeriodSeconds: 0``: their kubelet can never confirm a
+    # graceful delete, so they would stay Terminating, holding the checkpoint claim, until deleted so.
+    force_delete_pods: list[str] = field(default_factory=list)
     delete_job: bool = False
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None

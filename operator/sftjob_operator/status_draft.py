@@ -15,10 +15,12 @@ from datetime import datetime
 from typing import Any
 
 from sftjob.attempts import AttemptRecord
+from sftjob.failures import FailureClass
 from sftjob.job_status import SFTJobStatus
 from sftjob_operator import observe
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason, set_condition
+from sftjob_operator.conditions import get as get_condition
 
 CONDITION_MESSAGE_MAX = 4096
 # Phases whose transition is a Warning event named after the reason (others: a Normal event named
@@ -61,6 +63,44 @@ class StatusDraft:
             now=self.now,
         )
         self.update(conditions=conditions)
+
+    def warn_once(self, type: T, reason: str, message: str) -> None:
+        """Condition ``type`` False for ``reason``; a Warning event only when it newly says so."""
+        before = get_condition(self.old.conditions, type)
+        if before is None or (before.status, before.reason) != ("False", reason):
+            self.events.append(Event("Warning", reason, message))
+        self.cond(type, False, reason, message)
+
+    def between_attempts(self, message: str) -> None:
+        """No attempt runs and the next one starts later; ``message`` says when, or what it waits for.
+        After a failure the job is Restarting; after a suspend it is Pending (a resume is no restart)."""
+        last = self.status.attempts[-1] if self.status.attempts else None
+        resuming = last is not None and last.ended and not last.failed
+        reason = Reason.RESUMED if resuming else Reason.RESTARTING
+        self.cond(T.RUNNING, False, reason, message)
+        self.cond(T.SCHEDULED, False, reason, message)
+        self.set_phase("Pending" if resuming else "Restarting", reason, message)
+
+    def succeeded(self, attempt: int) -> None:
+        self.cond(T.SUCCEEDED, True, Reason.COMPLETED, f"attempt {attempt} completed training")
+        self.cond(T.FAILED, False, Reason.COMPLETED, "")
+        self.cond(T.RUNNING, False, Reason.COMPLETED, "finished")
+        self.update(completion_time=self.now)
+        self.set_phase("Succeeded", Reason.COMPLETED, f"training completed in attempt {attempt}")
+
+    def failed(self, attempt: int, reason: str, message: str, ended_as: FailureClass | None) -> None:
+        """The job failed for ``reason``; a running ``attempt`` ends with ``ended_as`` as its class."""
+        record = self.record_of(attempt)
+        if record is not None and not record.ended:
+            self.replace_record(
+                record.model_copy(update={"end_time": self.now, "reason": ended_as, "message": message})
+            )
+        self.cond(T.FAILED, True, reason, message)
+        self.cond(T.SUCCEEDED, False, reason, "")
+        self.cond(T.RUNNING, False, reason, "failed")
+        self.cond(T.SCHEDULED, False, reason, "no pods: the job failed")
+        self.update(completion_time=self.status.completion_time or self.now)
+        self.set_phase("Failed", reason, message)
 
     def set_phase(self, phase: str, reason: str, message: str) -> None:
         if phase != self.old.phase and phase != "Pending":

@@ -35,7 +35,10 @@ def pod(
     disruption: str | None = None,
     deleting: bool = False,
     init_state: dict[str, Any] | None = None,
+    created_seconds_ago: float = 3600,
+    kubelet_took_it_seconds_ago: float | None = None,
 ) -> dict[str, Any]:
+    """A trainer pod; ``kubelet_took_it_seconds_ago`` sets ``status.startTime`` (unset: still unbound)."""
     status: dict[str, Any] = {
         "phase": phase,
         "conditions": [{"type": "Ready", "status": "True" if phase == "Running" else "False"}],
@@ -49,9 +52,15 @@ def pod(
         status["message"] = message
     if disruption:
         status["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": disruption})
+    if kubelet_took_it_seconds_ago is not None:
+        status["startTime"] = ts(kubelet_took_it_seconds_ago)
     if init_state:
         status["initContainerStatuses"] = [{"name": "fetch", "image": "busybox", "state": init_state}]
-    metadata: dict[str, Any] = {"name": "job-1-0", "namespace": "default"}
+    metadata: dict[str, Any] = {
+        "name": "job-1-0",
+        "namespace": "default",
+        "creationTimestamp": ts(created_seconds_ago),
+    }
     if deleting:
         metadata["deletionTimestamp"] = ts(5)
     return {"metadata": metadata, "spec": {"nodeName": NODE}, "status": status}

@@ -45,7 +45,9 @@ class FakeKube:
             raise error
         return True
 
-    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+    def delete_pod(
+        self, namespace: str, name: str, uid: str, grace_period_seconds: int | None = None
+    ) -> None:
         pass
 
     def post_event(self, manifest: dict[str, Any]) -> None:

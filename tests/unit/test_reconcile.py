@@ -294,3 +294,39 @@ def test_a_node_selector_narrowing_the_gpu_type_to_one_of_its_products_is_kept()
     selector = {"nvidia.com/gpu.product": "NVIDIA-A800-SXM4-80GB"}
     actions = reconcile(observed(spec={**SPEC, "gpu": {"type": "A800"}, "nodeSelector": selector}), CTX)
     assert actions.children and actions.status.phase != "Failed"
+
+
+def test_an_attempt_first_seen_failed_is_recorded_on_the_card_it_ran_on() -> None:
+    ctx = replace(CTX, attempt_policy=restart_after(30))
+    obs = observed(spec={**SPEC, "gpu": {"type": "Any"}})
+    first = reconcile(obs, ctx)
+    assert first.status.attempts[0].gpu == "A800-SXM4-80GB"  # planned for the most preferred card
+    oom = pod(phase="Failed", node="a40-0", status=terminated(15, "Error", "CUDA out of memory"))
+    ended = reconcile(then(obs, first, pods=[oom], now=NOW + timedelta(minutes=5)), ctx).status.attempts[0]
+    assert (ended.gpu, ended.reason, ended.node) == ("A40", "CudaOOM", "a40-0")
+    assert ended.plan.startswith("A40")
+
+
+def test_lost_steps_count_only_the_failed_attempts_own_progress() -> None:
+    ctx = replace(CTX, attempt_policy=restart_after(0))
+    obs, first = started()
+    progress = {"step": 1000, "totalSteps": 5000, "updated": "2026-01-01T12:29:50Z"}
+    saved = {"step": 900, "path": "/checkpoints/checkpoint-900"}
+    notes = {c.ANNOTATION_PROGRESS: json.dumps(progress), c.ANNOTATION_CHECKPOINT: json.dumps(saved)}
+    failed = pod(phase="Failed", annotations=notes, status=terminated(1, "Error", "boom"))
+    first_ended = reconcile(then(obs, first, pods=[failed], now=NOW + timedelta(minutes=30)), ctx)
+    assert first_ended.status.attempts[0].lost_steps == 100 and first_ended.status.attempt == 2
+    silent = pod(attempt=2, phase="Failed", status=terminated(13, "Error", "no CUDA-capable device"))
+    later = then(obs, first_ended, pods=[failed, silent], now=NOW + timedelta(minutes=31))
+    second = reconcile(later, ctx).status.attempts[1]
+    assert (second.resumed_from_step, second.reason, second.lost_steps) == (900, "GpuUnavailable", None)
+
+
+def test_a_suspended_or_failed_job_is_no_longer_scheduled() -> None:
+    obs, first = started()
+    running = reconcile(then(obs, first, pods=[pod()]), CTX)
+    assert condition(running, "Scheduled") == ("True", "PodsBound")
+    suspended = reconcile(then(obs, running, pods=[pod()], spec={**SPEC, "suspend": True}), CTX)
+    assert condition(suspended, "Scheduled") == ("False", "SuspendedBySpec")
+    failed = pod(phase="Failed", status=terminated(11, "Error", "dataset is empty"))
+    assert condition(reconcile(then(obs, running, pods=[failed]), CTX), "Scheduled") == ("False", "DataError")

@@ -115,9 +115,11 @@ def test_a_vanished_rank_is_judged_by_its_own_node_and_that_node_is_avoided() ->
     assert running.status.gpu.nodes == ["a800-0", "a800-1"]
     # node a800-1 is deleted and its pod garbage-collected; rank 0 runs on
     lost = then(obs, running, pods=both[:1], now=NOW + timedelta(seconds=600), gone=frozenset({"job-1-1"}))
-    actions = reconcile(replace(lost, nodes=NODES), CTX)
-    ended = actions.status.attempts[0]
+    ended_now = reconcile(replace(lost, nodes=NODES), CTX)
+    ended = ended_now.status.attempts[0]
     assert (ended.reason, ended.node) == ("NodeLost", "a800-1")
+    assert ended_now.delete_pods == ["job-1-0"] and not ended_now.children  # rank 0 stops first
+    actions = reconcile(replace(then(lost, ended_now, pods=[]), nodes=NODES), CTX)
     affinity = next(m for m in actions.children if m["kind"] == "Pod")["spec"]["affinity"]["nodeAffinity"]
     avoid = affinity["preferredDuringSchedulingIgnoredDuringExecution"][-1]["preference"]["matchFields"]
     assert avoid[0]["values"] == ["a800-1"]
@@ -140,10 +142,18 @@ def test_the_checkpoint_a_suspended_trainer_saves_on_its_way_out_reaches_the_sta
     assert after.status.attempts[0].end_time == NOW and after.status.phase == "Suspended"
 
 
-def test_a_resume_while_the_suspended_pod_is_still_saving_starts_from_its_newest_checkpoint() -> None:
+def test_a_resume_waits_for_the_suspended_pod_to_save_and_starts_from_its_newest_checkpoint() -> None:
     obs, first = started()
     running = reconcile(then(obs, first, pods=[pod(annotations=checkpoint(40))]), CTX)
     suspended = reconcile(replace(then(obs, running), spec={**SPEC, "suspend": True}, generation=2), CTX)
-    terminating = pod(annotations=checkpoint(57))
-    resumed = reconcile(replace(then(obs, suspended, pods=[terminating]), generation=3), CTX)
+    saving = pod(annotations=checkpoint(57))
+    saving["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:30Z"
+    waiting = reconcile(replace(then(obs, suspended, pods=[saving]), generation=3), CTX)
+    assert waiting.status.attempt == 1 and not waiting.children and waiting.requeue_after == 5
+    assert waiting.status.last_checkpoint is not None and waiting.status.last_checkpoint.step == 57
+    message = next(x.message for x in waiting.status.conditions if x.type == "Running")
+    assert message == "waiting for attempt 1's pods to stop" and waiting.status.phase == "Pending"
+    saved = pod(phase="Failed", annotations=checkpoint(57), status=terminated(20, "Error", "preempted"))
+    resumed = reconcile(then(obs, waiting, pods=[saved], generation=3), CTX)
     assert resumed.status.attempt == 2 and resumed.status.attempts[-1].resumed_from_step == 57
+    assert resumed.status.restarts == 0

@@ -1,11 +1,14 @@
-"""A multi-node attempt's stall clock starts when its last rank runs: until then the others wait in
-torchrun's rendezvous, which is not a stall."""
+"""The stall clock: a multi-node attempt's starts when its last rank runs (until then the others wait
+in torchrun's rendezvous, which is not a stall), and it reads the pods' own progress reports, never
+the operator's possibly stale status."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
+from sftjob import constants as c
 from sftjob_operator.reconcile import reconcile
 from tests.unit.reconcile_cases import CTX, NOW, SPEC, observed, pod, then
 
@@ -32,3 +35,21 @@ def test_ranks_waiting_for_a_pending_peer_are_not_stalled_and_the_clock_starts_w
     silent = then(just_joined, actions, now=NOW + timedelta(hours=1, minutes=2))
     ended = reconcile(silent, CTX).status.attempts[-1]
     assert ended.ended and ended.reason == "Stalled"
+
+
+def _reported(step: int, at: str) -> dict[str, str]:
+    return {c.ANNOTATION_PROGRESS: json.dumps({"step": step, "totalSteps": 5000, "updated": at})}
+
+
+def test_a_job_that_kept_reporting_while_the_operator_was_down_longer_than_the_stall_timeout_runs_on() -> (
+    None
+):
+    spec = {**SPEC, "restartPolicy": {"stallTimeoutSeconds": 600}}
+    obs = observed(spec=spec)
+    start = reconcile(obs, CTX)
+    seen = reconcile(then(obs, start, pods=[pod(annotations=_reported(100, "2026-01-01T12:01:00Z"))]), CTX)
+    # the operator was down 15 minutes; the trainer reported at 12:15:50, ten seconds ago
+    fresh = pod(annotations=_reported(900, "2026-01-01T12:15:50Z"))
+    actions = reconcile(then(obs, seen, pods=[fresh], now=NOW + timedelta(minutes=16)), CTX)
+    assert not actions.status.attempts[-1].ended and not actions.delete_pods
+    assert actions.status.progress is not None and actions.status.progress.step == 900

@@ -54,7 +54,9 @@ class FakeKube:
     def read_pod(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.pods.get(name)
 
-    def delete_pod(self, namespace: str, name: str, uid: str) -> None:
+    def delete_pod(
+        self, namespace: str, name: str, uid: str, grace_period_seconds: int | None = None
+    ) -> None:
         self.deleted.append((name, uid))
 
     def post_event(self, manifest: dict[str, Any]) -> None:

@@ -1,0 +1,134 @@
+"""A job admitted and planned by one operator, reconciled by a newer one whose rules or planner say no:
+a finished job is never judged again, and a started one keeps its running attempt."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+from sftjob.gpus import GpuProfile
+from sftjob.plan import Plan
+from sftjob.spec import SFTJobSpec
+from sftjob_operator.reconcile import reconcile
+from sftjob_operator.reconcile_io import Actions, Context, Observed
+from tests.unit.reconcile_cases import (
+    CTX,
+    NOW,
+    SPEC,
+    condition,
+    fake_plan,
+    observed,
+    pod,
+    started,
+    terminated,
+    then,
+)
+
+# A spec this operator rejects (a reserved env name), standing in for a rule a newer operator added.
+REJECTED = {**SPEC, "env": [{"name": "HOME", "value": "/x"}]}
+# A newer planner's higher estimate: the job fits on no card any more.
+NO_LONGER_FITS = replace(CTX, plan_fn=lambda spec, profile: fake_plan(spec, profile, fits=False))
+
+
+def running() -> tuple[Observed, Actions]:
+    """A job whose first attempt's pod runs, and the pass that saw it so."""
+    obs, first = started()
+    seen = then(obs, first, pods=[pod()], now=NOW + timedelta(minutes=1))
+    return seen, reconcile(seen, CTX)
+
+
+def message(actions: Actions, type: str) -> str:
+    return next(x.message for x in actions.status.conditions if x.type == type)
+
+
+def test_a_finished_job_is_not_failed_by_a_newer_operators_stricter_rule_and_still_expires() -> None:
+    obs = observed(spec={**SPEC, "ttlSecondsAfterFinished": 100})
+    first = reconcile(obs, CTX)
+    done = reconcile(then(obs, first, pods=[pod(phase="Succeeded", status=terminated(0, "Completed"))]), CTX)
+    upgraded = then(
+        obs, done, spec={**REJECTED, "ttlSecondsAfterFinished": 100}, now=NOW + timedelta(seconds=40)
+    )
+    waiting = reconcile(upgraded, NO_LONGER_FITS)
+    assert waiting.status.phase == "Succeeded" and condition(waiting, "Admitted") == ("True", "ValidSpec")
+    assert not waiting.events and not waiting.status_changed and waiting.requeue_after == 60
+    assert reconcile(replace(upgraded, now=NOW + timedelta(seconds=100)), NO_LONGER_FITS).delete_job
+
+
+def test_a_finished_job_whose_ttl_is_unreadable_is_kept() -> None:
+    obs = observed()
+    first = reconcile(obs, CTX)
+    done = reconcile(then(obs, first, pods=[pod(phase="Succeeded", status=terminated(0, "Completed"))]), CTX)
+    for ttl in ("100", -1, True, None):
+        later = then(obs, done, spec={**SPEC, "ttlSecondsAfterFinished": ttl}, now=NOW + timedelta(days=1))
+        actions = reconcile(later, CTX)
+        assert not actions.delete_job and actions.requeue_after is None
+
+
+def test_a_running_job_whose_spec_a_newer_operator_rejects_keeps_its_attempt_and_is_warned_once() -> None:
+    obs, seen = running()
+    upgraded = then(obs, seen, spec=REJECTED, now=NOW + timedelta(minutes=2))
+    actions = reconcile(upgraded, CTX)
+    assert actions.status.phase == "Running" and not actions.delete_pods and not actions.children
+    assert condition(actions, "Admitted") == ("False", "InvalidSpec")
+    assert "spec.env" in message(actions, "Admitted") and "running attempt is kept" in message(
+        actions, "Admitted"
+    )
+    assert [(e.type, e.reason) for e in actions.events] == [("Warning", "InvalidSpec")]
+    again = reconcile(then(upgraded, actions), CTX)
+    assert not again.events and not again.status_changed
+    fixed = reconcile(then(upgraded, again, spec=SPEC), CTX)
+    assert condition(fixed, "Admitted") == ("True", "ValidSpec") and fixed.status.phase == "Running"
+
+
+def test_a_running_job_a_newer_planner_says_no_longer_fits_keeps_its_attempt_and_is_warned_once() -> None:
+    obs, seen = running()
+    later = then(obs, seen, now=NOW + timedelta(minutes=2))
+    actions = reconcile(later, NO_LONGER_FITS)
+    assert actions.status.phase == "Running" and not actions.delete_pods
+    assert condition(actions, "Planned") == ("False", "DoesNotFit")
+    assert "no new attempt starts until the job can be planned" in message(actions, "Planned")
+    assert [(e.type, e.reason) for e in actions.events] == [("Warning", "DoesNotFit")]
+    assert actions.status.plan == seen.status.plan and actions.status.attempts == seen.status.attempts
+    again = reconcile(then(later, actions), NO_LONGER_FITS)
+    assert not again.events and not again.status_changed
+
+
+def test_an_attempt_that_completes_while_the_job_cannot_be_planned_succeeds() -> None:
+    obs, seen = running()
+    done = pod(phase="Succeeded", status=terminated(0, "Completed"))
+    actions = reconcile(then(obs, seen, pods=[done], now=NOW + timedelta(minutes=5)), NO_LONGER_FITS)
+    assert actions.status.phase == "Succeeded" and actions.status.attempts[-1].succeeded
+
+
+def test_a_failed_attempt_of_a_job_that_cannot_be_planned_waits_for_a_plan_instead_of_failing() -> None:
+    obs, seen = running()
+    failed = pod(phase="Failed", status=terminated(20, "Error", "preempted"))  # restarts at once
+    later = then(obs, seen, pods=[failed], now=NOW + timedelta(minutes=5))
+    waiting = reconcile(later, NO_LONGER_FITS)
+    assert waiting.status.phase == "Restarting" and not waiting.children and waiting.status.attempt == 1
+    assert condition(waiting, "Running") == ("False", "Restarting")
+    assert message(waiting, "Running").startswith("no new attempt starts until the job can be planned: ")
+    replanned = reconcile(then(later, waiting), CTX)  # the planner (or the products) say yes again
+    assert replanned.status.attempt == 2 and condition(replanned, "Planned") == ("True", "PlanFits")
+    assert any(m["metadata"]["name"] == "job-2-0" for m in replanned.children)
+
+
+def test_a_job_not_started_yet_still_fails_for_a_spec_or_plan_this_operator_rejects() -> None:
+    rejected = reconcile(observed(spec=REJECTED), CTX)
+    assert rejected.status.phase == "Failed" and condition(rejected, "Admitted") == ("False", "InvalidSpec")
+    unplanned = reconcile(observed(), NO_LONGER_FITS)
+    assert unplanned.status.phase == "Failed" and condition(unplanned, "Planned") == ("False", "DoesNotFit")
+
+
+def test_a_started_job_with_a_planner_that_cannot_size_its_model_keeps_its_attempt() -> None:
+    def unsized(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
+        raise ValueError("cannot size meta-llama/Llama-3.1-8B-Instruct")
+
+    obs, seen = running()
+    ctx: Context = replace(CTX, plan_fn=unsized)
+    actions = reconcile(then(obs, seen, now=NOW + timedelta(minutes=2)), ctx)
+    assert actions.status.phase == "Running" and condition(actions, "Planned") == (
+        "False",
+        "UnknownModelSize",
+    )
+    assert not actions.delete_pods and [e.reason for e in actions.events] == ["UnknownModelSize"]
