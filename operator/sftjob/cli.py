@@ -17,6 +17,8 @@ import argparse
 import copy
 import dataclasses
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,11 @@ import yaml
 from pydantic import ValidationError
 
 from sftjob import constants as c
-from sftjob.gpus import PROFILES, GpuProfile, profile_for_key
+from sftjob.architectures import Architecture
+from sftjob.gpu_products import cards_for_job, cards_for_types, default_products
+from sftjob.gpus import GPU_TYPES, PROFILES, GpuProfile, profile_for_key
 from sftjob.job_plan import memory_problem, plan_job
-from sftjob.plan import Plan
-from sftjob.planner import PlanRequest
+from sftjob.plan_table import plan_json, render_gpus, render_plans
 from sftjob.spec import (
     ANY_ORDER,
     MAX_JOB_NAME,
@@ -41,6 +44,7 @@ from sftjob.storage import too_small
 
 EXIT_NOTHING_FITS = 1
 EXIT_BAD_INPUT = 2
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command whose reader went away
 # The spec field each flag sets (errors name the flag instead of the field it set).
 FLAG_FIELDS: dict[str, str] = {
     "--model": "spec.model.name",
@@ -64,11 +68,30 @@ class InputError(Exception):
     """Bad command-line or YAML input, with a message naming the flag or the field."""
 
 
+class _KubectlLoader(yaml.SafeLoader):
+    """YAML read into the numbers kubectl sends the API server: ``2e-4`` is a number (YAML 1.2; PyYAML's
+    YAML 1.1 wants a dot and makes it a string) and a whole number is an integer (``4096.0`` is sent as
+    ``4096``), so the types the spec is then strictly checked for are the ones the API server sees."""
+
+
+def _number(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int | float:
+    value = loader.construct_yaml_float(node)
+    return int(value) if value.is_integer() else value
+
+
+_KubectlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"),
+)
+_KubectlLoader.add_constructor("tag:yaml.org,2002:float", _number)
+
+
 def _read_spec(path: str) -> dict[str, Any]:
     """The spec in a YAML file holding a whole SFTJob (its kind, apiVersion and name checked as the API
     server checks them) or just its spec."""
     try:
-        doc = yaml.safe_load(Path(path).read_text())
+        doc = yaml.load(Path(path).read_text(), Loader=_KubectlLoader)
     except (OSError, yaml.YAMLError) as e:
         raise InputError(f"cannot read {path}: {e}") from e
     if isinstance(doc, dict) and ("kind" in doc or "apiVersion" in doc):
@@ -136,7 +159,10 @@ def _problems(error: ValidationError) -> str:
     def one(err: Any) -> str:
         where = ".".join(str(x) for x in err["loc"])
         message = str(err["msg"]).removeprefix("Value error, ")
-        return f"spec.{where}: {message}" if where else message
+        if err["type"] in ("int_type", "float_type") and isinstance(err["input"], str):
+            message += f", not the string {err['input']!r}: the API server refuses it; write it unquoted"
+        # A rule's message that names its field itself (spec.model.architecture.kvHeads ...) stands alone.
+        return f"spec.{where}: {message}" if where and not message.startswith("spec.") else message
 
     return "; ".join(one(err) for err in error.errors()[:5])
 
@@ -153,8 +179,8 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
         where, named = "", list(FLAG_FIELDS)  # every field the flags can set is a flag's
     else:
         raise InputError("give -f sftjob.yaml, or --model (a hub id) and/or --parameters")
-    try:
-        spec = SFTJobSpec.model_validate(doc)
+    try:  # strictly, as the API server checks the types: "4096" is no integer
+        spec = SFTJobSpec.model_validate_json(json.dumps(doc, default=str), strict=True)
     except ValidationError as e:
         raise InputError(where + _name_flags(_problems(e), named)) from e
     if problem := packing_problem(spec) or batch_problem(spec):  # the CRD's rules, as admission
@@ -162,140 +188,54 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
     return spec, where, named
 
 
-def _profiles(names: list[str]) -> list[GpuProfile]:
-    """The profiles ``--gpu`` names, in order; ``Any`` is every type in the order ``Any`` prefers."""
+def _warnings(spec: SFTJobSpec, architecture: Architecture) -> list[str]:
+    """What admission lets through but the job will not do as written."""
+    found: list[str] = []
+    if spec.method == "full" and "lora" in spec.model_fields_set:
+        found.append("spec.lora is ignored: method full trains every weight of the model, with no adapters")
+    targets = spec.target_modules
+    # peft matches a name against the end of each module's path: self_attn.q_proj, q_proj.
+    named = [t.rsplit(".", 1)[-1] for t in targets] if targets != "all-linear" else []
+    family = architecture.family  # a shape the planner knows the layer names of (not a guess from size)
+    if spec.method != "full" and named and family and sum(architecture.lora_widths(named)) == 0:
+        found.append(
+            f"spec.lora.targetModules {targets}: none is an attention or MLP projection of a {family}"
+            " model (q_proj, v_proj, down_proj ..., or all-linear); unless they name other layers of the"
+            " model, the trainer fails at once with ConfigError"
+        )
+    return found
+
+
+def _job_cards(spec: SFTJobSpec) -> list[GpuProfile]:
+    """The cards the operator plans the job for: every card of its GPU types, or the one its
+    nodeSelector names."""
+    return list(cards_for_job(spec, default_products()).profiles.values())
+
+
+def _profiles(names: list[str], spec: SFTJobSpec) -> list[GpuProfile]:
+    """The profiles ``--gpu`` names, in order: a GPU type is every card of it as the operator plans it
+    (the job's nodeSelector applied), ``Any`` every type in the order ``Any`` prefers, a profile key of
+    ``sftjob gpus`` that one card."""
     keys = [k.strip() for part in names for k in part.split(",") if k.strip()]
     if not keys:
         raise InputError("--gpu: give a GPU type (A800, A40, L40S, Any) or a profile of `sftjob gpus`")
-    expanded = [t for k in keys for t in (ANY_ORDER if k.casefold() == "any" else (k,))]
-    try:
-        profiles = [profile_for_key(k) for k in expanded]
-    except ValueError as e:
-        raise InputError(f"--gpu: {e}, or a profile of `sftjob gpus`") from e
+    profiles: list[GpuProfile] = []
+    for key in keys:
+        if gpu_types := _gpu_types(key):
+            profiles += cards_for_types(gpu_types, default_products(), spec.node_selector).profiles.values()
+            continue
+        try:
+            profiles.append(profile_for_key(key))
+        except ValueError as e:
+            raise InputError(f"--gpu: {e}, or a profile of `sftjob gpus`") from e
     return list({p.key: p for p in profiles}.values())
 
 
-def plan_json(p: Plan, method: str, card_gib: float) -> dict[str, Any]:
-    """One GPU type's plan as the ``-o json`` object (camelCase, like the SFTJob status: capacityGiB is
-    the usable budget per GPU, card memory x safety fraction; cardGiB the card's memory)."""
-    t = p.training
-    return {
-        "gpu": p.gpu,
-        "fits": p.fits,
-        "estimatedPeakGiB": p.memory.total_gib,
-        "capacityGiB": p.memory.budget_gib,
-        "cardGiB": card_gib,
-        "microBatchSize": t.micro_batch_size,
-        "gradientAccumulationSteps": t.gradient_accumulation_steps,
-        "globalBatchSize": t.global_batch_size,
-        "gradientCheckpointing": t.gradient_checkpointing,
-        "precision": t.precision,
-        "method": method,
-        "reason": p.verdict,
-        "packingLength": t.packing_length,
-        "ligerKernels": t.liger_kernels,
-        "sharding": p.distributed.sharding,
-        "worldSize": p.distributed.world_size,
-        "predictedTokensPerSecond": p.predicted_tokens_per_second,
-        "predictedMfu": p.predicted_mfu,
-        "checkpointGiB": round(p.checkpoint_gib, 2),
-        "memory": {term.name: term.gib for term in p.memory.terms},
-        "suggestions": p.suggestions,
-        "summary": p.summary(),
-    }
-
-
-def _table(rows: list[tuple[str, list[str]]], header: list[str]) -> str:
-    width = max(len(label) for label, _ in rows) + 2
-    cols = [max(len(h), *(len(r[1][i]) for r in rows)) + 2 for i, h in enumerate(header)]
-    lines = ["".ljust(width) + "".join(h.ljust(c) for h, c in zip(header, cols, strict=True))]
-    lines += [
-        label.ljust(width) + "".join(v.ljust(c) for v, c in zip(values, cols, strict=True))
-        for label, values in rows
-    ]
-    return "\n".join(line.rstrip() for line in lines)
-
-
-def render_plans(plans: list[Plan], request: PlanRequest, model: str) -> str:
-    """The side-by-side comparison ``sftjob plan`` prints."""
-    a = request.architecture
-    title = (
-        f"{model} ({a.name}, {a.parameters / 1e9:.2f}B params), {request.method},"
-        f" {request.nodes} node(s) x {request.gpus_per_node} GPU(s), max seq {request.max_seq_length}"
-    )
-    terms: list[str] = []
-    for p in plans:
-        terms += [t.name for t in p.memory.terms if t.name not in terms]
-
-    def each(f: Any) -> list[str]:
-        return [f(p) for p in plans]
-
-    rows: list[tuple[str, list[str]]] = [
-        ("fits", each(lambda p: "yes" if p.fits else "NO")),
-        ("peak / usable GiB", each(lambda p: f"{p.memory.total_gib:.1f} / {p.memory.budget_gib:.1f}")),
-        ("precision", each(lambda p: p.training.precision)),
-        (
-            "micro x accum x GPUs",
-            each(
-                lambda p: (
-                    f"{p.training.micro_batch_size} x"
-                    f" {p.training.gradient_accumulation_steps} x {p.distributed.world_size}"
-                )
-            ),
-        ),
-        ("global batch (rows)", each(lambda p: str(p.training.global_batch_size))),
-        ("packed row tokens", each(lambda p: str(p.training.packing_length or "padded"))),
-        ("gradient checkpointing", each(lambda p: "on" if p.training.gradient_checkpointing else "off")),
-        ("Liger kernels", each(lambda p: "on" if p.training.liger_kernels else "off")),
-        ("sharding", each(lambda p: p.distributed.sharding)),
-        ("tokens/s (predicted)", each(lambda p: f"{p.predicted_tokens_per_second:,.0f}")),
-        ("MFU (predicted)", each(lambda p: f"{p.predicted_mfu:.0%}")),
-    ]
-    for name in terms:
-        rows.append(
-            (
-                f"  {name} GiB",
-                each(lambda p, n=name: next((f"{t.gib:.2f}" for t in p.memory.terms if t.name == n), "-")),
-            )
-        )
-    rows.append(
-        (
-            "checkpoint GiB (one)",
-            each(lambda p: f"{p.checkpoint_gib:.1f}"),
-        )
-    )
-    rows.append(
-        (
-            "pod cpu / memory / shm",
-            each(lambda p: f"{p.resources.cpu} / {p.resources.memory} / {p.resources.shm_size}"),
-        )
-    )
-    out = [title, "", _table(rows, [p.gpu for p in plans]), ""]
-    for p in plans:
-        out.append(f"{p.gpu}: {p.verdict}")
-        out += [f"  - try: {s}" for s in p.suggestions]
-    return "\n".join(out)
-
-
-def render_gpus() -> str:
-    rows = [
-        (
-            p.key,
-            [
-                p.family,
-                f"{p.memory_gib:g}",
-                f"{p.bandwidth_gbs:g}",
-                f"{p.bf16_tflops:g}",
-                f"{p.fp8_tflops:g}" if p.fp8_tflops else "-",
-                f"{p.compute_capability[0]}.{p.compute_capability[1]}",
-                p.interconnect,
-                ", ".join(x for x in p.products if " " not in x),
-            ],
-        )
-        for p in PROFILES
-    ]
-    header = ["family", "GiB", "GB/s", "bf16 TF", "fp8 TF", "sm", "interconnect", "nvidia.com/gpu.product"]
-    return "Dense tensor-core TFLOPS (no 2:4 sparsity); GiB as CUDA reports it.\n\n" + _table(rows, header)
+def _gpu_types(key: str) -> list[str]:
+    """The GPU types ``key`` names (``Any``: all, in the order it prefers); none for a profile key."""
+    if key.casefold() == "any":
+        return list(ANY_ORDER)
+    return [t for t in GPU_TYPES if t.casefold() == key.casefold()]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -336,7 +276,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _plan_command(args: argparse.Namespace) -> int:
     spec, where, named = _spec(args)
-    profiles = _profiles(args.gpu or list(spec.gpu.candidates()))
+    profiles = _profiles(args.gpu, spec) if args.gpu else _job_cards(spec)
     try:
         request = to_plan_request(spec, spec.gpu.count, spec.gpu.nodes)
         plans = [plan_job(spec, gpu) for gpu in profiles]
@@ -352,8 +292,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     else:
         print(render_plans(plans, request, model))
-    if memory := memory_problem(spec, profiles[0]):
-        print(f"sftjob: warning: {memory}", file=sys.stderr)
+    for warning in [memory_problem(spec, profiles[0]), *_warnings(spec, request.architecture)]:
+        if warning:
+            print(f"sftjob: warning: {warning}", file=sys.stderr)
     volume = too_small(spec, plans[0]) if args.file else None
     if volume is not None:  # the operator would fail the job at admission for it
         print(f"sftjob: {volume}", file=sys.stderr)
@@ -374,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"sftjob: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `sftjob plan ... | head` closed the pipe: end quietly, as a SIGPIPE would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_CLOSED_PIPE
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StringConstraints
 from pydantic.alias_generators import to_camel
 
 # Names of Secrets, claims, StorageClasses and PriorityClasses: DNS-1123 subdomains, as the API server
@@ -47,8 +47,19 @@ def _positive_quantity(value: str) -> str:
     return value
 
 
+def _quantity_text(value: object) -> object:
+    """A whole number as its text: ``cpu: 16`` unquoted is an integer in YAML, and the CRD admits it as
+    Kubernetes does (int-or-string); a bool is not a number here."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 # Checked by a validator rather than a pattern, so the message (here and the CRD's) says what is wanted.
-Quantity = Annotated[str, StringConstraints(max_length=32), AfterValidator(_positive_quantity)]
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_text),
+    StringConstraints(max_length=32),
+    AfterValidator(_positive_quantity),
+]
 
 
 class SpecModel(BaseModel):

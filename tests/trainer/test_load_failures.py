@@ -222,3 +222,16 @@ def _operator_class(code: int, message: str) -> FailureClass | None:
     ready = {"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T00:00:00Z"}
     node = {"metadata": {"name": "gpu-0"}, "status": {"conditions": [ready]}}
     return classify_pod(pod, node, now=datetime.now(UTC)).failure_class
+
+
+@pytest.mark.parametrize("targets", [["qproj"], ["norm"]], ids=["a typo", "a layer lora cannot wrap"])
+def test_target_modules_that_fit_no_layer_end_the_job_with_a_config_error_naming_the_field(
+    trainer_config: MakeConfig, termination_log: Path, targets: list[str]
+) -> None:
+    config = trainer_config(lora={"r": 8, "alpha": 16, "dropout": 0.1, "targetModules": targets})
+    assert run(str(config)) == ExitCode.CONFIG_ERROR
+    message = termination_log.read_text().strip()
+    assert message.startswith(f"[exit 10] spec.lora.targetModules {targets} names no layer of the model")
+    # The operator fails the job at once instead of retrying it maxRestarts times.
+    assert _operator_class(ExitCode.UNKNOWN, message) is FailureClass.CONFIG_ERROR
+    assert FailureClass.CONFIG_ERROR in PERMANENT

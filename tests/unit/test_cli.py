@@ -70,7 +70,11 @@ def test_gpu_flag_overrides_the_jobs_gpu_type(tmp_path, capsys):
     job.write_text(JOB)
     code, out, _ = run(capsys, "plan", "-f", str(job), "--gpu", "A800,A40", "-o", "json")
     assert code == 0
-    assert [p["gpu"] for p in json.loads(out)] == ["A800-SXM4-80GB", "A40"]
+    # A GPU type is every card of it, each planned on its own as the operator plans it.
+    assert [p["gpu"] for p in json.loads(out)] == [
+        *["A800-SXM4-80GB", "A800-PCIE-80GB", "A800-PCIE-40GB"],
+        "A40",
+    ]
 
 
 def test_json_lists_one_object_per_gpu_type_with_the_documented_keys(capsys):
@@ -79,7 +83,7 @@ def test_json_lists_one_object_per_gpu_type_with_the_documented_keys(capsys):
     )
     assert code == 0
     plans = json.loads(out)
-    assert len(plans) == 3
+    assert len(plans) == 5  # the three A800 cards, L40S and A40
     for p in plans:
         assert set(p) >= JSON_KEYS
         assert p["microBatchSize"] * p["gradientAccumulationSteps"] == p["globalBatchSize"]
@@ -233,7 +237,9 @@ def test_a_size_given_for_a_model_of_the_built_in_table_is_said_to_be_ignored(ca
 
 
 def test_capacity_is_the_usable_budget_as_in_the_status_and_card_is_the_cards_memory(capsys):
-    code, out, _ = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "A800", "-o", "json")
+    code, out, _ = run(
+        capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "A800-SXM4-80GB", "-o", "json"
+    )
     (a800,) = json.loads(out)
     assert code == 0 and a800["cardGiB"] == pytest.approx(79.15)
     assert a800["capacityGiB"] == pytest.approx(round(79.15 * 0.9, 2))
@@ -294,7 +300,11 @@ def test_a_flag_that_breaks_the_file_is_named_beside_the_files_field(tmp_path, c
 
 def test_any_is_every_gpu_type_in_the_order_any_prefers(capsys):
     code, out, _ = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "Any", "-o", "json")
-    assert code == 0 and [p["gpu"] for p in json.loads(out)] == ["A800-SXM4-80GB", "L40S", "A40"]
+    assert code == 0 and [p["gpu"] for p in json.loads(out)] == [
+        *["A800-SXM4-80GB", "A800-PCIE-80GB", "A800-PCIE-40GB"],
+        "L40S",
+        "A40",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -315,3 +325,90 @@ def test_a_file_with_generate_name_is_planned_when_the_generated_name_fits(tmp_p
     assert run(capsys, "plan", "-f", str(job))[0] == 0
     job.write_text(JOB.replace("metadata: {name: demo}", "metadata: {generateName: " + "a" * 36 + "}"))
     assert run(capsys, "plan", "-f", str(job))[0] == 2
+
+
+def _plan_file(tmp_path, capsys, document):
+    job = tmp_path / "job.yaml"
+    job.write_text(document)
+    return run(capsys, "plan", "-f", str(job), "-o", "json")
+
+
+def test_a_number_written_as_a_string_is_an_input_error_as_at_admission(tmp_path, capsys):
+    code, _, err = _plan_file(tmp_path, capsys, JOB.replace("maxSeqLength: 4096", 'maxSeqLength: "4096"'))
+    assert code == 2
+    assert "spec.dataset.maxSeqLength: Input should be a valid integer, not the string '4096'" in err
+
+
+@pytest.mark.parametrize(
+    "written", ["learningRate: 2e-4", "learningRate: 1E-5, maxSteps: 1e3", "maxSteps: 100.0"]
+)
+def test_numbers_are_read_as_kubectl_sends_them(tmp_path, capsys, written):
+    """Exponents without a dot are numbers (YAML 1.2) and whole numbers integers, as for the API server."""
+    code, _, err = _plan_file(tmp_path, capsys, JOB.replace("learningRate: 0.0001", written))
+    assert code == 0, err
+
+
+def test_a_quantity_written_as_a_number_is_planned(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB + "  resources: {cpu: 8, memory: 137438953472}\n")
+    code, out, err = run(capsys, "plan", "-f", str(job))
+    assert code == 0, err
+    assert "8 / 137438953472 /" in out
+
+
+def test_a_lora_block_on_a_full_fine_tune_is_said_to_be_ignored(tmp_path, capsys):
+    code, _, err = _plan_file(tmp_path, capsys, JOB.replace("method: lora", "method: full"))
+    assert code in (0, 1) and "warning: spec.lora is ignored: method full" in err
+
+
+def test_a_full_fine_tune_without_a_lora_block_gets_no_such_warning(tmp_path, capsys):
+    document = JOB.replace("method: lora", "method: full").replace(
+        "  lora: {r: 16, alpha: 32, targetModules: [all-linear]}\n", ""
+    )
+    _, _, err = _plan_file(tmp_path, capsys, document)
+    assert "spec.lora" not in err
+
+
+def test_target_modules_that_name_no_layer_of_a_known_model_are_warned_about(tmp_path, capsys):
+    code, _, err = _plan_file(tmp_path, capsys, JOB.replace("[all-linear]", "[qproj, vproj]"))
+    assert code == 0
+    assert (
+        "warning: spec.lora.targetModules ['qproj', 'vproj']: none is an attention or MLP projection" in err
+    )
+    assert "ConfigError" in err
+
+
+@pytest.mark.parametrize("targets", ["[q_proj, vproj]", "[self_attn.q_proj]", "[all-linear]"])
+def test_target_modules_naming_a_projection_get_no_warning(tmp_path, capsys, targets):
+    _, _, err = _plan_file(tmp_path, capsys, JOB.replace("[all-linear]", targets))
+    assert "targetModules" not in err
+
+
+def test_target_modules_of_a_model_sized_by_its_parameters_are_not_second_guessed(tmp_path, capsys):
+    document = JOB.replace(
+        "model: {name: meta-llama/Llama-3.1-8B-Instruct}",
+        "model: {name: org/gpt-like, parameters: 1000000000}",
+    )
+    code, _, err = _plan_file(tmp_path, capsys, document.replace("[all-linear]", "[c_attn]"))
+    assert code == 0 and "targetModules" not in err
+
+
+def test_a_rules_message_that_names_its_field_is_not_prefixed_with_it_again(tmp_path, capsys):
+    architecture = "{layers: 2, hiddenSize: 64, heads: 4, kvHeads: 3, intermediateSize: 128, vocabSize: 320}"
+    document = JOB.replace(
+        "model: {name: meta-llama/Llama-3.1-8B-Instruct}",
+        f"model: {{name: org/custom, architecture: {architecture}}}",
+    )
+    code, _, err = _plan_file(tmp_path, capsys, document)
+    assert code == 2 and "kvHeads 3 must divide heads 4" in err
+    assert err.count("spec.model.architecture") == 1
+
+
+def test_a_node_selector_on_one_card_plans_that_card_alone(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        JOB.replace("gpu: {type: L40S, count: 1}", "gpu: {type: A800, count: 1}")
+        + "  nodeSelector: {nvidia.com/gpu.product: NVIDIA-A800-PCIE-40GB}\n"
+    )
+    code, out, _ = run(capsys, "plan", "-f", str(job), "-o", "json")
+    assert code == 0 and [p["gpu"] for p in json.loads(out)] == ["A800-PCIE-40GB"]

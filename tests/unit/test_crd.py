@@ -281,12 +281,15 @@ def test_conditions_are_a_map_keyed_by_type(schema: Schema) -> None:
     ]
 
 
-def test_quantities_are_checked_with_the_models_pattern_and_words(schema: Schema) -> None:
+def test_quantities_are_numbers_or_strings_checked_with_the_models_pattern_and_words(schema: Schema) -> None:
+    """``cpu: 16`` unquoted is admitted as Kubernetes admits it in a pod; its text is what the rule checks."""
     spec = schema["properties"]["spec"]["properties"]
     fields = [spec["checkpoints"]["properties"]["size"], *spec["resources"]["properties"].values()]
     for field in fields:
+        assert field["x-kubernetes-int-or-string"] is True and "type" not in field
+        assert field["maxLength"] == 32  # checks the strings; a number that long is no quantity anyway
         (rule,) = field["x-kubernetes-validations"]
-        assert rule["rule"] == f"self.matches(r'{POSITIVE_QUANTITY}')"
+        assert rule["rule"] == f"string(self).matches(r'{POSITIVE_QUANTITY}')"
         assert rule["message"] == f"must be {QUANTITY_RULE}"
 
 

@@ -82,6 +82,18 @@ def test_an_invalid_spec_is_rejected(changes: dict[str, Any]) -> None:
         spec(**changes)
 
 
+def test_quantities_may_be_written_as_whole_numbers_as_kubernetes_allows() -> None:
+    """``cpu: 16`` unquoted is a YAML integer; the CRD admits it (int-or-string), so the model does too."""
+    s = spec(resources={"cpu": 16, "memory": 68719476736}, checkpoints={"size": 200})
+    assert (s.resources.cpu, s.resources.memory, s.checkpoints.size) == ("16", "68719476736", "200")
+
+
+@pytest.mark.parametrize("value", [0, -4, 1.5, True])
+def test_a_quantity_number_that_is_not_a_whole_number_above_zero_is_rejected(value: object) -> None:
+    with pytest.raises(ValidationError, match=r"resources\.cpu"):
+        spec(resources={"cpu": value})
+
+
 def test_qlora_on_one_gpu_is_accepted() -> None:
     assert spec(method="qlora", gpu={"type": "L40S", "count": 1}).method == "qlora"
 

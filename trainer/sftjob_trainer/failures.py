@@ -66,6 +66,9 @@ _NETWORK_ERRORS = frozenset(
 )
 # HTTP answers that mean "not now" rather than "no": request timeout, rate limit (and every 5xx).
 _RETRYABLE_HTTP_STATUS = frozenset({408, 429})
+# What peft raises when the target modules name no module of the model (a typo: qproj), or only modules
+# LoRA cannot wrap (a norm, a whole decoder layer).
+_ADAPTER_TARGET_ERRORS = re.compile(r"Target modules? .*(not found in the base model|is not supported)", re.S)
 
 
 def one_line(text: str) -> str:
@@ -105,6 +108,18 @@ def load_failure(exc: BaseException, what: str) -> TrainerError | None:
         if code in (ExitCode.STORAGE_ERROR, ExitCode.CUDA_OOM):
             return TrainerError(code, f"{reason} (loading {what})")
     return None
+
+
+def adapter_target_error(exc: ValueError, targets: object) -> TrainerError | None:
+    """The error to end with when peft cannot place the adapters where ``lora.targetModules`` says: the
+    spec is wrong and a restart cannot fix it. None for any other ValueError."""
+    if _ADAPTER_TARGET_ERRORS.search(str(exc)) is None:
+        return None
+    return TrainerError(
+        ExitCode.CONFIG_ERROR,
+        f"spec.lora.targetModules {targets} names no layer of the model that LoRA can wrap"
+        f" (use the model's projection names, e.g. q_proj and v_proj, or all-linear): {exc}",
+    )
 
 
 def causes(exc: BaseException) -> Iterator[BaseException]:

@@ -25,7 +25,8 @@ import torch
 from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import attention
-from sftjob_trainer.failures import load_failure
+from sftjob_trainer.data import answer_end_token
+from sftjob_trainer.failures import adapter_target_error, load_failure
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,26 @@ def resolve_attention(
         )
         return attention.VARLEN
     return requested
+
+
+def check_positions(model_config: Any, longest_example: int) -> None:
+    """Warns when the longest example (after cutting) runs past the positions the model was trained for,
+    ``max_position_embeddings``, and its config scales no RoPE to reach further."""
+    text = model_config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    rope = getattr(text, "rope_scaling", None) or {}  # transformers 5: rope_parameters, maybe per layer type
+    ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]
+    scaled = any(r.get("rope_type", r.get("type", "default")) != "default" for r in ropes)
+    if isinstance(limit, int) and longest_example > limit and not scaled:
+        log.warning(
+            "the longest example has %d tokens, more than the model's max_position_embeddings=%d, and its"
+            " config sets no rope_scaling: positions past %d were never trained; lower"
+            " dataset.maxSeqLength (and training.packingLength) to %d",
+            longest_example,
+            limit,
+            limit,
+            limit,
+        )
 
 
 def _hub_kwargs(source: ModelSource) -> dict[str, Any]:
@@ -260,7 +281,12 @@ def add_adapters(model: Any, lora: LoraSettings, seed: int, revision: str | None
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        return get_peft_model(model, adapters, revision=revision)
+        try:
+            return get_peft_model(model, adapters, revision=revision)
+        except ValueError as exc:  # a typo in spec.lora.targetModules fails the job, not each attempt
+            if (error := adapter_target_error(exc, lora.target_modules)) is not None:
+                raise error from exc
+            raise
 
 
 def apply_liger(model: Any, device: torch.device) -> None:
@@ -339,6 +365,7 @@ def save_output(
     whose ``dtype`` says what the files hold (save_pretrained would write the parameters' fp32). Tensors
     are converted one at a time on the CPU, tied ones once.
     """
+    stop = _stop_at_answer_end(model, tokenizer)
     try:
         if dtype is not None:
             state_dict = _converted(state_dict if state_dict is not None else model.state_dict(), dtype)
@@ -349,6 +376,33 @@ def save_output(
         tokenizer.save_pretrained(folder)
     except OSError as exc:
         raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save the output to {folder}: {exc}") from exc
+    if stop is None:
+        return
+    name = f"{tokenizer.convert_ids_to_tokens(stop)} (id {stop})"
+    if (folder / "generation_config.json").exists():
+        log.info("answers end with %s: added to eos_token_id in the output's generation_config.json", name)
+    else:  # an adapter: served with its base's generation config
+        log.warning(
+            "answers end with %s, which the base's generation config does not stop at: set it as"
+            " an eos/stop token id when generating with the adapter",
+            name,
+        )
+
+
+def _stop_at_answer_end(model: Any, tokenizer: Any) -> int | None:
+    """A model trained on chats ends its answers with the template's turn-end token (Llama 3 base:
+    ``<|eot_id|>``, where its generation config stops at ``<|end_of_text|>``): added to the generation
+    config's ``eos_token_id`` when missing there, so that generate() and vLLM stop after an answer."""
+    end = answer_end_token(tokenizer)
+    generation = getattr(model, "generation_config", None)
+    if end is None or generation is None:
+        return None
+    eos = generation.eos_token_id
+    stops = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if end in stops:
+        return None
+    generation.eos_token_id = [*stops, end]
+    return end
 
 
 def _converted(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
