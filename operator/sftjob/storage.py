@@ -49,7 +49,7 @@ def volume_need(spec: SFTJobSpec, plan: Plan) -> VolumeNeed:
     if spec.output.volume is not None:
         final = 0.0
     elif spec.method == "full":
-        # Written in the precision it trained in (trainer/sftjob_trainer/model.py ``save_output``).
+        # Written in the precision it trained in (trainer/sftjob_trainer/output.py ``save_output``).
         trained_in = FULL_STATE_BYTES["weights"] if plan.training.precision == "fp32" else BF16_BYTES
         final = n * trained_in / GIB
     else:

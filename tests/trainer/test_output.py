@@ -19,8 +19,9 @@ from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import output, ownership
 from sftjob_trainer.checkpoints import checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
-from sftjob_trainer.model import prepare_for_training, save_output
+from sftjob_trainer.model import prepare_for_training
 from sftjob_trainer.observer import TRAIN_LOG_FILE
+from sftjob_trainer.output import save_output
 from sftjob_trainer.tiny import make_tokenizer
 
 pytestmark = pytest.mark.trainer

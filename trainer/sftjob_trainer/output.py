@@ -1,5 +1,5 @@
-"""The trained model as the user takes it away: whole or not at all, and only from the attempt that owns
-the job.
+"""The trained model as the user takes it away: whole or not at all, only from the attempt that owns the
+job, and stopping where its answers end.
 
 Rank 0 writes the output (the adapter or the model, the tokenizer, ``summary.json`` last) into a
 temporary folder, ``.tmp-<name>-attempt-A``, fsyncs it and makes it readable by any user (safetensors
@@ -29,9 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sftjob.config import JobRef, TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import ownership
+from sftjob_trainer.data import answer_end_token
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir
 from sftjob_trainer.observer import TRAIN_LOG_FILE
@@ -142,3 +145,65 @@ def _move_into(tmp: Path, out: Path) -> None:
     os.replace(tmp / SUMMARY_FILE, out / SUMMARY_FILE)
     fsync_dir(out)
     tmp.rmdir()
+
+
+def save_output(
+    model: Any, tokenizer: Any, folder: Path, state_dict: dict[str, Any] | None, dtype: torch.dtype | None
+) -> None:
+    """The adapter (LoRA/QLoRA) or the whole model, with the tokenizer, as save_pretrained writes them,
+    into ``folder`` (output.py makes it the output once complete).
+
+    A fully fine-tuned model is written in ``dtype``, the precision it trained in (bf16 in every plan),
+    like the base it came from, rather than as its fp32 master weights: half the disk, and a config
+    whose ``dtype`` says what the files hold (save_pretrained would write the parameters' fp32). Tensors
+    are converted one at a time on the CPU, tied ones once.
+    """
+    stop = _stop_at_answer_end(model, tokenizer)
+    try:
+        if dtype is not None:
+            state_dict = _converted(state_dict if state_dict is not None else model.state_dict(), dtype)
+        model.save_pretrained(folder, state_dict=state_dict)
+        if dtype is not None:
+            model.config.dtype = dtype
+            model.config.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    except OSError as exc:
+        raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save the output to {folder}: {exc}") from exc
+    if stop is None:
+        return
+    name = f"{tokenizer.convert_ids_to_tokens(stop)} (id {stop})"
+    if (folder / "generation_config.json").exists():
+        log.info("answers end with %s: added to eos_token_id in the output's generation_config.json", name)
+    else:  # an adapter: served with its base's generation config
+        log.warning(
+            "answers end with %s, which the base's generation config does not stop at: set it as"
+            " an eos/stop token id when generating with the adapter",
+            name,
+        )
+
+
+def _stop_at_answer_end(model: Any, tokenizer: Any) -> int | None:
+    """A model trained on chats ends its answers with the template's turn-end token (Llama 3 base:
+    ``<|eot_id|>``, where its generation config stops at ``<|end_of_text|>``): added to the generation
+    config's ``eos_token_id`` when missing there, so that generate() and vLLM stop after an answer."""
+    end = answer_end_token(tokenizer)
+    generation = getattr(model, "generation_config", None)
+    if end is None or generation is None:
+        return None
+    eos = generation.eos_token_id
+    stops = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if end in stops:
+        return None
+    generation.eos_token_id = [*stops, end]
+    return end
+
+
+def _converted(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # by storage: state_dict() detaches each tie
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point():
+            key = (tensor.data_ptr(), tuple(tensor.shape))
+            if key not in done:
+                done[key] = tensor.detach().to("cpu", dtype)
+            state_dict[name] = done[key]
+    return state_dict

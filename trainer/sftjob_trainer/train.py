@@ -53,7 +53,6 @@ from sftjob_trainer.model import (
     prepare_for_training,
     pretrained_weights,
     resolve_attention,
-    save_output,
 )
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.preflight import run_preflight
@@ -396,7 +395,7 @@ class Training:
             self.config,
             self.ctx,
             summary,
-            lambda folder: save_output(unwrap(model), tokenizer, folder, state_dict, dtype),
+            lambda folder: output.save_output(unwrap(model), tokenizer, folder, state_dict, dtype),
         )
 
 
