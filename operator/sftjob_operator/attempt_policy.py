@@ -46,6 +46,12 @@ class GiveUp:
     message: str
 
 
+class FinalFailure(Protocol):
+    """Whether the failure that ended the history ends the job whatever the plans (asked without plans)."""
+
+    def __call__(self, spec: SFTJobSpec, history: Sequence[AttemptRecord]) -> GiveUp | None: ...
+
+
 class AttemptPolicy(Protocol):
     def __call__(
         self,

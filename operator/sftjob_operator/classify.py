@@ -38,9 +38,13 @@ IMAGE_PULL_FINAL = re.compile(
     r"|repository does not exist|pull access denied|\bdenied: |unauthorized|forbidden|\b40[134]\b",
     re.IGNORECASE,
 )
+# A 401/403 while downloading a layer is no verdict on the image: a registry token that expired during a
+# long download, a pre-signed CDN URL that did. Only the reference and manifest stages say it cannot be had.
+IMAGE_LAYER_DOWNLOAD = re.compile(r"/blobs/|failed to copy", re.IGNORECASE)
 # Other pull failures (a registry's 429 or 5xx, a timeout) may pass: the kubelet shows ImagePullBackOff right
-# after the first failed pull and retries with a backoff growing to 5 minutes. They end the attempt once the
-# pod has failed to start this long after the kubelet took it (a large image's pull included). ErrImagePull
+# after the first failed pull and retries with a backoff growing to 5 minutes. Once the pod has failed to
+# start this long after the kubelet took it (a large image's pull included), the attempt ends as a
+# NetworkError: restarted with a backoff and counted against maxRestarts, never failed for good. ErrImagePull
 # itself, one failed pull between two back-offs, is always given the kubelet's retry.
 IMAGE_PULL_BACKOFF = "ImagePullBackOff"
 IMAGE_PULL_WAITING = frozenset({"ErrImagePull", IMAGE_PULL_BACKOFF})
@@ -304,10 +308,11 @@ def _waiting_failure(pod: Obj, now: datetime, node_name: str | None) -> Classifi
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason, message = waiting.get("reason", ""), waiting.get("message", "")
         said = f"{reason}: {message or cs.get('image')}"
-        if reason in IMAGE_UNUSABLE or (reason in IMAGE_PULL_WAITING and IMAGE_PULL_FINAL.search(message)):
+        final = IMAGE_PULL_FINAL.search(message) and not IMAGE_LAYER_DOWNLOAD.search(message)
+        if reason in IMAGE_UNUSABLE or (reason in IMAGE_PULL_WAITING and final):
             return _failed(FailureClass.IMAGE_PULL_ERROR, None, said, node_name)
         if reason == IMAGE_PULL_BACKOFF and waited > IMAGE_PULL_GIVE_UP_SECONDS:
-            return _failed(FailureClass.IMAGE_PULL_ERROR, None, _still(said, waited), node_name)
+            return _failed(FailureClass.NETWORK_ERROR, None, _still(said, waited), node_name)
         if reason == CONFIG_WAITING:
             missing = CONFIG_MISSING.search(message) is not None
             if waited > (CONFIG_MISSING_GIVE_UP_SECONDS if missing else CONFIG_GIVE_UP_SECONDS):

@@ -150,11 +150,12 @@ class JobPass(StatusDraft):
         return self.record_of(self.attempt)
 
     def actions(self) -> Actions:
-        """What the pass decided; pods to delete that sit on a lost node are deleted with force."""
+        """What the pass decided; pods to delete on a node that is gone or out of service are deleted with
+        force."""
         if self.check:
             return Actions(status=self.old, status_changed=False, check_pods=self.check)
         deleting = {observe.name(p) for p in self.obs.pods if p["metadata"].get("deletionTimestamp")}
-        lost = pod_lifecycle.on_lost_nodes(self.obs.pods, self.obs.nodes, now=self.now)
+        lost = pod_lifecycle.on_gone_nodes(self.obs.pods, self.obs.nodes)
         force = (set(self.deletes) | deleting) & lost  # a graceful delete there never completes
         return Actions(
             status=self.status,

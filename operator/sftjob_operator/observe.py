@@ -25,6 +25,8 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # The pod conditions the reconcile and the failure classifier read, and the fields they read of them.
 POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget"})
 CONDITION_FIELDS = ("type", "status", "reason", "message")
+# The taint an admin puts on a node that is shut down (non-graceful node shutdown).
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,18 +121,30 @@ def _plain(value: Any) -> Any:
 
 
 def trim_node(body: Obj) -> dict[str, Any]:
-    """The parts of a node that matter: its GPU product, allocatable memory and readiness."""
+    """The parts of a node that matter: its GPU product, allocatable memory, readiness and whether it is
+    out of service."""
     meta, status = body.get("metadata") or {}, body.get("status") or {}
+    taints = (body.get("spec") or {}).get("taints") or []
     return {
         "metadata": {
             "name": meta.get("name"),
             "labels": {c.GFD_PRODUCT: (meta.get("labels") or {}).get(c.GFD_PRODUCT)},
         },
+        "spec": {"taints": [dict(t) for t in taints if t.get("key") == OUT_OF_SERVICE_TAINT]},
         "status": {
             "allocatable": dict(status.get("allocatable") or {}),
             "conditions": [dict(x) for x in status.get("conditions") or [] if x.get("type") == "Ready"],
         },
     }
+
+
+def out_of_service(node: Obj | None) -> bool:
+    """A node that is gone, or that its admin tainted ``node.kubernetes.io/out-of-service`` (it is shut
+    down: Kubernetes' non-graceful node shutdown): the pods bound to it run nothing any more."""
+    if node is None:
+        return True
+    taints = (node.get("spec") or {}).get("taints") or []
+    return any(t.get("key") == OUT_OF_SERVICE_TAINT for t in taints)
 
 
 def controller_uid(obj: Obj) -> str | None:

@@ -7,8 +7,11 @@ Three questions the reconcile asks of its pods, each a pure function of the pods
 - whether an earlier attempt's pod may still be running its trainer, e.g. saving the checkpoint it
   writes on SIGTERM: the next attempt starts only once none may, since it takes over the checkpoint
   volume (``OWNER``) and the old trainer's save would be thrown away;
-- which pods sit on a lost node: their kubelet can never confirm a graceful delete, so they would stay
-  ``Terminating`` (holding a ReadWriteOnce claim) until deleted with force.
+- which pods may be deleted with force: those on a node that is gone, or that its admin marked out of
+  service (``node.kubernetes.io/out-of-service``, as Kubernetes' own non-graceful node shutdown does).
+  Their kubelet can never confirm a graceful delete, so they would stay ``Terminating`` (holding a
+  ReadWriteOnce claim). A node that is only NotReady may still run its containers (a kubelet restart, a
+  network partition, a control-plane outage): its pods get a graceful delete, as Kubernetes gives them.
 """
 
 from __future__ import annotations
@@ -50,12 +53,12 @@ def stopping_attempt(pods: Sequence[Obj], nodes: Mapping[str, Obj], *, now: date
     return max((observe.attempt_of(p) for p in pods if _may_still_run(p, nodes, now)), default=None)
 
 
-def on_lost_nodes(pods: Sequence[Obj], nodes: Mapping[str, Obj], *, now: datetime) -> set[str]:
-    """The names of the pods bound to a node that is lost (deleted, or NotReady past the grace)."""
+def on_gone_nodes(pods: Sequence[Obj], nodes: Mapping[str, Obj]) -> set[str]:
+    """The names of the pods bound to a node that is gone or out of service: nothing runs them any more."""
     return {
         observe.name(p)
         for p in pods
-        if (node := observe.node_of(p)) is not None and node_lost(nodes.get(node), now)
+        if (node := observe.node_of(p)) is not None and observe.out_of_service(nodes.get(node))
     }
 
 

@@ -31,7 +31,7 @@ from datetime import UTC, timedelta
 from sftjob.attempts import AttemptRecord
 from sftjob.config import JobRef
 from sftjob.failures import FailureClass
-from sftjob.job_status import GpuStatus
+from sftjob.job_status import GpuStatus, ProgressStatus
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
 from sftjob_operator import builders, observe, pod_lifecycle, pods
@@ -118,7 +118,15 @@ class _Pass(JobPass):
         # The ended attempt's pods may still be saving a checkpoint (SIGTERM after a suspend): the
         # next attempt records the newest one it knows as where it resumes from.
         self.fold_reports(self.current)
+        # The ended attempt's pods go in every pass until they have (older ones: ``run``): a delete lost
+        # with the pass that ended it would leave a surviving rank holding its GPUs through the wait below.
+        # A current attempt without a record is taken over instead (``numbered``): its pods stay.
+        record = self.record()
+        if record is not None and record.ended:
+            self.deletes += [observe.name(p) for p in self.current if observe.is_active(p)]
         if plans is None:
+            if (final := self.ctx.final_failure(spec, self.status.attempts)) is not None:
+                return self.fail(final.reason, final.message)
             return self.between_attempts(
                 f"no new attempt starts until the job can be planned: {self.unplanned}"
             )
@@ -140,7 +148,6 @@ class _Pass(JobPass):
         older = [p for p in self.obs.pods if observe.attempt_of(p) < decision.attempt]
         stopping = pod_lifecycle.stopping_attempt(older, self.obs.nodes, now=self.now)
         if stopping is not None:
-            self.deletes += [observe.name(p) for p in older if observe.is_active(p)]
             self.requeue.append(STOPPING_POLL.total_seconds())
             return self.between_attempts(f"waiting for attempt {stopping}'s pods to stop")
         self.start(spec, decision)
@@ -184,10 +191,11 @@ class _Pass(JobPass):
         if plans is not None:
             history = [r for r in self.status.attempts if r.attempt < record.attempt]
             decision = self.ctx.attempt_policy(spec, history, plans, nodes=self.obs.nodes, now=self.now)
-            if isinstance(decision, GiveUp):  # the policy changed its mind about a running attempt
-                return self.fail(decision.reason, decision.message)
-            # Its pods' names, whatever history was lost.
-            rendering = replace(decision, attempt=record.attempt)
+            if isinstance(decision, GiveUp):  # e.g. a newer planner's OOM ladder has no such rung
+                kept = f"{decision.message} (the running attempt is kept)"
+                self.warn_once(T.PLANNED, decision.reason, kept)
+            else:  # its pods' names, whatever history was lost
+                rendering = replace(decision, attempt=record.attempt)
         attempt_plans = rendering.plans if rendering else UNPLANNED
         by_rank = {observe.rank_of(p): p for p in self.current}
         missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
@@ -223,6 +231,18 @@ class _Pass(JobPass):
             self.requeue.append((POD_INDEX_SETTLE - age).total_seconds())
         self.observe_running(spec, attempt_plans, record)
 
+    def own_progress(self, record: AttemptRecord) -> ProgressStatus | None:
+        """This attempt's last progress report, never an earlier one's: on its pods, or (its pods gone with
+        their node) in the status when reported since the attempt started."""
+        reported = observe.progress_of(self.current)
+        if reported is not None:
+            return reported
+        kept = self.status.progress
+        started = record.start_time
+        if kept is None or kept.updated is None or started is None or kept.updated < started:
+            return None
+        return kept
+
     def classify(self, spec: SFTJobSpec, pod: Obj | None, rank: int) -> Classification:
         """One pod's verdict; a pod that is gone is judged by the node its rank was last seen on."""
         node_name = observe.node_of(pod) if pod is not None else node_of_rank(self.old.gpu, spec, rank)
@@ -245,7 +265,7 @@ class _Pass(JobPass):
     def attempt_over(
         self, spec: SFTJobSpec, plans: CandidatePlans | None, record: AttemptRecord, outcome: Classification
     ) -> None:
-        reported = observe.progress_of(self.current)  # this attempt's own, never an earlier one's
+        reported = self.own_progress(record)
         ended = end_record(
             record,
             outcome,

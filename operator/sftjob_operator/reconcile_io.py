@@ -10,7 +10,7 @@ from typing import Any
 
 from sftjob.job_status import SFTJobStatus
 from sftjob_operator import restarts
-from sftjob_operator.attempt_policy import AttemptPolicy
+from sftjob_operator.attempt_policy import AttemptPolicy, FinalFailure
 from sftjob_operator.defaults import JobDefaults
 from sftjob_operator.planning import PlanFn, planner_plan
 from sftjob_operator.scheduling import ProductMap
@@ -49,6 +49,7 @@ class Context:
     trainer_image_pull_secrets: tuple[str, ...] = ()
     plan_fn: PlanFn = planner_plan
     attempt_policy: AttemptPolicy = restarts.next_attempt
+    final_failure: FinalFailure = restarts.final_failure
     defaults: JobDefaults = field(default_factory=JobDefaults)
 
 

@@ -241,6 +241,14 @@ def raised_memory(base: str, host_ooms: int, allocatable: str | None) -> str | N
     return f"{(wanted if cap is None else min(wanted, cap)) // mib}Mi"
 
 
+def final_failure(spec: SFTJobSpec, history: Sequence[AttemptRecord]) -> GiveUp | None:
+    """Why the failure that ended ``history`` ends the job whatever the plans (a permanent class, onOOM
+    Fail, a budget used up), if it does: asked when no plan can be made for the next attempt."""
+    if not history or not history[-1].failed:
+        return None
+    return _stop(spec.restart_policy, history)
+
+
 def _stop(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> GiveUp | None:
     """Why the failure that ended ``history`` ends the job too, if it does."""
     last = history[-1]

@@ -112,8 +112,14 @@ class StatusDraft:
 
     def fold_reports(self, pods: Sequence[Mapping[str, Any]]) -> None:
         """The trainer's latest progress and checkpoint annotations on ``pods`` into the status; an
-        older checkpoint report (a pod of an earlier attempt) never replaces a newer one."""
+        older checkpoint report (a pod of an earlier attempt) never replaces a newer one, and the last
+        evaluation stays until a report carries a newer one (a restarted trainer's setup reports carry
+        none)."""
         progress = observe.progress_of(pods)
+        before = self.status.progress
+        if progress is not None and progress.eval_loss is None and before is not None:
+            kept = {"eval_loss": before.eval_loss, "eval_step": before.eval_step}
+            progress = progress.model_copy(update=kept)
         if progress is not None:
             self.update(progress=progress)
         checkpoint = observe.checkpoint_of(pods)

@@ -67,10 +67,12 @@ def disk_checkpoint(folder: Path) -> int:
 
 
 def logged_steps(folder: Path) -> list[int]:
-    """Every logged step of every attempt, in order (``train_log.jsonl`` is appended across attempts)."""
+    """Every logged step of every attempt, in order (``train_log.jsonl`` is appended across attempts; the
+    demo job's evaluations add lines of their own, left out here)."""
     path = folder / "checkpoints" / "final" / "train_log.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line)["step"] for line in lines if line.endswith("}")]
+    records = [json.loads(line) for line in lines if line.endswith("}")]
+    return [r["step"] for r in records if "loss" in r]
 
 
 def test_a_sigkilled_trainer_is_restarted_and_resumes_at_the_last_checkpoint(

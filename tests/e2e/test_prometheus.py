@@ -108,6 +108,8 @@ def trainer_config(folder: Path, namespace: str, port: int) -> Path:
             "dataloaderWorkers": 0,
         },
         "checkpoints": {"dir": str(folder / "checkpoints"), "everySteps": 10, "keep": 2},
+        # Evaluated at every checkpoint: the dashboard's eval loss series exists too.
+        "evaluation": {"fraction": 0.05},
         "outputDir": str(folder / "output"),
         "gpu": {"required": False},
         "report": {"enabled": False, "metricsPort": port},

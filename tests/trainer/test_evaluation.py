@@ -14,7 +14,7 @@ from sftjob_trainer.batching import Layout
 from sftjob_trainer.checkpoints import newest_complete_step
 from sftjob_trainer.data import IGNORE_INDEX, Example
 from sftjob_trainer.distributed import DistContext
-from sftjob_trainer.evaluation import eval_set, evaluate, hold_out, load_split
+from sftjob_trainer.evaluation import eval_set, evaluate, fused_loss_in, hold_out, load_split
 from sftjob_trainer.model import precision_plan
 from sftjob_trainer.tiny import write_dataset
 from sftjob_trainer.train import run
@@ -146,3 +146,47 @@ def test_an_eval_split_of_a_dataset_folder_reads_its_own_files(
     assert run(str(config)) == ExitCode.OK
     summary = json.loads((Path(json.loads(config.read_text())["outputDir"]) / "summary.json").read_text())
     assert summary["evalExamples"] == 5 and summary["evalLoss"] > 0
+
+
+def test_a_stop_request_ends_the_evaluation_before_its_next_batch_without_a_loss(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
+    held = eval_set(_examples(6), None, 2, Layout(packing=False, flatten=False, pad_id=0))
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 1  # SIGTERM arrives during the first batch
+
+    ticks: list[int] = []
+    loss, _ = evaluate(
+        model, held, precision_plan("full", "fp32"), ONE_PROCESS, stop=stop, tick=lambda: ticks.append(1)
+    )
+    assert loss is None and len(ticks) == 1
+
+
+def test_liger_s_fused_loss_is_found_inside_peft_s_wrapper(tiny_model: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    wrapped = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert not fused_loss_in(wrapped)
+
+    def lce_forward(*args: object, **kwargs: object) -> None:  # what Liger patches onto the instance
+        raise AssertionError
+
+    lce_forward.__module__ = "liger_kernel.transformers.model.llama"
+    base.forward = lce_forward  # type: ignore[method-assign]
+    assert fused_loss_in(wrapped)
+
+
+def test_an_eval_split_missing_from_the_folder_names_the_evaluation_field(tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    write_dataset(folder / "train.jsonl", "messages", rows=4)
+    write_dataset(folder / "test.jsonl", "messages", rows=4)
+    with pytest.raises(TrainerError, match=r"none is split 'validation' \(evaluation.split\)"):
+        load_split(
+            DatasetSource(path=str(folder)), EvaluationSettings(split="validation"), "messages", None, None, 0
+        )

@@ -196,3 +196,27 @@ def test_a_run_without_evaluation_exports_no_eval_loss() -> None:
     metrics = TrainerMetrics("run", "cpu", "m", "lora", "fp32")
     labels = {"sftjob": "run", "gpu": "cpu"}
     assert metrics.registry.get_sample_value("sftjob_train_eval_loss", labels) is None
+
+
+def test_a_long_evaluation_repeats_the_last_report_every_interval(tmp_path: Path, recorder: Recorder) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10, total=30)
+    for step in range(1, 11):
+        _step(observer, clock, step, 0.1)
+    observer.evaluating()
+    for _ in range(5):  # batches of a third of an interval each
+        clock.now += PROGRESS_REPORT_INTERVAL_SECONDS / 3
+        observer.still_evaluating()
+    assert [r["step"] for r in recorder.progress_records] == [10, 10]
+
+
+def test_no_eta_is_exported_before_the_first_logging_window(tmp_path: Path, recorder: Recorder) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10, total=30)
+    labels = {"sftjob": "run", "gpu": "cpu"}
+    assert observer.metrics.registry.get_sample_value("sftjob_train_eta_seconds", labels) is None
+    for step in range(1, 11):
+        _step(observer, clock, step, 0.1)
+    assert observer.metrics.registry.get_sample_value("sftjob_train_eta_seconds", labels) == pytest.approx(
+        2.0
+    )

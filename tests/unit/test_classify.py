@@ -119,10 +119,16 @@ def test_gpu_admission_failure_is_gpu_unavailable() -> None:
     assert result.failure_class is FailureClass.GPU_UNAVAILABLE
 
 
-@pytest.mark.parametrize("reason", ["ImagePullBackOff", "InvalidImageName"])
-def test_an_image_that_cannot_be_pulled_ends_the_attempt(reason: str) -> None:
+@pytest.mark.parametrize(
+    ("reason", "failure"),
+    [
+        ("InvalidImageName", FailureClass.IMAGE_PULL_ERROR),  # never pullable: failed for good
+        ("ImagePullBackOff", FailureClass.NETWORK_ERROR),  # an hour of back-offs: a new attempt
+    ],
+)
+def test_an_image_that_cannot_be_pulled_ends_the_attempt(reason: str, failure: FailureClass) -> None:
     result = classify(pod("Pending", state=waiting(reason, 'Back-off pulling image "nope:1"')))
-    assert (result.outcome, result.failure_class) == (Outcome.FAILED, FailureClass.IMAGE_PULL_ERROR)
+    assert (result.outcome, result.failure_class) == (Outcome.FAILED, failure)
     assert "nope:1" in result.message
 
 
@@ -132,7 +138,7 @@ def test_a_first_image_pull_error_is_given_the_kubelets_retry() -> None:
 
 def test_an_init_container_image_pull_failure_counts_too() -> None:
     result = classify(
-        pod("Pending", state=waiting("PodInitializing"), init_state=waiting("ImagePullBackOff"))
+        pod("Pending", state=waiting("PodInitializing"), init_state=waiting("InvalidImageName"))
     )
     assert result.failure_class is FailureClass.IMAGE_PULL_ERROR
 

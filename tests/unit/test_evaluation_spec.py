@@ -90,3 +90,27 @@ def test_the_trainer_is_told_the_evaluation_as_the_spec_gives_it() -> None:
         builders.trainer_config(job, plain, plan_candidates(plain, default_products()).first).evaluation
         is None
     )
+
+
+def test_the_last_eval_loss_stays_in_the_status_while_a_restarted_trainer_sets_up() -> None:
+    from datetime import timedelta
+
+    from sftjob_operator.reconcile import reconcile
+    from tests.unit.reconcile_cases import CTX, NOW, observed, pod, then
+
+    obs = observed()
+    first = reconcile(obs, CTX)
+    evaluated = {"step": 40, "totalSteps": 100, "loss": 1.1, "evalLoss": 1.5, "evalStep": 40}
+    seen = reconcile(
+        then(obs, first, pods=[pod(annotations={ANNOTATION_PROGRESS: json.dumps(evaluated)})]), CTX
+    )
+    assert seen.status.progress is not None and seen.status.progress.eval_loss == 1.5
+    setup = {"step": 40, "totalSteps": 100, "phase": "data ready"}  # a new trainer's first report
+    later = then(
+        obs,
+        seen,
+        pods=[pod(annotations={ANNOTATION_PROGRESS: json.dumps(setup)})],
+        now=NOW + timedelta(minutes=2),
+    )
+    progress = reconcile(later, CTX).status.progress
+    assert progress is not None and (progress.eval_loss, progress.eval_step) == (1.5, 40)

@@ -28,6 +28,9 @@ FINAL = [
 ]
 # ... and when it may be had a minute later (the digest holds "404", as digests may).
 PASSING = [
+    # A registry token that expired while a large layer downloaded: no verdict on the image.
+    'failed to pull and unpack image "ghcr.io/sftjob/trainer:0.9.9": failed to copy: httpReadSeeker: failed'
+    " open: unexpected status code https://ghcr.io/v2/sftjob/trainer/blobs/sha256:abcd: 401 Unauthorized",
     f'failed to pull and unpack image "{IMAGE}": failed to copy: httpReadSeeker: failed open: unexpected'
     " status code https://ghcr.io/v2/sftjob/trainer/manifests/sha256:9a404e1c: 429 Too Many Requests",
     f'failed to resolve reference "{IMAGE}": Head "https://ghcr.io/v2/": dial tcp 140.82.112.33:443:'
@@ -63,7 +66,9 @@ def test_an_image_the_kubelet_will_never_pull_ends_the_attempt_at_once(reason: s
 
 
 @pytest.mark.parametrize("message", PASSING)
-def test_a_pull_that_may_pass_is_given_the_kubelets_retries_until_the_give_up_time(message: str) -> None:
+def test_a_pull_that_may_pass_is_retried_by_the_kubelet_then_by_a_new_attempt_never_failed_for_good(
+    message: str,
+) -> None:
     assert pulling("ImagePullBackOff", message, 20) is Outcome.RUNNING
     assert pulling("ImagePullBackOff", message, IMAGE_PULL_GIVE_UP_SECONDS - 1) is Outcome.RUNNING
     result = classify(
@@ -73,7 +78,8 @@ def test_a_pull_that_may_pass_is_given_the_kubelets_retries_until_the_give_up_ti
             kubelet_took_it_seconds_ago=IMAGE_PULL_GIVE_UP_SECONDS + 1,
         )
     )
-    assert result.failure_class is FailureClass.IMAGE_PULL_ERROR
+    # Counted and restarted with a backoff: a slow pull that hit one 503 must not end the job.
+    assert result.failure_class is FailureClass.NETWORK_ERROR
     assert result.message.endswith("(the pod has not started in 15 min)")
 
 
@@ -99,7 +105,7 @@ def test_without_a_start_time_the_give_up_clock_starts_at_the_pods_creation() ->
         created_seconds_ago=IMAGE_PULL_GIVE_UP_SECONDS + 1,
     )
     assert classify(young).outcome is Outcome.RUNNING
-    assert classify(old).failure_class is FailureClass.IMAGE_PULL_ERROR
+    assert classify(old).failure_class is FailureClass.NETWORK_ERROR
 
 
 @pytest.mark.parametrize(

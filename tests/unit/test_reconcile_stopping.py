@@ -4,10 +4,12 @@ stuck before it runs says why."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
+from sftjob import constants as c
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.reconcile_io import Actions
 from tests.unit.reconcile_cases import (
@@ -64,7 +66,7 @@ def test_a_restart_waits_until_the_failed_attempts_other_rank_has_stopped() -> N
     assert gone.status.attempt == 2 and pod_names(gone) == ["job-2-0", "job-2-1"]
 
 
-def test_a_pod_on_a_lost_node_blocks_no_attempt_and_is_deleted_with_force() -> None:
+def test_a_pod_on_a_lost_node_blocks_no_attempt_and_only_an_out_of_service_node_forces_its_delete() -> None:
     obs, first = started()
     running = reconcile(then(obs, first, pods=[pod()]), CTX)
     suspended = reconcile(then(obs, running, pods=[pod()], spec={**SPEC, "suspend": True}), CTX)
@@ -73,7 +75,12 @@ def test_a_pod_on_a_lost_node_blocks_no_attempt_and_is_deleted_with_force() -> N
                    nodes={**NODES, "l40s-0": not_ready("l40s-0", "2026-01-01T12:01:00Z")})  # fmt: skip
     resumed = reconcile(lost, CTX)
     assert resumed.status.attempt == 2 and pod_names(resumed) == ["job-2-0"]
-    assert resumed.force_delete_pods == ["job-1-0"] and resumed.delete_pods == []
+    # NotReady may be a partition: the containers may still run, so no force (Kubernetes gives none).
+    assert resumed.force_delete_pods == [] and resumed.delete_pods == []
+    shut_down = not_ready("l40s-0", "2026-01-01T12:01:00Z")
+    shut_down["spec"] = {"taints": [{"key": "node.kubernetes.io/out-of-service", "effect": "NoExecute"}]}
+    marked = reconcile(replace(lost, nodes={**NODES, "l40s-0": shut_down}), CTX)
+    assert marked.force_delete_pods == ["job-1-0"]
 
 
 def test_a_pod_on_a_node_not_ready_only_briefly_is_still_waited_for() -> None:
@@ -95,15 +102,17 @@ def test_a_pod_long_past_its_deletion_deadline_blocks_no_attempt() -> None:
     assert resumed.status.attempt == 2 and pod_names(resumed) == ["job-2-0"]
 
 
-def test_the_pod_of_an_attempt_ended_by_a_lost_node_is_deleted_with_force() -> None:
+def test_the_pod_of_an_attempt_ended_by_a_lost_node_is_deleted_with_force_once_the_node_is_gone() -> None:
     obs, first = started()
     running = reconcile(then(obs, first, pods=[pod()]), CTX)
     lost = replace(then(obs, running, pods=[pod()], now=NOW + timedelta(minutes=5)),
                    nodes={**NODES, "l40s-0": not_ready("l40s-0", "2026-01-01T12:01:00Z")})  # fmt: skip
     actions = reconcile(lost, CTX)
     assert actions.status.attempts[0].reason == "NodeLost"
-    assert actions.force_delete_pods == ["job-1-0"] and actions.delete_pods == []
+    assert actions.delete_pods == ["job-1-0"] and actions.force_delete_pods == []
     assert actions.status.attempt == 2  # restarts at once: nothing of attempt 1 can still run
+    gone = replace(lost, nodes={k: v for k, v in NODES.items() if k != "l40s-0"})
+    assert reconcile(gone, CTX).force_delete_pods == ["job-1-0"]
 
 
 def test_a_pod_stuck_creating_its_containers_says_so_in_the_running_condition() -> None:
@@ -121,3 +130,33 @@ def test_a_force_delete_has_no_grace_period_and_keeps_the_uid_precondition() -> 
     fake_kube(api).delete_pod("team", "job-1-0", "pod-uid", 0)
     [(_, _, kwargs)] = api.calls
     assert (kwargs["body"].grace_period_seconds, kwargs["body"].preconditions.uid) == (0, "pod-uid")
+
+
+def test_a_failed_attempts_surviving_rank_is_deleted_again_until_it_has_gone() -> None:
+    obs = replace(observed(spec=TWO_NODES), nodes={**NODES, "a800-1": SECOND_A800})
+    first = reconcile(obs, CTX)
+    failed = pod(rank=1, phase="Failed", node="a800-1", status=terminated(1, "Error", "boom"))
+    ended = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), failed]), CTX)
+    assert ended.status.phase == "Restarting" and ended.delete_pods == ["job-1-0"]
+    # The delete was lost (the operator stopped after writing the status): the next pass sends it again.
+    again = then(obs, ended, pods=[pod(rank=0, node="a800-0"), failed], now=NOW + timedelta(seconds=5))
+    assert reconcile(again, CTX).delete_pods == ["job-1-0"]
+
+
+def test_an_attempt_whose_pod_vanished_with_its_node_counts_the_steps_it_reported_as_lost() -> None:
+    obs, first = started()
+    reports = {
+        c.ANNOTATION_PROGRESS: json.dumps(
+            {"step": 500, "totalSteps": 1000, "updated": "2026-01-01T12:04:00Z"}
+        ),
+        c.ANNOTATION_CHECKPOINT: json.dumps({"step": 400, "path": "/checkpoints/checkpoint-400"}),
+    }
+    running = reconcile(
+        then(obs, first, pods=[pod(annotations=reports)], now=NOW + timedelta(minutes=5)), CTX
+    )
+    lost = {k: v for k, v in NODES.items() if k != "l40s-0"}
+    gone = replace(then(obs, running, pods=[], now=NOW + timedelta(minutes=7)), nodes=lost)
+    asked = reconcile(gone, CTX)
+    ended = reconcile(replace(gone, gone=frozenset(asked.check_pods)), CTX)
+    record = ended.status.attempts[0]
+    assert (record.reason, record.lost_steps) == ("NodeLost", 100)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 from sftjob.gpus import GpuProfile
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
+from sftjob_operator import restarts
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.reconcile_io import Actions, Context, Observed
 from tests.unit.reconcile_cases import (
@@ -132,3 +134,32 @@ def test_a_started_job_with_a_planner_that_cannot_size_its_model_keeps_its_attem
         "UnknownModelSize",
     )
     assert not actions.delete_pods and [e.reason for e in actions.events] == ["UnknownModelSize"]
+
+
+def test_a_permanent_failure_ends_a_job_a_newer_planner_cannot_plan_instead_of_waiting_forever() -> None:
+    obs, seen = running()
+    bad = pod(phase="Failed", status=terminated(11, "Error", "dataset has no rows"))
+    actions = reconcile(then(obs, seen, pods=[bad], now=NOW + timedelta(minutes=5)), NO_LONGER_FITS)
+    assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "DataError")
+
+
+def test_a_running_attempt_is_kept_when_a_newer_planners_oom_ladder_has_no_rung_for_it() -> None:
+    def policy(replan: Any) -> Any:
+        def decide(spec: SFTJobSpec, history: Any, plans: Any, *, nodes: Any, now: Any) -> Any:
+            return restarts.decide(spec.restart_policy, history, plans, replan=replan, nodes=nodes)
+
+        return decide
+
+    older = replace(
+        CTX, attempt_policy=policy(lambda p: p.model_copy(update={"ladder": [*p.ladder, "rung"]}))
+    )
+    newer = replace(CTX, attempt_policy=policy(lambda p: p))  # no rung left for this card
+    obs, first = started()
+    oom = pod(phase="Failed", status=terminated(15, "Error", "CUDA out of memory"))
+    restarted = reconcile(then(obs, first, pods=[oom], now=NOW + timedelta(minutes=1)), older)
+    second = then(obs, restarted, pods=[oom, pod(attempt=2)], now=NOW + timedelta(minutes=3))
+    seen = reconcile(second, older)
+    actions = reconcile(then(second, seen, now=NOW + timedelta(minutes=4)), newer)
+    assert actions.status.phase == "Running" and "job-2-0" not in actions.delete_pods
+    assert condition(actions, "Planned") == ("False", "OOMLadderExhausted")
+    assert "running attempt is kept" in message(actions, "Planned")

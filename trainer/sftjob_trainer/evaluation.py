@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +103,8 @@ def load_split(
     assert settings.split is not None
     if source.path is not None:
         path = Path(source.path)
-        shared = set(files_of(path, source.split)) & set(files_of(path, settings.split))
+        held = files_of(path, settings.split, "evaluation.split")
+        shared = set(files_of(path, source.split)) & set(held)
         if shared:
             raise TrainerError(
                 ExitCode.DATA_ERROR,
@@ -171,22 +172,41 @@ def evaluating(model: nn.Module) -> Iterator[None]:
 
 
 def evaluate(
-    model: nn.Module, held_out: EvalSet, plan: PrecisionPlan, ctx: DistContext
-) -> tuple[float, float]:
+    model: nn.Module,
+    held_out: EvalSet,
+    plan: PrecisionPlan,
+    ctx: DistContext,
+    *,
+    stop: Callable[[], bool] = lambda: False,
+    tick: Callable[[], None] = lambda: None,
+) -> tuple[float | None, float]:
     """Collective: the mean loss per target token over every rank's share of ``held_out``, and the
-    seconds it took."""
+    seconds it took. Before each batch the ranks agree whether any was asked to ``stop`` (a SIGTERM: its
+    grace period is for the checkpoint): then the loss is None. ``tick`` runs after each batch (rank 0's
+    progress reports, so a long evaluation never looks stalled)."""
     started = time.monotonic()
-    extra = {"skip_logits": True} if "fused linear cross-entropy" in liger_kernels_in(unwrap(model)) else {}
+    extra = {"skip_logits": True} if fused_loss_in(model) else {}
     one = torch.ones((), device=ctx.device)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
     targets = 0.0
     with evaluating(model):
         for batch in held_out.batches(ctx.rank, ctx.world_size):
+            if ctx.sum([float(stop())])[0] > 0:
+                return None, time.monotonic() - started
             inputs = model_inputs(batch, ctx.device)
             with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
                 # num_items_in_batch 1: the loss comes back as the sum over the batch's target tokens.
                 out = model(**inputs, use_cache=False, num_items_in_batch=one, **extra)
             loss_sum += out.loss.detach().double()
             targets += float(batch["num_targets"])
+            tick()
     total, count = ctx.sum([float(loss_sum), targets])
     return total / max(count, 1.0), time.monotonic() - started
+
+
+def fused_loss_in(model: nn.Module) -> bool:
+    """Whether the model (inside DDP and PEFT's wrappers) computes its loss with Liger's fused linear
+    cross-entropy, which then has to be asked to skip the logits in eval mode too."""
+    inner = unwrap(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return "fused linear cross-entropy" in liger_kernels_in(base)

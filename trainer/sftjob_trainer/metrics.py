@@ -86,8 +86,12 @@ class TrainerMetrics:
         self.samples = counter("sftjob_train_samples", "Samples trained on, all ranks")
         self.tokens_per_second = gauge("sftjob_train_tokens_per_second", "Real tokens/s, last window")
         self.samples_per_second = gauge("sftjob_train_samples_per_second", "Samples/s, last window")
-        self.eta_seconds = gauge(
-            "sftjob_train_eta_seconds", "Estimated time to the last step at the last window's step rate"
+        # From the first logging window on: during setup there is no estimate (not an ETA of 0).
+        self._eta_seconds = Gauge(
+            "sftjob_train_eta_seconds",
+            "Estimated time to the last step at the last window's step rate",
+            names,
+            registry=self.registry,
         )
         self.step_duration = histogram(
             "sftjob_train_step_duration_seconds",
@@ -209,7 +213,8 @@ class TrainerMetrics:
         self.step_duration.observe(seconds)
         self.dataloader_wait.inc(dataloader_wait)
 
-    def record_window(self, rates: WindowRates, device: torch.device) -> None:
+    def record_window(self, rates: WindowRates, device: torch.device, eta_seconds: float) -> None:
+        self._eta_seconds.labels(**self._labels).set(eta_seconds)
         self.tokens_per_second.set(rates.tokens_per_second)
         self.samples_per_second.set(rates.samples_per_second)
         self.mfu.set(rates.mfu)

@@ -130,8 +130,7 @@ class Observer:
         per_step = elapsed / len(self._window)
         eta = (self.total - state.step) * per_step
         self._window.clear()
-        self.metrics.record_window(rates, self.ctx.device)
-        self.metrics.eta_seconds.set(eta)
+        self.metrics.record_window(rates, self.ctx.device, eta)
         self.metrics.checkpoint_interval.set(checkpoint_interval(self.checkpoints, per_step))
         log.info(
             "step %d/%d (epoch %.2f) | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s | MFU %.1f%%"
@@ -162,11 +161,20 @@ class Observer:
     def evaluating(self) -> None:
         self.metrics.enter(Phase.EVALUATING)
 
-    def evaluated(self, state: TrainState, seconds: float) -> None:
+    def still_evaluating(self) -> None:
+        """A batch of the evaluation is done: the last report again once an interval has passed since it,
+        so the operator's stall clock and the TrainingStalled alert see a long evaluation progress."""
+        if self.clock() - self._reported >= PROGRESS_REPORT_INTERVAL_SECONDS and self._last:
+            self._progress(self._last)
+
+    def evaluated(self, state: TrainState, seconds: float, *, stopped: bool = False) -> None:
         """An evaluation at ``state.step`` ended: its loss goes into the metrics, the train log and every
-        progress report from now on."""
-        assert state.eval_loss is not None and state.eval_step is not None
+        progress report from now on; one a SIGTERM ``stopped`` leaves the last evaluation's."""
         self.metrics.enter(Phase.TRAINING)
+        if stopped:
+            log.info("step %d: evaluation stopped by SIGTERM after %.1fs", state.step, seconds)
+            return
+        assert state.eval_loss is not None and state.eval_step is not None
         self.metrics.record_eval(state.eval_step, state.eval_loss, seconds)
         log.info("step %d: eval loss %.4f (%.1fs)", state.eval_step, state.eval_loss, seconds)
         self._remember_eval(state)

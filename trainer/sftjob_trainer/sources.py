@@ -50,15 +50,16 @@ def _read_path(path: Path, split: str) -> Iterator[tuple[str, Any]]:
     return _read_files(files_of(path, split))
 
 
-def files_of(path: Path, split: str) -> list[Path]:
-    """The data files ``dataset.path`` holds for ``split``: the file itself, or the folder's files of it."""
+def files_of(path: Path, split: str, field: str = "dataset.split") -> list[Path]:
+    """The data files ``dataset.path`` holds for ``split`` (the spec's ``field``): the file itself, or the
+    folder's files of it."""
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
         if not files:
             raise TrainerError(
                 ExitCode.DATA_ERROR, f"dataset folder {path} has no .jsonl/.json/.parquet files"
             )
-        files = split_files(path, files, split)
+        files = split_files(path, files, split, field)
     elif path.is_file():
         if path.suffix not in DATA_SUFFIXES:
             raise TrainerError(ExitCode.DATA_ERROR, f"dataset file {path} is not .jsonl, .json or .parquet")
@@ -68,7 +69,7 @@ def files_of(path: Path, split: str) -> list[Path]:
     return files
 
 
-def split_files(folder: Path, files: list[Path], split: str) -> list[Path]:
+def split_files(folder: Path, files: list[Path], split: str, field: str = "dataset.split") -> list[Path]:
     """The files of ``split`` in a dataset folder, named as the datasets library expects (a split name in
     the file's name or in a folder's, between separators); all of them when none names any split."""
     names = [p.relative_to(folder).as_posix() for p in files]
@@ -81,7 +82,7 @@ def split_files(folder: Path, files: list[Path], split: str) -> list[Path]:
             raise TrainerError(
                 ExitCode.DATA_ERROR,
                 f"dataset folder {folder} names splits in its files but none is split {split!r}"
-                f" (dataset.split): {_shown(names)}",
+                f" ({field}): {_shown(names)}",
             )
     log.info(
         "dataset folder %s, split %s: reading %d file(s): %s", folder, split, len(chosen), _shown(chosen)

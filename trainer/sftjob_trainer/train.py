@@ -357,12 +357,9 @@ class Training:
             save = stopping or last or (due and state.step < total)
             scheduled = eval_every is not None and state.step % eval_every == 0
             if evaluation is not None and not stopping and (save or scheduled or state.step == total):
-                if observer is not None:
-                    observer.evaluating()
-                state.eval_loss, took = evaluate(parts.model, evaluation, plan, ctx)
-                state.eval_step = state.step
-                if observer is not None:
-                    observer.evaluated(state, took)
+                # A SIGTERM during the evaluation stops it: the checkpoint is what the grace period is for.
+                stopping = not self.evaluate(parts, evaluation, plan, state, observer)
+                save = save or stopping
             if save:
                 saved = time.monotonic()
                 path = checkpoints.save(
@@ -377,7 +374,29 @@ class Training:
                     ExitCode.PREEMPTED, f"preempted (SIGTERM): checkpoint saved at step {state.step}"
                 )
             wait_started = time.monotonic()
+        if evaluation is not None and state.eval_step != state.step:  # resumed from a SIGTERM's last step
+            self.evaluate(parts, evaluation, plan, state, observer)
         return time.monotonic() - started, tokens_this_attempt
+
+    def evaluate(
+        self, parts: Trainables, evaluation: EvalSet, plan: Any, state: TrainState, observer: Observer | None
+    ) -> bool:
+        """Collective: the held-out loss at ``state.step`` into ``state``; False when a SIGTERM stopped it."""
+        if observer is not None:
+            observer.evaluating()
+        loss, took = evaluate(
+            parts.model,
+            evaluation,
+            plan,
+            self.ctx,
+            stop=lambda: self.stop.requested,
+            tick=observer.still_evaluating if observer is not None else lambda: None,
+        )
+        if loss is not None:
+            state.eval_loss, state.eval_step = loss, state.step
+        if observer is not None:
+            observer.evaluated(state, took, stopped=loss is None)
+        return loss is not None
 
     def save_outputs(self, model: torch.nn.Module, tokenizer: Any, summary: dict[str, Any]) -> None:
         """Collective: the model (gathered from the shards under FSDP: only the adapters of a LoRA run) and
