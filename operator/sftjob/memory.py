@@ -51,6 +51,12 @@ ACT_HIDDEN_COEF = 29  # bytes per hidden unit per token per layer: attention, re
 ACT_HIDDEN_COEF_LIGER = 18  # the same with Liger's RMSNorm/RoPE kernels
 ACT_MLP_COEF = 8  # bytes per MLP unit per token per layer (gate, up, act, act*up in bf16)
 CHECKPOINT_BYTES_PER_HIDDEN = 2  # a checkpointed layer keeps its bf16 input
+# QLoRA: peft's k-bit preparation leaves embeddings, norms and head in fp32, so the residual stream, the
+# norms' inputs and the 4-bit projections' outputs (bitsandbytes returns its input's dtype) are fp32: about
+# 4 bytes more per hidden and MLP unit per token and layer, and a checkpointed layer keeps an fp32 input.
+# Measured through the trainer on an H200: Llama-2-7B QLoRA at 2 / 1 x 4096 tokens peaked at 71.3 / 38.1
+# GiB, LoRA at 65.1 (benchmarks/results/trainer-throughput-quick-dense-mask.md).
+QLORA_FP32_STREAM_BYTES = 4
 LORA_DROPOUT_BYTES = 1  # per adapter input element: the dropout mask (measured on an H200, see below)
 # Eager attention keeps, per head and (query, key) pair of a row, what its backward needs: the bf16
 # soft-capped scores, the fp32 softmax and its bf16 copy (transformers' eager_attention_forward).
@@ -136,9 +142,10 @@ def _states(m: MemoryInputs) -> list[MemoryTerm]:
         kept = n - a.linear_parameters
         weights = a.linear_parameters * NF4_BYTES_PER_PARAM + kept * FULL_STATE_BYTES["weights"]
         note = "decoder linears in NF4 (~0.52 B/param), embeddings/head/norms in fp32 (peft's k-bit prep)"
-    else:
-        weights = n * BF16_BYTES / shard
-        note = f"{n / 1e9:.2f}B frozen params x 2 B (bf16){split}"
+    else:  # the frozen base in the compute dtype (the trainer's precision plan)
+        base = 4 if m.precision == "fp32" else BF16_BYTES
+        weights = n * base / shard
+        note = f"{n / 1e9:.2f}B frozen params x {base} B ({'fp32' if base == 4 else 'bf16'}){split}"
     adapters = a.lora_parameters(m.lora.r, m.lora.target_modules)
     terms = [
         MemoryTerm(name="weights", gib=_gib(weights), note=note),
@@ -200,6 +207,8 @@ def layer_activation_bytes_per_token(m: MemoryInputs) -> float:
     per_token = coef * a.hidden_size + ACT_MLP_COEF * a.intermediate_size
     if m.method != "full" and m.lora.dropout > 0:
         per_token += LORA_DROPOUT_BYTES * a.lora_widths(m.lora.target_modules)[0]
+    if m.method == "qlora":
+        per_token += QLORA_FP32_STREAM_BYTES * (a.hidden_size + a.intermediate_size)
     if m.attention == "eager":  # the row's score matrix, per token: one row of it per head
         per_token += EAGER_SCORE_BYTES * a.heads * m.sequence_length
     return per_token * (2 if m.precision == "fp32" else 1)
@@ -216,7 +225,8 @@ def _dynamic(m: MemoryInputs) -> tuple[MemoryTerm, MemoryTerm]:
         logits = LOGIT_BYTES_PER_VOCAB * a.vocab_size * m.tokens
         logits_note = f"{m.tokens:,} tokens x vocab {a.vocab_size:,} x {LOGIT_BYTES_PER_VOCAB} B"
     if m.gradient_checkpointing:
-        kept = CHECKPOINT_BYTES_PER_HIDDEN * a.hidden_size * m.tokens * a.layers
+        wide = m.method == "qlora" or m.precision == "fp32"  # the layer inputs are fp32
+        kept = CHECKPOINT_BYTES_PER_HIDDEN * (2 if wide else 1) * a.hidden_size * m.tokens * a.layers
         # The recomputed layer and its backward temporaries (about as much again) appear after the
         # logits buffer is freed; count only what exceeds it.
         activations = kept + max(0.0, 2 * layer - logits)

@@ -74,7 +74,9 @@ def _assemble(
     suggestions: list[str],
     ladder: list[str],
 ) -> Plan:
-    resources, cpus_per_gpu = pod_resources(request.architecture, request.method, request.gpus_per_node)
+    resources, cpus_per_gpu = pod_resources(
+        request.architecture, request.method, request.gpus_per_node, fixed.precision
+    )
     return Plan(
         gpu=gpu.key,
         fits=fits,

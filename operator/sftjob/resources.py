@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from sftjob.architectures import Architecture
-from sftjob.config import LoraSettings, Method, Optimizer
+from sftjob.config import LoraSettings, Method, Optimizer, Precision
 from sftjob.memory import ADAPTER_STATE_BYTES, BF16_BYTES, FULL_STATE_BYTES, GIB, OPTIMIZER_BYTES
 from sftjob.plan import PodResources
 
@@ -55,12 +55,15 @@ def checkpoint_gib(
     return params * (weight_bytes + OPTIMIZER_BYTES[optimizer]) / GIB
 
 
-def pod_resources(architecture: Architecture, method: Method, gpus_per_node: int) -> tuple[PodResources, int]:
+def pod_resources(
+    architecture: Architecture, method: Method, gpus_per_node: int, precision: Precision = "bf16"
+) -> tuple[PodResources, int]:
     """Requests for one node's pod, and the CPUs each GPU's process gets.
 
     Host memory is the largest of the transient needs below, plus what the pod holds all along:
 
-    - loading the model: one copy per node as loaded (fp32 for full fine-tuning, bf16 otherwise), times
+    - loading the model: one copy per node as loaded (fp32 for full fine-tuning or an fp32 run, bf16
+      otherwise), times
       ``LOAD_HEADROOM``. Placed straight on its GPU, the node's processes share the page cache of the
       mmapped safetensors shards. Under FSDP global rank 0 alone loads the whole model, into its own CPU
       memory (the copy, plus the page cache of the files it reads), and broadcasts it into every rank's
@@ -74,7 +77,8 @@ def pod_resources(architecture: Architecture, method: Method, gpus_per_node: int
     Every pod of a job gets the same requests, so whichever holds rank 0 can load and save the model.
     """
     cpus = min(CPUS_PER_GPU * gpus_per_node, MAX_CPUS_PER_POD)
-    loaded = architecture.parameters * (FULL_STATE_BYTES["weights"] if method == "full" else BF16_BYTES) / GIB
+    fp32 = method == "full" or precision == "fp32"
+    loaded = architecture.parameters * (FULL_STATE_BYTES["weights"] if fp32 else BF16_BYTES) / GIB
     load = LOAD_HEADROOM * loaded
     shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
     host = max(HOST_MEMORY_FLOOR_GIB, load) + HOST_GIB_PER_PROCESS * gpus_per_node + shm
