@@ -1,10 +1,13 @@
-"""Ghost jobs: index entries of SFTJobs that no longer exist, and how a pass tells them from live jobs.
+"""Ghosts: index entries of SFTJobs and trainer pods that no longer exist, and how a pass tells them
+from live objects.
 
 kopf drops an object from its indexes only when it sees the object's DELETED event; after a watch gap
-(a 410 and a fresh listing) an object deleted meanwhile stays indexed for good. Such a ghost stays
+(a 410 and a fresh listing) an object deleted meanwhile stays indexed for good. Such a ghost job stays
 under its (namespace, name) key beside a job recreated under the same name (kopf keys the objects of
 an index entry by uid). A pass takes the newest entry of its key, and a ghost the API server answers
-404 for is tombstoned by uid, so that no pass runs on it again. Pure bookkeeping: no I/O.
+404 for is tombstoned by uid, so that no pass runs on it again. A ghost pod would keep its job waiting
+for it to stop: one whose delete finds no pod of its uid is tombstoned by uid under its job's key, and
+left out of the job's pods. Pure bookkeeping: no I/O.
 """
 
 from __future__ import annotations
@@ -27,6 +30,17 @@ class Tombstones:
     def bury(self, key: Hashable, uid: str) -> None:
         self._uids.setdefault(key, set()).add(uid)
 
+    def buried(self, key: Hashable, indexed: Iterable[str]) -> set[str]:
+        """The uids of ``indexed`` (the index's entries under ``key``) that are buried. Tombstones of
+        entries the index no longer holds are dropped."""
+        gone = self._uids.pop(key, set()) & set(indexed)
+        if gone:
+            self._uids[key] = gone
+        return gone
+
+    def forget(self, key: Hashable) -> None:
+        self._uids.pop(key, None)
+
     def select(self, key: Hashable, entries: Iterable[JobView]) -> JobView | None:
         """The job a pass runs on among the index entries under ``key``: not buried, the newest.
 
@@ -34,9 +48,7 @@ class Tombstones:
         and the live job is the one created last; a tie (both created in the same second) goes to the
         later resourceVersion. Tombstones of entries the index no longer holds are dropped."""
         entries = list(entries)
-        gone = self._uids.pop(key, set()) & {e.uid for e in entries}
-        if gone:
-            self._uids[key] = gone
+        gone = self.buried(key, (e.uid for e in entries))
         live = [e for e in entries if e.uid not in gone]
         return max(live, key=lambda e: (e.created or "", _version(e)), default=None)
 

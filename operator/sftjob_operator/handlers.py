@@ -12,7 +12,8 @@ How the kopf handler kinds map onto a level-based operator:
   key is never in two passes at once). A pass asks to be run again after its requeue delay, at the
   latest after ``RESYNC_SECONDS``; an API error backs the key off; a job gone from the index is
   forgotten; so is a ghost the index kept after a watch gap once its status write answers 404, and
-  a pass takes the newest entry of a key, not a ghost beside it (:mod:`~sftjob_operator.ghosts`).
+  a pass takes the newest entry of a key, not a ghost beside it; a ghost pod, one whose delete finds
+  no pod of its uid, is left out of its job's pods (:mod:`~sftjob_operator.ghosts`).
   There is no task per job and no finalizer: deleting a job needs nothing from the operator (the
   garbage collector removes its children by ownerReference), and a finalizer an older version added
   is removed by kopf.
@@ -82,6 +83,7 @@ class Runtime:
     outdated: ClassVar[dict[JobKey, tuple[str, float]]] = {}
     backoff: ClassVar[dict[JobKey, float]] = {}
     gone = Tombstones()  # index entries of jobs the API server said are gone
+    gone_pods = Tombstones()  # index entries of trainer pods (by job key) the API server said are gone
     workers: ClassVar[list[asyncio.Task[None]]] = []
 
 
@@ -230,6 +232,7 @@ def _forget(key: JobKey) -> None:
     Runtime.expectations.forget(key)
     Runtime.outdated.pop(key, None)
     Runtime.backoff.pop(key, None)
+    Runtime.gone_pods.forget(key)
     metrics.track_job(*key, None)
 
 
@@ -243,7 +246,7 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         generation=job.generation,
         spec=job.spec(),
         status=job.status(),
-        pods=observe.owned(pods.get(key, []), job.uid),  # not an earlier job's of this name
+        pods=observe.owned(_live_pods(key, pods), job.uid),  # not an earlier job's of this name
         nodes=_NodeView(nodes),
         now=now,
     )
@@ -259,18 +262,28 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     )  # fmt: skip
     if job.deleting:
         return Runtime.resync_seconds  # being deleted (another finalizer holds it): create nothing more
-    written = await _apply(job, observed, actions, now=now)
+    written, version = await _apply(job, observed, actions, now=now)
     metrics.track_job(job.namespace, job.name, written)
     metrics.RECONCILES.labels(result="success").inc()
-    if actions.status_changed:  # decide again only from a version that shows this write
+    if version != job.resource_version:  # decide again only from a version that shows this write
         _wait_for_newer(key, job.resource_version)
     due = Runtime.resync_seconds if actions.requeue_after is None else actions.requeue_after
     return min(due, Runtime.resync_seconds)
 
 
-async def _apply(job: JobView, observed: Observed, actions: Actions, *, now: datetime) -> SFTJobStatus:
+def _live_pods(key: JobKey, pods: kopf.Index[Any, Any]) -> list[observe.Obj]:
+    """The job's pods in the index, less those whose delete found them gone."""
+    indexed = list(pods.get(key, []))
+    gone = Runtime.gone_pods.buried(key, (observe.uid_of(p) for p in indexed))
+    return [p for p in indexed if observe.uid_of(p) not in gone]
+
+
+async def _apply(
+    job: JobView, observed: Observed, actions: Actions, *, now: datetime
+) -> tuple[SFTJobStatus, str]:
     """Write the status, say what changed, create the children, delete pods (and the job); returns the
-    status the job has now."""
+    status the job has now and its resourceVersion after the status write (unchanged when there was
+    none, or when it changed nothing)."""
     namespace, name, kube = job.namespace, job.name, Runtime.kube
     version = job.resource_version
     if actions.status_changed:
@@ -278,15 +291,19 @@ async def _apply(job: JobView, observed: Observed, actions: Actions, *, now: dat
     await _announce(job, parse_status(observed.status), actions.status, actions.events, now=now)
     rejected = await _create(job, actions, version, now=now)
     if rejected is not None:
-        return rejected
+        return rejected, version
     uids = {observe.name(p): observe.uid_of(p) for p in observed.pods}  # every pod it deletes is one of them
-    for pod in actions.delete_pods:
-        await kube.run(kube.delete_pod, namespace, pod, uids[pod])
-    for pod in actions.force_delete_pods:
-        await kube.run(kube.delete_pod, namespace, pod, uids[pod], 0)
+    deletes = [(pod, None) for pod in actions.delete_pods] + [(pod, 0) for pod in actions.force_delete_pods]
+    for pod, grace_period_seconds in deletes:
+        if not await kube.run(kube.delete_pod, namespace, pod, uids[pod], grace_period_seconds):
+            log.info(
+                "pod %s/%s (uid %s) no longer exists: left out of its job's pods", namespace, pod, uids[pod]
+            )
+            Runtime.gone_pods.bury((namespace, name), uids[pod])
+            Runtime.queue.add((namespace, name))  # decide again at once, without it
     if actions.delete_job:
         await kube.run(kube.delete_job, namespace, name, job.uid)
-    return actions.status
+    return actions.status, version
 
 
 # Children are created in batches, each once the one before it is there: first what the pods refer to

@@ -3,13 +3,17 @@
 Children are created by name. A 409 means "already there" once the object's controller is checked to
 be this job (the uid in its ownerReference): an object of that name that belongs to someone else (an
 earlier SFTJob of the same name that the garbage collector is still removing) is left alone and the
-create is tried again later. A ConfigMap or Role of this job, whose content follows the attempt, is
-then patched to the rendered content; everything else is left as it is. Any other failure to create
+create is tried again later. A ConfigMap or Role of this job, whose content follows the attempt, then
+gets the rendered content with a JSON patch that replaces it whole (a strategic merge never removes a
+key of a ConfigMap's ``data``: a card that no longer fits would keep its stale plan); everything else is
+left as it is. Any other failure to create
 (403, 429, 5xx, a timeout) is :class:`CreateFailed`, which the caller says in the job's status and
 retries; only a 422 (:class:`Rejected`) is final.
 
 The status is written with the job's ``resourceVersion`` as a precondition, so a pass that decided
-from a stale view loses with a 409 and the next pass decides again from fresh state. Deletes carry the
+from a stale view loses with a 409 and the next pass decides again from fresh state. It is a merge
+patch that nulls every field, at any depth, that the new status no longer has (a merge patch keeps
+what it does not name). Deletes carry the
 object's uid as a precondition, so they never remove a newer object that took the name meanwhile.
 
 Every call has a timeout and the connections TCP keepalive: a call on a connection that died without
@@ -47,8 +51,9 @@ API_CONCURRENCY = 32
 # Every call's (connect, read) timeouts in seconds. Admission webhooks answer within 30 s at most; a
 # create that timed out is tried again, and finds its object (409) if it was made after all.
 REQUEST_TIMEOUT = (5.0, 30.0)
-# Kinds whose content the operator keeps equal to what it renders (the attempt's plan, its pod names).
-FOLLOWS_ATTEMPT = frozenset({"ConfigMap", "Role"})
+# Kinds whose content the operator keeps equal to what it renders (the attempt's plan, its pod names),
+# and the field that holds it.
+FOLLOWS_ATTEMPT = {"ConfigMap": "data", "Role": "rules"}
 
 
 class Conflict(Exception):
@@ -123,11 +128,13 @@ class Kube:
     def write_status(
         self, namespace: str, name: str, resource_version: str, old: Mapping[str, Any], new: SFTJobStatus
     ) -> str:
-        """Merge-patch the status subresource (keys the new status dropped are set to null); returns the
-        job's new resourceVersion."""
-        body = new.to_patch()
-        dropped = {k: None for k in old if k in _STATUS_KEYS and k not in body}
-        patch = {"metadata": {"resourceVersion": resource_version}, "status": {**body, **dropped}}
+        """Merge-patch the status subresource from ``old`` (as the job holds it) to ``new``; returns the
+        job's resourceVersion after the write (the one it had when the write changed nothing)."""
+        ours = {k: v for k, v in old.items() if k in _STATUS_KEYS}
+        patch = {
+            "metadata": {"resourceVersion": resource_version},
+            "status": merge_patch(ours, new.to_patch()),
+        }
         try:
             written = self.custom.patch_namespaced_custom_object_status(
                 c.API_GROUP, c.API_VERSION, namespace, c.PLURAL, name, patch, _request_timeout=REQUEST_TIMEOUT
@@ -157,8 +164,10 @@ class Kube:
                     name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
                 )
                 _check_owner(kind, name, owner, json.loads(response.data))
-            if kind in FOLLOWS_ATTEMPT:
-                verbs.patch(name, namespace, manifest, _request_timeout=REQUEST_TIMEOUT)
+            field = FOLLOWS_ATTEMPT.get(kind)
+            if field is not None:  # a list body goes out as a JSON patch; "add" replaces a field it finds
+                content = [{"op": "add", "path": f"/{field}", "value": manifest[field]}]
+                verbs.patch(name, namespace, content, _request_timeout=REQUEST_TIMEOUT)
         return False
 
     def post_event(self, manifest: Manifest) -> None:
@@ -173,11 +182,11 @@ class Kube:
 
     def delete_pod(
         self, namespace: str, name: str, uid: str, grace_period_seconds: int | None = None
-    ) -> None:
+    ) -> bool:
         """Delete the pod ``name`` if it is still the one with ``uid``, within its own grace period or
-        ``grace_period_seconds`` (0: at once, for a pod on a lost node). Gone (404), or replaced by a
-        newer pod of that name (409, the precondition failed), leaves nothing to do: that pod's watch
-        event brings the pass that decides about it."""
+        ``grace_period_seconds`` (0: at once, for a pod on a lost node). Returns False when no pod with
+        ``uid`` exists: none of that name (404), or a newer pod took the name (409, the precondition
+        failed). The index may still hold it, for good if its DELETED event fell in a watch gap."""
         options = client.V1DeleteOptions(
             grace_period_seconds=grace_period_seconds, preconditions=client.V1Preconditions(uid=uid)
         )
@@ -187,6 +196,8 @@ class Kube:
             if err.status not in (404, 409):
                 raise
             log.debug("pod %s/%s (uid %s): nothing to delete (HTTP %d)", namespace, name, uid, err.status)
+            return False
+        return True
 
     def delete_job(self, namespace: str, name: str, uid: str) -> None:
         """Delete the job with ``uid`` (its children go in the background); never a job created again
@@ -219,6 +230,18 @@ _SNAKE = {
     "RoleBinding": "role_binding",
 }
 _STATUS_KEYS = frozenset(f.alias or n for n, f in SFTJobStatus.model_fields.items())
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``: ``new`` with a null for every key,
+    at any depth, that ``old`` has and ``new`` lacks (a list is replaced whole, as merge patches do)."""
+    patch = dict(new)
+    for key, value in old.items():
+        if key not in new:
+            patch[key] = None
+        elif isinstance(value, Mapping) and isinstance(new[key], Mapping):
+            patch[key] = merge_patch(value, new[key])
+    return patch
 
 
 def _check_owner(kind: str, name: str, owner: str, existing: Mapping[str, Any]) -> None:

@@ -31,6 +31,8 @@ from sftjob_operator.scheduling import default_products, parse_products
 DEFAULT_PEERING = "sftjob-operator"
 DEFAULT_LIVENESS = "http://0.0.0.0:8081/healthz"
 DEFAULT_METRICS_PORT = 8080
+MAX_PORT = 65535
+LOG_FORMATS = ("json", "plain")
 # Below this a quiet job's resync is a busy loop.
 MIN_RESYNC_SECONDS = 1.0
 # The flag that sets each job default, for error messages.
@@ -59,9 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--metrics-port",
-        type=int,
-        default=int(env("SFTJOB_METRICS_PORT", DEFAULT_METRICS_PORT)),
-        help="Prometheus metrics port (0: off)",
+        default=env("SFTJOB_METRICS_PORT", str(DEFAULT_METRICS_PORT)),
+        help=f"Prometheus metrics port, 1-{MAX_PORT} (0: off)",
     )
     p.add_argument(
         "--image",
@@ -90,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=env("SFTJOB_RESYNC_SECONDS", str(handlers.RESYNC_SECONDS)),
         help="longest time between two passes over a job (at least 1)",
     )
-    p.add_argument("--log-format", choices=["json", "plain"], default=env("SFTJOB_LOG_FORMAT", "json"))
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=env("SFTJOB_LOG_FORMAT", "json"))
     p.add_argument("-v", "--verbose", action="store_true")
     d = p.add_argument_group("defaults for SFTJobs that leave these unset (status.effective shows them)")
     d.add_argument(
@@ -125,6 +126,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--resync-seconds / SFTJOB_RESYNC_SECONDS must be a finite number of seconds >= "
             f"{MIN_RESYNC_SECONDS:g}, got {args.resync_seconds:g}"
         )
+    port = args.metrics_port.strip()
+    if not (re.fullmatch("[0-9]{1,5}", port) and int(port) <= MAX_PORT):
+        p.error(
+            f"--metrics-port / SFTJOB_METRICS_PORT must be a port number from 1 to {MAX_PORT}, or 0 (no"
+            f" metrics), got {args.metrics_port!r}"
+        )
+    args.metrics_port = int(port)
+    if args.log_format not in LOG_FORMATS:  # argparse checks the flag's choices, not a default
+        p.error(
+            f"--log-format / SFTJOB_LOG_FORMAT must be one of {', '.join(LOG_FORMATS)},"
+            f" got {args.log_format!r}"
+        )
+    try:
+        args.products = products_from(args.gpu_products)
+    except (OSError, ValueError) as err:  # a file that cannot be read, bad JSON, a bad mapping
+        p.error(f"--gpu-products / SFTJOB_GPU_PRODUCTS: {err}")
     if args.image_min_driver_major < 0:
         p.error("--image-min-driver-major / SFTJOB_IMAGE_MIN_DRIVER_MAJOR must be >= 0 (0: any driver)")
     args.trainer_image_pull_secrets = tuple(
@@ -159,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.verbose:  # kopf logs every watch-event handler's success at INFO: thousands a minute
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     handlers.Runtime.context = Context(
-        products=products_from(args.gpu_products),
+        products=args.products,
         image=args.image,
         image_min_driver_major=args.image_min_driver_major or None,
         trainer_image_pull_secrets=args.trainer_image_pull_secrets,

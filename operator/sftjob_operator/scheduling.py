@@ -26,12 +26,14 @@ leads to are ``sftjob.gpu_products``, shared with ``sftjob plan``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sftjob import constants as c
 from sftjob.gpu_products import ProductMap, default_products
 from sftjob.gpus import GPU_TYPES
+from sftjob.kube_names import LABEL_VALUE, LABEL_VALUE_RULE
 
 HOSTNAME_FIELD = "metadata.name"
 HOSTNAME_LABEL = "kubernetes.io/hostname"  # the kubelet's label: one value per node
@@ -41,8 +43,13 @@ AVOID_WEIGHT = 100
 
 
 def parse_products(text: str) -> dict[str, list[str]]:
-    """``{"A800": ["NVIDIA-A800-SXM4-80GB", ...], ...}`` from operator configuration, checked."""
-    raw = json.loads(text)
+    """``{"A800": ["NVIDIA-A800-SXM4-80GB", ...], ...}`` from operator configuration, checked: the types
+    it names replace the default's; every product is a label value, of one GPU type only (the type of a
+    node is looked up from its product)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"the GPU product mapping is not JSON: {err}") from err
     if not isinstance(raw, dict):
         raise ValueError("the GPU product mapping must be a JSON object of GPU type -> product labels")
     mapping = default_products()
@@ -57,7 +64,24 @@ def parse_products(text: str) -> dict[str, list[str]]:
             or not all(isinstance(p, str) and p for p in products)
         ):
             raise ValueError(f"products for {gpu_type} must be a non-empty list of labels")
-        mapping[gpu_type] = list(products)
+        bad = [p for p in products if not re.fullmatch(LABEL_VALUE, p)]
+        if bad:
+            raise ValueError(
+                f"products for {gpu_type} must be {c.GFD_PRODUCT} label values ({LABEL_VALUE_RULE}),"
+                f" got {', '.join(map(repr, bad))}"
+            )
+        mapping[gpu_type] = list(dict.fromkeys(products))
+    owners: dict[str, str] = {}
+    for gpu_type, products in mapping.items():
+        for product in products:
+            other = owners.setdefault(product, gpu_type)
+            if other != gpu_type:
+                default = [t for t in (other, gpu_type) if t not in raw]
+                given = f" ({default[0]} has it by default: name {default[0]} too)" if default else ""
+                raise ValueError(
+                    f"product {product!r} is listed under both {other} and {gpu_type}{given}:"
+                    " a product belongs to one GPU type"
+                )
     return mapping
 
 

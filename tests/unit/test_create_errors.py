@@ -95,6 +95,35 @@ def test_a_child_of_this_job_that_exists_is_taken_and_one_that_follows_the_attem
     assert api.verbs() == ["create", "read", "patch"]
 
 
+def test_a_config_map_that_exists_gets_the_rendered_data_whole_so_keys_the_new_render_lacks_go() -> None:
+    stale = {"config.json": "attempt 6", "config-A40.json": "attempt 6", "config-L40S.json": "attempt 6"}
+    existing = {**owned_by(JOB_UID), "data": stale}
+    api = FakeApi({"create": api_error(409, "already exists")}, existing=existing)
+    fake_kube(api).ensure({**config_map(), "data": {"config.json": "attempt 7"}})
+    _, (_, _, body), _ = api.calls[-1]
+    assert isinstance(body, list)  # the client sends a list as application/json-patch+json
+    assert apply_json_patch(existing, body)["data"] == {"config.json": "attempt 7"}
+
+
+def test_a_role_that_exists_gets_the_rendered_rules_whole() -> None:
+    api = FakeApi({"create": api_error(409, "already exists")}, existing=owned_by(JOB_UID))
+    rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"], "resourceNames": ["job-2-0"]}]
+    fake_kube(api).ensure(
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", **owned_by(JOB_UID), "rules": rules}
+    )
+    _, (_, _, body), _ = api.calls[-1]
+    assert apply_json_patch({**owned_by(JOB_UID), "rules": []}, body)["rules"] == rules
+
+
+def apply_json_patch(target: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 for what ``ensure`` sends: "add" of a top-level field (which replaces a field there)."""
+    result = dict(target)
+    for op in operations:
+        assert op["op"] == "add" and op["path"].count("/") == 1
+        result[op["path"][1:]] = op["value"]
+    return result
+
+
 @pytest.mark.parametrize("owner", ["uid-old", None])
 def test_an_object_of_the_childs_name_that_is_not_this_jobs_is_neither_taken_nor_patched(
     owner: str | None,
@@ -114,11 +143,12 @@ def test_a_claim_kept_on_delete_has_no_owner_so_any_claim_of_its_name_is_it() ->
     assert api.verbs() == ["create"]
 
 
-def test_deletes_are_conditioned_on_the_uid_and_a_replaced_or_gone_object_is_nothing_to_delete() -> None:
+def test_deletes_are_conditioned_on_the_uid_and_a_replaced_or_gone_pod_is_said_to_be_gone() -> None:
+    assert fake_kube(FakeApi()).delete_pod("team", "job-1-0", "pod-uid") is True
     for status in (404, 409):
         api = FakeApi({"delete": api_error(status, "gone or replaced")})
         kube = fake_kube(api)
-        kube.delete_pod("team", "job-1-0", "pod-uid")
+        assert kube.delete_pod("team", "job-1-0", "pod-uid") is False
         kube.delete_job("team", "job", JOB_UID)
         pod_options, job_options = (kwargs["body"] for _, _, kwargs in api.calls)
         assert pod_options.preconditions.uid == "pod-uid"
@@ -127,6 +157,38 @@ def test_deletes_are_conditioned_on_the_uid_and_a_replaced_or_gone_object_is_not
         fake_kube(FakeApi({"delete": api_error(500, "etcd timeout")})).delete_pod(
             "team", "job-1-0", "pod-uid"
         )
+
+
+def merge(target: Any, patch: Any) -> Any:
+    """What the API server does with a JSON merge patch (RFC 7386)."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge(merged.get(key), value)
+    return merged
+
+
+def test_a_status_write_removes_the_fields_the_new_status_no_longer_has_at_any_depth() -> None:
+    old = SFTJobStatus.model_validate({
+        "phase": "Running", "attempt": 1,
+        "gpu": {"summary": "1xA40", "type": "A40", "product": "NVIDIA-A40", "count": 1, "nodes": ["n1"]},
+        "progress": {"step": 500, "totalSteps": 1000, "loss": 1.2, "etaSeconds": 3600, "summary": "500/1000"},
+        "lastCheckpoint": {"step": 400, "path": "/ckpt/checkpoint-400", "evalLoss": 1.1},
+    })  # fmt: skip
+    new = SFTJobStatus.model_validate({
+        "phase": "Restarting", "attempt": 2, "gpu": {"summary": "1xA40|L40S", "count": 1, "nodes": []},
+        "progress": {"step": 450, "totalSteps": 1000, "summary": "450/1000"},
+        "lastCheckpoint": {"step": 450, "path": "/ckpt/checkpoint-450"},
+    })  # fmt: skip
+    api = FakeApi()
+    held = {**old.to_patch(), "kopf": {"progress": {}}}  # a field of someone else's stays theirs
+    fake_kube(api).write_status("team", "job", "1", held, new)
+    [(_, args, _)] = api.calls
+    assert merge(held, args[-1]["status"]) == {**new.to_patch(), "kopf": {"progress": {}}}
 
 
 def test_every_call_has_a_timeout() -> None:

@@ -4,6 +4,7 @@ the API server send it only trainer pods."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -12,6 +13,7 @@ import pytest
 from sftjob import constants as c
 from sftjob_operator import handlers
 from sftjob_operator.main import parse_args
+from sftjob_operator.scheduling import default_products
 from sftjob_operator.workqueue import WorkQueue
 
 
@@ -59,3 +61,63 @@ def test_only_pods_with_the_job_label_are_listed_and_watched(monkeypatch: pytest
     assert selectors.collect(kopf.Resource("metrics.k8s.io", "v1beta1", "pods")) == []
     assert selectors.collect(kopf.Resource("", "v1", "nodes")) == []
     assert selectors.collect(kopf.Resource(c.API_GROUP, c.API_VERSION, c.PLURAL)) == []
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "65536", "80.5", ""])
+def test_a_metrics_port_that_is_no_port_number_is_refused_naming_the_flag_and_the_variable(
+    value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SFTJOB_METRICS_PORT", value)
+    with pytest.raises(SystemExit) as exited:
+        parse_args([])
+    assert exited.value.code == 2
+    assert (
+        "--metrics-port / SFTJOB_METRICS_PORT must be a port number from 1 to 65535"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(("value", "port"), [("0", 0), ("9090", 9090), ("65535", 65535)])
+def test_a_metrics_port_may_be_any_port_or_zero_for_none(value: str, port: int) -> None:
+    assert parse_args([f"--metrics-port={value}"]).metrics_port == port
+
+
+def test_a_log_format_from_the_environment_is_checked_like_the_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SFTJOB_LOG_FORMAT", "text")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert (
+        "--log-format / SFTJOB_LOG_FORMAT must be one of json, plain, got 'text'" in capsys.readouterr().err
+    )
+    monkeypatch.setenv("SFTJOB_LOG_FORMAT", "plain")
+    assert parse_args([]).log_format == "plain"
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("{not json", "the GPU product mapping is not JSON"),
+        ("@/nonexistent/products.json", "No such file or directory"),
+        ('{"A40": ["NVIDIA A40"]}', "products for A40 must be nvidia.com/gpu.product label values"),
+        ('{"A40": ["NVIDIA-X"], "L40S": ["NVIDIA-X"]}', "'NVIDIA-X' is listed under both A40 and L40S"),
+        ('{"A40": ["NVIDIA-L40S"]}', "listed under both A40 and L40S (L40S has it by default"),
+    ],
+)
+def test_a_bad_gpu_product_mapping_is_refused_before_the_operator_starts(
+    value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args([f"--gpu-products={value}"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--gpu-products / SFTJOB_GPU_PRODUCTS: " in err and said in err
+
+
+def test_a_gpu_product_mapping_replaces_the_products_of_the_types_it_names(tmp_path: Path) -> None:
+    mapping = tmp_path / "products.json"
+    mapping.write_text('{"A40": ["NVIDIA-A40", "NVIDIA-A40-PCIE"]}')
+    products = parse_args([f"--gpu-products=@{mapping}"]).products
+    assert products["A40"] == ["NVIDIA-A40", "NVIDIA-A40-PCIE"]
+    assert products["L40S"] == default_products()["L40S"]

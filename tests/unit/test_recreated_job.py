@@ -56,8 +56,9 @@ class FakeKube:
 
     def delete_pod(
         self, namespace: str, name: str, uid: str, grace_period_seconds: int | None = None
-    ) -> None:
+    ) -> bool:
         self.deleted.append((name, uid))
+        return True
 
     def post_event(self, manifest: dict[str, Any]) -> None:
         self.events.append((manifest["reason"], manifest["message"]))
