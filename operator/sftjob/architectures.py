@@ -226,25 +226,38 @@ def known_architecture(model_name: str) -> Architecture | None:
     return None
 
 
+MIN_GUESSED_LAYERS = 8
+
+
 def llama_shaped(parameters: int) -> Architecture:
     """A Llama-3-style shape with about ``parameters`` weights (for sizing when nothing else is known).
 
-    Width follows the Llama 3 ladder (2048 wide at 1B ... 8192 at 70B), MLP 3.5x wide, head 128,
-    8 KV heads, the 128k vocabulary (conservative for the logits buffer); depth makes up the count.
+    Width follows the Llama 3 ladder (2048 wide at 1B ... 8192 at 70B; 896 and 1024 below 1B, as Qwen2.5
+    0.5B and SmolLM2), MLP 3.5x wide, head 128 (64 below 1B), 8 KV heads, the 128k vocabulary
+    (conservative for the logits buffer), tied to the embeddings below 4B as in Llama 3.2 1B/3B; depth
+    makes up the count, at least 8 layers (the vocabulary alone would leave a small model one layer).
     """
     if parameters < 1:
         raise ValueError("spec.model.parameters must be a positive count of weights")
-    ladder = ((2e9, 2048), (5e9, 3072), (11e9, 4096), (20e9, 5120), (45e9, 6656))
+    ladder = ((0.4e9, 896), (1e9, 1024), (2e9, 2048), (5e9, 3072), (11e9, 4096), (20e9, 5120), (45e9, 6656))
     hidden = next((h for limit, h in ladder if parameters < limit), 8192)
-    heads = hidden // 128
+    heads = hidden // (64 if hidden < 2048 else 128)
     kv = min(8, heads)
     inter = 256 * math.ceil(3.5 * hidden / 256)
     vocab = 128256
+    tied = parameters < 4e9
     probe = Architecture(
-        layers=1, hidden_size=hidden, heads=heads, kv_heads=kv, intermediate_size=inter, vocab_size=vocab
+        layers=1,
+        hidden_size=hidden,
+        heads=heads,
+        kv_heads=kv,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        tied_embeddings=tied,
     )
     per_layer = probe.layer_parameters
-    layers = max(1, round((parameters - 2 * vocab * hidden) / per_layer))
+    embeddings = (1 if tied else 2) * vocab * hidden
+    layers = max(MIN_GUESSED_LAYERS, round((parameters - embeddings) / per_layer))
     billions = parameters / 1e9
     return probe.model_copy(
         update={"layers": layers, "name": f"Llama-shaped guess for {billions:.1f}B parameters"}

@@ -136,3 +136,12 @@ def test_a_sliding_window_is_read_from_config_json_only_where_layers_use_it() ->
     assert architecture_from_hf_config(qwen).sliding_window is None
     full = {**mistral, "layer_types": ["full_attention", "full_attention"]}
     assert architecture_from_hf_config(full).sliding_window is None
+
+
+def test_a_small_model_known_only_by_its_size_gets_a_narrow_tied_deep_enough_shape() -> None:
+    from sftjob.architectures import llama_shaped
+
+    guess = llama_shaped(360_000_000)  # SmolLM2-360M: 32 layers of 960, tied
+    assert guess.tied_embeddings and guess.hidden_size <= 1024 and guess.layers >= 16
+    assert guess.parameters == pytest.approx(360e6, rel=0.05)
+    assert llama_shaped(8_000_000_000).tied_embeddings is False
