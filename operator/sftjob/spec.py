@@ -358,6 +358,17 @@ class SFTJobSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
+    def _multi_node_checkpoints_are_shared(self) -> SFTJobSpec:
+        volume = self.checkpoints.volume
+        if self.gpu.nodes > 1 and volume is not None and volume.host_path is not None:
+            raise ValueError(
+                "spec.checkpoints.volume.hostPath: a multi-node job (spec.gpu.nodes > 1) needs a checkpoint"
+                " volume every node shares (a ReadWriteMany persistentVolumeClaim or nfs); each node's"
+                " hostPath holds only its own ranks' files, so no checkpoint could be resumed"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _evaluation_is_held_out(self) -> SFTJobSpec:
         if self.evaluation is not None and self.evaluation.split == self.dataset.split:
             raise ValueError(

@@ -90,6 +90,12 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         spec_with(model={"path": "m", "volume": {**PVC, "hostPath": {"path": "/m"}}}),
         "spec.model.volume",
     ),
+    "hostPath checkpoints on two nodes": (
+        spec_with(
+            gpu={"type": "A800", "count": 8, "nodes": 2}, checkpoints={"volume": {"hostPath": {"path": "/c"}}}
+        ),
+        "spec.checkpoints.volume.hostPath",
+    ),
     "zero deadline": (spec_with(activeDeadlineSeconds=0), "spec.activeDeadlineSeconds"),
     "unknown field": (spec_with(gpus=2), 'unknown field "spec.gpus"'),
     "unknown toleration operator": (

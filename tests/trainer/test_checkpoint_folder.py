@@ -4,6 +4,7 @@ none does, and the progress of the run never rotated away for them."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from sftjob.config import JobRef
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, ownership
+from sftjob_trainer import checkpoints, ownership, rng
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 
@@ -45,7 +46,7 @@ def _trainables() -> Trainables:
 
 def test_an_attempt_takes_over_the_folder_and_saves_into_it(tmp_path: Path) -> None:
     ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
-    assert _owner(tmp_path) == {"job": "uid-1", "attempt": 2}
+    assert _owner(tmp_path) == {"namespace": "default", "name": "job", "job": "uid-1", "attempt": 2}
     checkpoints.save(tmp_path, TrainState(step=5), _trainables(), ONE_PROCESS, keep=2, job=_attempt(2))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [5]
 
@@ -74,11 +75,32 @@ def test_an_attempt_that_starts_after_a_later_one_owns_the_folder_stops(tmp_path
 def test_a_job_recreated_under_the_same_name_takes_over_the_folder_it_kept(tmp_path: Path) -> None:
     ownership.take_over(tmp_path, _attempt(3, uid="old"), ONE_PROCESS)
     ownership.take_over(tmp_path, _attempt(1, uid="new"), ONE_PROCESS)
-    assert _owner(tmp_path) == {"job": "new", "attempt": 1}
+    assert _owner(tmp_path)["job"] == "new" and _owner(tmp_path)["attempt"] == 1
     with pytest.raises(TrainerError, match="superseded by job new"):
         checkpoints.save(
             tmp_path, TrainState(step=2), _trainables(), ONE_PROCESS, keep=2, job=_attempt(3, "old")
         )
+
+
+def test_the_checkpoint_folder_of_another_job_is_refused_as_a_config_error_naming_that_job(
+    tmp_path: Path,
+) -> None:
+    ownership.take_over(tmp_path, JobRef(namespace="team-a", name="alpha", uid="a", attempt=1), ONE_PROCESS)
+    with pytest.raises(TrainerError) as refused:  # two jobs given the same checkpoints.volume
+        ownership.take_over(
+            tmp_path, JobRef(namespace="team-a", name="beta", uid="b", attempt=1), ONE_PROCESS
+        )
+    assert refused.value.code == ExitCode.CONFIG_ERROR
+    assert "team-a/alpha" in refused.value.reason and "its own checkpoints.volume" in refused.value.reason
+    assert _owner(tmp_path)["name"] == "alpha"
+
+
+def test_an_owner_file_that_names_no_job_is_taken_over_as_before(tmp_path: Path) -> None:
+    (tmp_path / CHECKPOINT_OWNER_FILE).write_text(
+        json.dumps({"job": "old", "attempt": 3})
+    )  # an older trainer's
+    ownership.take_over(tmp_path, _attempt(1, uid="new"), ONE_PROCESS)
+    assert _owner(tmp_path) == {"namespace": "default", "name": "job", "job": "new", "attempt": 1}
 
 
 def test_an_attempt_taking_over_removes_the_unfinished_saves_of_the_attempts_before_it(
@@ -187,6 +209,74 @@ def test_a_fresh_start_sets_incomplete_checkpoints_aside(tmp_path: Path) -> None
     assert checkpoint_dirs(tmp_path) == [] and _bad(tmp_path) == [".bad-checkpoint-2"]
 
 
+@pytest.mark.parametrize("where", ["listing", "small files", "tensors"])
+def test_a_storage_error_reading_a_checkpoint_stops_the_run_and_sets_nothing_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    for step in (2, 4):
+        checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+
+    def stale(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    target = {
+        "listing": (FileSystemReader, "read_metadata"),
+        "small files": (torch, "load"),
+        "tensors": (FileSystemReader, "read_data"),
+    }[where]
+    monkeypatch.setattr(*target, stale)
+    with pytest.raises(TrainerError) as stopped:
+        checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+    assert stopped.value.code == ExitCode.STORAGE_ERROR and "Stale file handle" in stopped.value.reason
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and _bad(tmp_path) == []
+
+
+class _FakeCuda:
+    """The CUDA RNG calls of torch.cuda, on a machine with ``visible`` GPUs and this rank's on ``device``."""
+
+    def __init__(self, visible: int, device: int) -> None:
+        self.visible, self.device = visible, device
+        self.restored: list[torch.Tensor] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(
+            torch.cuda, "get_rng_state", lambda: torch.full((4,), self.device, dtype=torch.uint8)
+        )
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.restored.append)
+
+
+def test_the_rng_state_saved_is_this_ranks_gpu_only_and_restores_on_a_machine_with_fewer_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _FakeCuda(visible=8, device=3).install(monkeypatch)
+    state = rng.capture_rng()
+    assert torch.equal(state["cuda"], torch.full((4,), 3, dtype=torch.uint8))
+
+    one_gpu = _FakeCuda(visible=1, device=0)  # the restart's pod sees one GPU (CUDA_VISIBLE_DEVICES)
+    one_gpu.install(monkeypatch)
+    rng.restore_rng(state)
+    assert len(one_gpu.restored) == 1 and torch.equal(one_gpu.restored[0], state["cuda"])
+
+
+def test_an_older_checkpoints_rng_states_of_every_gpu_restore_this_devices_or_none_when_it_has_none(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = rng.capture_rng() | {"cuda": [torch.full((4,), n, dtype=torch.uint8) for n in range(2)]}
+    second = _FakeCuda(visible=2, device=1)
+    second.install(monkeypatch)
+    rng.restore_rng(old)
+    assert len(second.restored) == 1 and torch.equal(second.restored[0], old["cuda"][1])
+
+    beyond = _FakeCuda(visible=4, device=3)
+    beyond.install(monkeypatch)
+    with caplog.at_level("INFO"):
+        rng.restore_rng(old)
+    assert beyond.restored == [] and "no CUDA RNG state of device 3" in caplog.text
+
+
 def test_rotation_leaves_unfinished_saves_to_the_attempt_that_takes_the_folder_over(tmp_path: Path) -> None:
     ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     in_progress = tmp_path / ".tmp-checkpoint-8-attempt-2"  # the save of a restart that took over meanwhile
@@ -196,7 +286,8 @@ def test_rotation_leaves_unfinished_saves_to_the_attempt_that_takes_the_folder_o
 
 
 # Two ranks resume together, where rank 1 cannot read its RNG file of checkpoint-4 ("one"), and of every
-# checkpoint ("all"). One launch for both: starting torchrun and importing torch twice takes most of it.
+# checkpoint ("all"); then they save into folders their "nodes" do not share ("unshared": a hostPath).
+# One launch for all: starting torchrun and importing torch takes most of it.
 TWO_RANKS_RESUME = """
 import json, sys
 from pathlib import Path
@@ -233,28 +324,61 @@ for case, broken in {"one": [4], "all": [4, 2]}.items():
     except TrainerError as exc:
         result = {"code": int(exc.code)}
     (root / f"rank{ctx.rank}.json").write_text(json.dumps(result))
+
+unshared = Path(sys.argv[1]) / "unshared"
+node = unshared / f"node{ctx.rank}"
+ownership.take_over(node, job, ctx)
+try:
+    checkpoints.save(node, TrainState(step=5), parts(), ctx, keep=2, job=job)
+    result = {"saved": True}
+except TrainerError as exc:
+    result = {"code": int(exc.code), "reason": exc.reason}
+(unshared / f"rank{ctx.rank}.json").write_text(json.dumps(result))
 dist.destroy_process_group()
 """
 
 
-def test_checkpoints_a_rank_cannot_read_are_skipped_by_all_ranks_together_and_stop_the_run_if_none_loads(
-    tmp_path: Path,
-) -> None:
-    script = tmp_path / "resume.py"
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The folder TWO_RANKS_RESUME ran in, and its output."""
+    folder = tmp_path_factory.mktemp("two-ranks")
+    script = folder / "resume.py"
     script.write_text(TWO_RANKS_RESUME)
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     done = subprocess.run(
-        [*launcher, str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=180
+        [*launcher, str(script), str(folder)], env=env, capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder, done.stdout + done.stderr
 
-    def results(case: str) -> list[dict[str, int]]:
-        return [json.loads((tmp_path / case / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+def _results(folder: Path) -> list[dict[str, object]]:
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_checkpoints_a_rank_cannot_read_are_skipped_by_all_ranks_together_and_stop_the_run_if_none_loads(
+    two_ranks: tuple[Path, str],
+) -> None:
+    tmp_path, output = two_ranks
+
+    def results(case: str) -> list[dict[str, object]]:
+        return _results(tmp_path / case)
 
     assert results("one") == [{"step": 2}, {"step": 2}]
     assert _bad(tmp_path / "one") == [".bad-checkpoint-4"]
-    assert "1 other rank(s) cannot read its files" in done.stdout + done.stderr
+    assert "1 other rank(s) cannot read its files" in output
     # No checkpoint loads on every rank: both stop (rather than start afresh), neither waits for the other.
     assert results("all") == [{"code": ExitCode.STORAGE_ERROR}] * 2
     assert [step for step, _ in checkpoint_dirs(tmp_path / "all")] == [4, 2]
+
+
+def test_a_save_into_a_folder_the_nodes_do_not_share_fails_as_a_storage_error_and_is_never_marked_complete(
+    two_ranks: tuple[Path, str],
+) -> None:
+    unshared = two_ranks[0] / "unshared"
+    results = _results(unshared)
+    assert [result["code"] for result in results] == [ExitCode.STORAGE_ERROR] * 2
+    assert "checkpoints.dir is not shared by the job's nodes" in str(results[0]["reason"])
+    assert "rng-rank1.pt" in str(results[0]["reason"])
+    assert checkpoint_dirs(unshared / "node0") == [] and checkpoint_dirs(unshared / "node1") == []

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sftjob.config import ModelSource
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.failures import classify
-from sftjob_trainer.preflight import DriverInfo, check_driver
+from sftjob_trainer.preflight import DriverInfo, check_driver, check_model_files
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig
 
@@ -54,6 +55,23 @@ def test_a_truncated_model_shard_exits_model_load_error(
     config = _rewrite(trainer_config(), model__path=str(broken))
     assert run(str(config)) == ExitCode.MODEL_LOAD_ERROR
     assert "truncated" in _reason(termination_log)
+
+
+def test_a_model_sharded_into_pytorch_bin_files_passes_preflight_unless_a_shard_is_missing_or_empty(
+    tmp_path: Path,
+) -> None:
+    shards = [f"pytorch_model-0000{n}-of-00002.bin" for n in (1, 2)]
+    (tmp_path / "config.json").write_text("{}")
+    index = {"weight_map": {"embed.weight": shards[0], "head.weight": shards[1]}}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    for shard in shards:
+        (tmp_path / shard).write_bytes(b"weights")
+    check_model_files(ModelSource(path=str(tmp_path)))
+
+    (tmp_path / shards[1]).write_bytes(b"")  # a copy cut off
+    with pytest.raises(TrainerError, match=r"00002-of-00002\.bin is missing or empty") as refused:
+        check_model_files(ModelSource(path=str(tmp_path)))
+    assert refused.value.code == ExitCode.MODEL_LOAD_ERROR
 
 
 def test_an_empty_dataset_exits_data_error(trainer_config: MakeConfig, termination_log: Path) -> None:

@@ -4,15 +4,18 @@ checkpoints that do not load neither cost the run its later progress nor let it 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER
 from sftjob.failures import ExitCode
-from sftjob_trainer.checkpoints import BAD_PREFIX, TENSORS_DIR, checkpoint_dirs, problem
+from sftjob_trainer import checkpoints
+from sftjob_trainer.checkpoints import BAD_PREFIX, TENSORS_DIR, TrainState, checkpoint_dirs, problem
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, start_trainer, train_log, trainer_output, wait_for_step
 
@@ -136,6 +139,25 @@ def test_sigterm_finishes_the_step_saves_a_checkpoint_and_exits_preempted(
     (newest, path), *_ = checkpoint_dirs(_checkpoint_root(config))
     assert newest == last_step and problem(path) is None
     assert "preempted" in termination_log.read_text()
+
+
+def test_sigterm_during_a_scheduled_save_stops_after_that_save_without_another_step_or_save(
+    trainer_config: MakeConfig, termination_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = trainer_config("messages", training={"maxSteps": 12}, checkpoints={"everySteps": 4, "keep": 5})
+    saves: list[int] = []
+
+    def save(root: Path, state: TrainState, *args: Any, **kwargs: Any) -> Path:
+        saves.append(state.step)
+        if state.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # the pod is deleted while the save of step 4 runs
+        return real_save(root, state, *args, **kwargs)
+
+    real_save = checkpoints.save
+    monkeypatch.setattr(checkpoints, "save", save)
+    assert run(str(config)) == ExitCode.PREEMPTED
+    assert saves == [4] and max(train_log(config)) == 4
+    assert "checkpoint saved at step 4" in termination_log.read_text()
 
 
 def test_a_run_whose_only_checkpoints_fail_to_load_stops_rather_than_train_from_half_loaded_weights(

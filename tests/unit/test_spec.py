@@ -94,6 +94,15 @@ def test_a_quantity_number_that_is_not_a_whole_number_above_zero_is_rejected(val
         spec(resources={"cpu": value})
 
 
+def test_hostpath_checkpoints_are_refused_for_a_multi_node_job_and_accepted_on_one_node() -> None:
+    host = {"volume": {"hostPath": {"path": "/mnt/ckpt"}}}
+    with pytest.raises(ValidationError, match=r"spec\.checkpoints\.volume\.hostPath.*every node shares"):
+        spec(gpu={"type": "A800", "count": 8, "nodes": 2}, checkpoints=host)
+    assert spec(gpu={"type": "A800", "count": 8}, checkpoints=host).checkpoints.volume is not None
+    shared = {"volume": {"nfs": {"server": "nfs", "path": "/ckpt"}}}
+    assert spec(gpu={"type": "A800", "count": 8, "nodes": 2}, checkpoints=shared).gpu.nodes == 2
+
+
 def test_qlora_on_one_gpu_is_accepted() -> None:
     assert spec(method="qlora", gpu={"type": "L40S", "count": 1}).method == "qlora"
 

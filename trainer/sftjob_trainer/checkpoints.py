@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 import time
 import warnings
@@ -35,7 +34,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -53,7 +51,9 @@ from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.distributed import DistContext, unwrap
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir, save_file, write_text
+from sftjob_trainer.failures import causes
 from sftjob_trainer.ownership import check_owner
+from sftjob_trainer.rng import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,11 @@ def _tensors_problem(folder: Path) -> str | None:
     rank's file), checked without reading the tensors."""
     try:
         metadata = FileSystemReader(folder).read_metadata()
-    except Exception as exc:  # a missing or truncated pickle can raise nearly anything
+    except OSError as exc:
+        if not isinstance(exc, FileNotFoundError):
+            raise  # the storage failing, not the checkpoint: never a reason to skip it
+        return f"its index {TENSORS_DIR}/.metadata is missing"
+    except Exception as exc:  # a truncated pickle can raise nearly anything
         return f"its index {TENSORS_DIR}/.metadata does not load ({type(exc).__name__}: {exc})"
     ends: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -162,9 +166,18 @@ def save(
             write_text(tmp / STATE_FILE, json.dumps(asdict(state), indent=2))
         ctx.barrier()
         check_owner(root, job, ctx, f"without committing its checkpoint of step {state.step}", discard=tmp)
+        missing = ctx.broadcast(_missing(tmp, ctx.world_size) if ctx.is_main else None)
+        if missing is not None:
+            raise TrainerError(
+                ExitCode.STORAGE_ERROR,
+                f"checkpoints.dir is not shared by the job's nodes: rank 0 does not see {missing} of the"
+                f" checkpoint of step {state.step} other ranks wrote into {tmp}; give a multi-node job a"
+                " checkpoints.volume every node mounts (a ReadWriteMany claim or nfs, not hostPath)",
+            )
         if ctx.is_main:
             fsync_dir(tmp / TENSORS_DIR)
             write_text(tmp / CHECKPOINT_COMPLETE_MARKER, f"step {state.step} saved {time.time():.0f}\n")
+            fsync_dir(tmp)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -178,6 +191,14 @@ def save(
             ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {_failures(exc)}"
         ) from exc
     return final
+
+
+def _missing(tmp: Path, world_size: int) -> str | None:
+    """What of every rank's part of the save in ``tmp`` rank 0 cannot see (a folder the nodes do not
+    share: each node's copy holds its own ranks' files), or None when it is all there."""
+    absent = [rng_file(rank) for rank in range(world_size) if not (tmp / rng_file(rank)).is_file()]
+    tensors = _tensors_problem(tmp / TENSORS_DIR)
+    return ", ".join([*([tensors] if tensors else []), *absent]) or None
 
 
 def _tensors(parts: Trainables) -> dict[str, Any]:
@@ -245,11 +266,21 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
     from the pretrained weights as if the checkpoints were not there. Once one has loaded (or on a fresh
     start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
     """
-    candidates: list[Path] = ctx.broadcast(_complete(root) if ctx.is_main else None)
+    candidates: list[Path] | str = ctx.broadcast(_listing(root) if ctx.is_main else None)
+    if isinstance(candidates, str):
+        raise _storage_error(candidates)
     failed: dict[str, str] = {}  # checkpoint name: why it did not load (as rank 0 saw it)
     for path in candidates:
-        small, why = _small_files(path, ctx.rank)
-        unreadable = int(ctx.sum([float(small is None)])[0])
+        storage = None
+        try:
+            small, why = _small_files(path, ctx.rank)
+        except OSError as exc:
+            small, why, storage = None, None, f"rank {ctx.rank} could not read {path}: {exc}"
+        unreadable, failing = (int(n) for n in ctx.sum([float(small is None), float(storage is not None)]))
+        if failing:  # all stop together, the checkpoint kept for the restart
+            raise _storage_error(
+                storage or f"{failing} other rank(s) could not read {path} (their log says why)"
+            )
         if unreadable:  # all skip together
             if why is None:
                 why = f"{unreadable} other rank(s) cannot read its files"
@@ -262,6 +293,8 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
             with _single_process_is_meant():
                 dcp.load(tensors, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active)
         except CheckpointException as exc:
+            if any(_is_storage_failure(error) for error, _ in exc.failures.values()):
+                raise _storage_error(f"could not read {path}: {_failures(exc)}") from exc
             failed[path.name] = f"its tensors do not load ({_failures(exc)})"
             log.warning("skipping checkpoint %s: %s", path, failed[path.name])
             continue
@@ -323,6 +356,29 @@ def _aside(path: Path) -> Path:
     return aside
 
 
+def _is_storage_failure(exc: BaseException) -> bool:
+    """The storage failing (EIO, a stale NFS handle, a timeout), not the checkpoint: no reason to skip it.
+    A missing file is the checkpoint's fault (a lost rank's file, a node's copy of an unshared folder)."""
+    return any(
+        isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError) for cause in causes(exc)
+    )
+
+
+def _storage_error(detail: str) -> TrainerError:
+    return TrainerError(
+        ExitCode.STORAGE_ERROR,
+        f"storage error reading the checkpoints: {detail} (kept as they are: the restart tries again)",
+    )
+
+
+def _listing(root: Path) -> list[Path] | str:
+    """The checkpoints that look complete (rank 0's view), or what kept rank 0 from reading them."""
+    try:
+        return _complete(root)
+    except OSError as exc:
+        return f"could not list {root}: {exc}"
+
+
 def _complete(root: Path) -> list[Path]:
     complete = []
     for _step, path in checkpoint_dirs(root):
@@ -336,37 +392,17 @@ def _complete(root: Path) -> list[Path]:
 
 def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | None]:
     """Everything but the tensors, as this rank needs it; or None and why (with a warning) when a file
-    does not load, or this rank cannot see the checkpoint (a node's copy of a folder not shared)."""
+    does not load, or this rank cannot see the checkpoint (a node's copy of a folder not shared). Raises
+    the OSError of a storage failure (:func:`_is_storage_failure`)."""
     names = [SCHEDULER_FILE, *(name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())]
     try:
         files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
         for name in names:
             files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated pickle can raise nearly anything
+        if _is_storage_failure(exc):
+            raise  # the caller stops the run: a restart may read it
         why = f"its files do not load on rank {rank} ({type(exc).__name__}: {exc})"
         log.warning("skipping checkpoint %s: %s", path, why)
         return None, why
     return files, None
-
-
-def capture_rng() -> dict[str, Any]:
-    numpy_state: Any = np.random.get_state()
-    kind, keys, pos, has_gauss, gauss = numpy_state
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

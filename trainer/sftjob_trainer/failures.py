@@ -47,7 +47,9 @@ _COMMUNICATION_PATTERNS = (
     "collective operation timeout",
     "Watchdog caught collective operation timeout",
 )
-_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EIO, errno.EPERM})
+_STORAGE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EIO, errno.EPERM, errno.ESTALE}
+)
 # Exceptions (top-level package.class, anywhere in the class's MRO) that mean the connection to the hub
 # failed on the way: builtins covers socket errors (ECONNRESET, ETIMEDOUT...), requests is what datasets
 # uses, httpx2 (httpx before huggingface_hub 2) what huggingface_hub uses, aiohttp what fsspec uses.

@@ -1,10 +1,11 @@
 """One attempt at a time owns a job's checkpoint folder (the ``OWNER`` file).
 
 A restart can begin while the previous attempt's pods still finish their SIGTERM save, or go on running
-on a node cut off from the cluster. Each attempt writes its number into ``OWNER`` as it starts, before it
-reads any checkpoint; an attempt that finds a later owner when it is about to commit a checkpoint or its
-output stops (PREEMPTED) and commits nothing. A job recreated under the same name (a new uid, resuming a
-kept folder) takes over.
+on a node cut off from the cluster. Each attempt writes its job (namespace, name, uid) and number into
+``OWNER`` as it starts, before it reads any checkpoint; an attempt that finds a later owner when it is
+about to commit a checkpoint or its output stops (PREEMPTED) and commits nothing. A job recreated under
+the same name (a new uid, resuming a kept folder) takes over; another job's folder (two jobs given the
+same ``checkpoints.volume``) is refused, else each would resume the other's checkpoints and supersede it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from sftjob.config import JobRef
@@ -21,17 +23,39 @@ from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir, write_text
 
 
+@dataclass(frozen=True)
+class Owner:
+    """What ``OWNER`` says; ``namespace`` and ``name`` are None in a file written before they were."""
+
+    uid: str
+    attempt: int
+    namespace: str | None = None
+    name: str | None = None
+
+    def is_job(self, job: JobRef) -> bool:
+        """Whether this is ``job`` or a job recreated under its name (an old file names no job: it may be)."""
+        return self.name is None or (self.namespace, self.name) == (job.namespace, job.name)
+
+
 def take_over(root: Path, job: JobRef, ctx: DistContext) -> None:
     """Collective: make this attempt of ``job`` the owner of the checkpoint folder, before anything is
     read from it. An attempt that finds a later attempt of the same job owning it was superseded and
-    stops; a job recreated under the same name (a new uid, resuming a kept folder) takes over."""
+    stops; a job recreated under the same name (a new uid, resuming a kept folder) takes over; another
+    job's folder is a configuration error."""
     owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
-    if owner is not None and owner[0] == job.uid and owner[1] > job.attempt:
+    if owner is not None and not owner.is_job(job):
+        raise TrainerError(
+            ExitCode.CONFIG_ERROR,
+            f"checkpoint folder {root} belongs to job {owner.namespace}/{owner.name}: give each job its own"
+            " checkpoints.volume, or delete that job's checkpoints from this one",
+        )
+    if owner is not None and owner.uid == job.uid and owner.attempt > job.attempt:
         raise _superseded(root, job, owner, "as it starts")
     if ctx.is_main:
         root.mkdir(parents=True, exist_ok=True)
         tmp = root / f"{TMP_PREFIX}{CHECKPOINT_OWNER_FILE}-{job.attempt}"
-        write_text(tmp, json.dumps({"job": job.uid, "attempt": job.attempt}) + "\n")
+        record = {"namespace": job.namespace, "name": job.name, "job": job.uid, "attempt": job.attempt}
+        write_text(tmp, json.dumps(record) + "\n")
         os.replace(tmp, root / CHECKPOINT_OWNER_FILE)
         fsync_dir(root)
         for leftover in root.glob(f"{TMP_PREFIX}{CHECKPOINT_PREFIX}*"):  # saves no attempt can commit now
@@ -43,23 +67,29 @@ def check_owner(root: Path, job: JobRef, ctx: DistContext, when: str, discard: P
     """Collective: stop (PREEMPTED) when another attempt owns the folder now, removing ``discard`` (this
     attempt's unfinished save) first. A folder without an owner is anyone's."""
     owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
-    if owner is None or owner == (job.uid, job.attempt):
+    if owner is None or (owner.uid, owner.attempt) == (job.uid, job.attempt):
         return
     if discard is not None and ctx.is_main:
         shutil.rmtree(discard, ignore_errors=True)
     raise _superseded(root, job, owner, when)
 
 
-def _owner(root: Path) -> tuple[str, int] | None:
+def _owner(root: Path) -> Owner | None:
     try:
         owner = json.loads((root / CHECKPOINT_OWNER_FILE).read_text())
-        return str(owner["job"]), int(owner["attempt"])
-    except (OSError, ValueError, KeyError, TypeError):
+        namespace, name = owner.get("namespace"), owner.get("name")
+        return Owner(
+            str(owner["job"]),
+            int(owner["attempt"]),
+            None if namespace is None else str(namespace),
+            None if name is None else str(name),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _superseded(root: Path, job: JobRef, owner: tuple[str, int], when: str) -> TrainerError:
-    by = f"attempt {owner[1]}" if owner[0] == job.uid else f"job {owner[0] or '(local)'}"
+def _superseded(root: Path, job: JobRef, owner: Owner, when: str) -> TrainerError:
+    by = f"attempt {owner.attempt}" if owner.uid == job.uid else f"job {owner.uid or '(local)'}"
     return TrainerError(
         ExitCode.PREEMPTED,
         f"attempt {job.attempt} was superseded by {by}, which owns {root}: stopping {when}",

@@ -67,22 +67,31 @@ def check_model_files(source: ModelSource) -> None:
     if not (folder / "config.json").is_file():
         raise TrainerError(ExitCode.MODEL_LOAD_ERROR, f"model.path {folder} has no config.json")
     index = folder / "model.safetensors.index.json"
+    bin_index = folder / "pytorch_model.bin.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError) as exc:
-            raise TrainerError(
-                ExitCode.MODEL_LOAD_ERROR, f"model index {index} is unreadable: {exc}"
-            ) from exc
-        for shard in shards:
+        for shard in _shards(index):
             check_safetensors_file(folder / shard)
     elif (folder / "model.safetensors").is_file():
         check_safetensors_file(folder / "model.safetensors")
+    elif bin_index.is_file():  # older sharded checkpoints: pytorch_model-00001-of-00002.bin...
+        for shard in _shards(bin_index):
+            path = folder / shard
+            if not path.is_file() or path.stat().st_size == 0:
+                raise TrainerError(ExitCode.MODEL_LOAD_ERROR, f"model shard {path} is missing or empty")
     elif not (folder / "pytorch_model.bin").is_file():
         raise TrainerError(
             ExitCode.MODEL_LOAD_ERROR,
-            f"model.path {folder} has no weights (model.safetensors, its index, or pytorch_model.bin)",
+            f"model.path {folder} has no weights (model.safetensors, pytorch_model.bin, or the index of"
+            " either's shards)",
         )
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a weights index (``*.index.json``) names."""
+    try:
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise TrainerError(ExitCode.MODEL_LOAD_ERROR, f"model index {index} is unreadable: {exc}") from exc
 
 
 def check_safetensors_file(path: Path) -> None:

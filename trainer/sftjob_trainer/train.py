@@ -95,8 +95,13 @@ def run(config_path: str) -> ExitCode:
         if code in (ExitCode.UNKNOWN, ExitCode.COMMUNICATION_ERROR):
             log.exception("trainer failed")
         log.error("exiting with %s (%d): %s", code.name, code, reason)
-        # A peer rank's failure breaks the collectives of the others: its reason is the one to keep.
-        echo = code == ExitCode.COMMUNICATION_ERROR and ctx is not None and ctx.active
+        # A peer rank's failure breaks the collectives of the others, and torchrun SIGTERMs them: its
+        # reason is the one to keep.
+        echo = (
+            ctx is not None
+            and ctx.active
+            and (code == ExitCode.COMMUNICATION_ERROR or (code == ExitCode.PREEMPTED and stop.requested))
+        )
         write_termination_message(reason, code, unless_written_since=started if echo else None)
         return code
     finally:
@@ -369,6 +374,10 @@ class Training:
                 if observer is not None:
                     observer.checkpoint_saved(state, str(path), last_save - saved)
                 log.info("checkpoint %s saved in %.1fs", path, last_save - saved)
+                # A SIGTERM during a scheduled save: that checkpoint is the one the grace period is for (after
+                # the last step, the output is written as it would have been).
+                if not stopping and state.step < total:
+                    stopping = ctx.sum([float(self.stop.requested)])[0] > 0
             if stopping:
                 raise TrainerError(
                     ExitCode.PREEMPTED, f"preempted (SIGTERM): checkpoint saved at step {state.step}"
