@@ -181,7 +181,13 @@ def promtool_test(tmp_path: Path, series: dict[str, str], checks: list[dict[str,
     if promtool is None:
         pytest.fail("promtool is missing: apt-get install prometheus (hack/test.sh does)")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups(*BOTH_MONITORS)}))
-    inputs = [{"series": f"{name}{{{JOB_LABELS}}}", "values": values} for name, values in series.items()]
+    inputs = [  # a name with labels of its own gets the job's too
+        {
+            "series": f"{name[:-1]},{JOB_LABELS}}}" if name.endswith("}") else f"{name}{{{JOB_LABELS}}}",
+            "values": values,
+        }
+        for name, values in series.items()
+    ]
     test = {
         "rule_files": ["rules.yaml"],
         "evaluation_interval": "1m",
@@ -287,6 +293,22 @@ def test_a_stalled_job_is_alerted_once_it_has_made_no_step_for_stalled_minutes(t
         "sftjob_train_attempt_start_timestamp_seconds": "60x100",
     }
     checks = [quiet(54, STALLED), fires(56, STALLED, "n/j has been at step 40 for 15 minutes.")]
+    promtool_test(tmp_path, series, checks)
+
+
+def test_a_long_evaluation_is_not_alerted_as_stalled_but_a_hang_after_it_is(tmp_path: Path) -> None:
+    # The last step (40) at 40m, then an evaluation from 41m to 71m (spec.evaluation), then nothing.
+    series = {
+        "sftjob_train_step": "0+1x40 40x60",
+        "sftjob_train_total_steps": "1000x100",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
+        'sftjob_train_phase{phase="evaluating"}': "0x40 1x30 0x30",
+    }
+    checks = [
+        quiet(56, STALLED),
+        quiet(71, STALLED),
+        fires(72, STALLED, "n/j has been at step 40 for 15 minutes."),
+    ]
     promtool_test(tmp_path, series, checks)
 
 

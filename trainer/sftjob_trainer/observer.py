@@ -163,7 +163,8 @@ class Observer:
 
     def still_evaluating(self) -> None:
         """A batch of the evaluation is done: the last report again once an interval has passed since it,
-        so the operator's stall clock and the TrainingStalled alert see a long evaluation progress."""
+        so the operator's stall clock sees a long evaluation progress (the TrainingStalled alert reads
+        the phase, ``evaluating``, instead)."""
         if self.clock() - self._reported >= PROGRESS_REPORT_INTERVAL_SECONDS and self._last:
             self._progress(self._last)
 
