@@ -4,13 +4,14 @@ The CRD schema (``crds/sftjob.io_sftjobs.yaml``) rejects bad input at admission;
 second line of defence the operator parses every spec with, and the vocabulary the reconcile speaks.
 Blocks the trainer contract already defines are reused as they are: ``spec.training`` is
 :class:`~sftjob.config.TrainingOverrides`, ``spec.lora`` is :class:`~sftjob.config.LoraSettings`,
-``spec.evaluation`` is :class:`~sftjob.config.EvaluationSettings`,
-``spec.model.architecture`` is :class:`~sftjob.architectures.Architecture` (its ``family`` narrowed to the
-CRD's enum), ``spec.restartPolicy`` is :class:`~sftjob.attempts.RestartPolicy`, volumes are
-:mod:`sftjob.volumes`'s, ``spec.network`` :mod:`sftjob.network`'s. Tolerations, node labels, names and
-sizes are checked as the API server checks them in the pods and the claim (:mod:`sftjob.kube_names`), so
-an admitted job's children are not refused for them; cross-field rules are :mod:`sftjob.spec_rules`'s. A
-unit test keeps the CRD and these models on the same field names, enums, patterns and numeric bounds.
+``spec.evaluation`` is :class:`~sftjob.config.EvaluationSettings`, ``spec.model.architecture`` is
+:class:`~sftjob.architectures.Architecture` (its ``family`` narrowed to the CRD's enum),
+``spec.restartPolicy`` is :class:`~sftjob.attempts.RestartPolicy`, volumes are :mod:`sftjob.volumes`'s,
+``spec.network`` :mod:`sftjob.network`'s, ``spec.env`` and ``spec.tolerations``
+:mod:`sftjob.pod_settings`'s. Node labels, names and sizes are checked as the API server checks them in
+the pods and the claim (:mod:`sftjob.kube_names`), so an admitted job's children are not refused for
+them; cross-field rules are :mod:`sftjob.spec_rules`'s. A unit test keeps the CRD and these models on the
+same field names, enums, patterns and numeric bounds.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from sftjob.config import (
 )
 from sftjob.constants import CHECKPOINT_VOLUME_NAMES
 from sftjob.kube_names import (
-    ENV_NAME,
     IMAGE,
     LABEL_KEY_RULE,
     LABEL_VALUE_RULE,
@@ -44,6 +44,7 @@ from sftjob.kube_names import (
     valid_label_value,
 )
 from sftjob.network import NetworkSpec, inter_node_gbs
+from sftjob.pod_settings import EnvVar, Toleration
 from sftjob.volumes import VolumeSource, relative_path, writable
 
 if TYPE_CHECKING:
@@ -57,12 +58,6 @@ ANY_ORDER: tuple[GpuType, ...] = ("A800", "L40S", "A40")
 # Job names end up in pod names (`<job>-<attempt>-<rank>`, a 63-character DNS label) and a Service name.
 MAX_JOB_NAME = 40
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-RESERVED_ENV_PREFIX = "SFTJOB_"
-# Set by the operator for the trainer (its pod's identity, writable HOME and caches) and by the device
-# plugin: a user's value would silently win (the last duplicate of a pod's env wins) and break reporting.
-RESERVED_ENV_NAMES = frozenset(
-    {"POD_NAME", "POD_NAMESPACE", "NODE_NAME", "HOME", "HF_HOME", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"}
-)
 # A Hugging Face hub id: [owner/]name, letters, digits, '-', '_' and '.', neither part starting or ending
 # with '-' or '.'. The CRD's CEL rule holds the same regex.
 HUB_ID = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -244,55 +239,6 @@ class OutputSpec(SpecModel):
 class ResourceSpec(SpecModel):
     cpu: Quantity | None = None
     memory: Quantity | None = None
-
-
-class EnvVar(SpecModel):
-    name: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ENV_NAME)]
-    value: Annotated[str, StringConstraints(max_length=4096)] = ""
-
-    @field_validator("name")
-    @classmethod
-    def _not_reserved(cls, name: str) -> str:
-        if name.startswith(RESERVED_ENV_PREFIX) or name in RESERVED_ENV_NAMES:
-            raise ValueError(
-                f"spec.env: {name} is set by the operator (reserved: {', '.join(sorted(RESERVED_ENV_NAMES))}"
-                f" and names starting with {RESERVED_ENV_PREFIX})"
-            )
-        return name
-
-
-class Toleration(SpecModel):
-    """One extra toleration of the trainer pods, held to the rules the API server applies to a pod's."""
-
-    key: Annotated[str, StringConstraints(max_length=317)] | None = None
-    operator: Literal["Exists", "Equal"] = "Equal"
-    value: Annotated[str, StringConstraints(max_length=63)] | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = Field(default=None, ge=0, le=31_536_000)
-
-    @field_validator("key")
-    @classmethod
-    def _key_is_a_label_key(cls, key: str | None) -> str | None:
-        if key and not valid_label_key(key):
-            raise ValueError(f"key {key!r} is not a label key: {LABEL_KEY_RULE}")
-        return key
-
-    @field_validator("value")
-    @classmethod
-    def _value_is_a_label_value(cls, value: str | None) -> str | None:
-        if value is not None and not valid_label_value(value):
-            raise ValueError(f"value {value!r} is not a label value: {LABEL_VALUE_RULE}")
-        return value
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Toleration:
-        if not self.key and self.operator != "Exists":
-            raise ValueError("operator must be Exists when key is empty (a toleration of every taint)")
-        if self.operator == "Exists" and self.value:
-            raise ValueError("value must be empty when operator is Exists")
-        if self.toleration_seconds is not None and self.effect != "NoExecute":
-            raise ValueError("tolerationSeconds needs effect NoExecute")
-        return self
 
 
 class RestartPolicySpec(RestartPolicy):
