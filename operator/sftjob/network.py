@@ -11,7 +11,8 @@ NVLink or PCIe and request no RDMA devices whatever the spec says.
 No capability is added: RDMA memory registration pins pages up to RLIMIT_MEMLOCK, and an IPC_LOCK the
 device plugins' examples add would never reach the trainer, which runs as a non-root user (Kubernetes
 puts added capabilities in no ambient set, kubernetes/kubernetes#56374). The nodes' container runtime
-must give containers an unlimited memlock limit (containerd's and CRI-O's usual LimitMEMLOCK=infinity).
+must give containers an unlimited memlock limit: a systemd drop-in with LimitMEMLOCK=infinity for containerd
+or CRI-O on the RDMA nodes (neither ships one; docs/api.md).
 """
 
 from __future__ import annotations

@@ -22,10 +22,21 @@ from sftjob.kube_names import (
 )
 
 RESERVED_ENV_PREFIX = "SFTJOB_"
-# Set by the operator for the trainer (its pod's identity, writable HOME and caches) and by the device
-# plugin: a user's value would silently win (the last duplicate of a pod's env wins) and break reporting.
+# Set by the operator for the trainer (its pod's identity, writable HOME and caches) and by the NVIDIA
+# device plugin and runtime (the GPUs the pod was given): a user's value would silently win (the last
+# duplicate of a pod's env wins), break reporting, or hand the trainer GPUs the scheduler gave another pod.
 RESERVED_ENV_NAMES = frozenset(
-    {"POD_NAME", "POD_NAMESPACE", "NODE_NAME", "HOME", "HF_HOME", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES"}
+    {
+        "POD_NAME",
+        "POD_NAMESPACE",
+        "NODE_NAME",
+        "HOME",
+        "HF_HOME",
+        "TRITON_CACHE_DIR",
+        "CUDA_VISIBLE_DEVICES",
+        "NVIDIA_VISIBLE_DEVICES",
+        "NVIDIA_DRIVER_CAPABILITIES",
+    }
 )
 
 

@@ -174,7 +174,13 @@ def _volumes(job: JobRef, spec: SFTJobSpec, plan: Plan) -> tuple[list[Manifest],
     )
     for name, source, path, read_only in extra:
         if source is not None:
-            volumes.append({"name": name, **source.to_kubernetes()})
+            block = source.to_kubernetes()
+            if read_only:  # the volume too, not just the mount: the kubelet then changes no group
+                # ownership of a shared model tree (fsGroup), and a ReadOnlyMany claim attaches on every node
+                for kind in ("persistentVolumeClaim", "nfs"):
+                    if isinstance(block.get(kind), dict):
+                        block[kind] = {**block[kind], "readOnly": True}  # type: ignore[dict-item]
+            volumes.append({"name": name, **block})
             mounts.append({"name": name, "mountPath": path, "readOnly": read_only})
     return volumes, mounts
 

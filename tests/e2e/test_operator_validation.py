@@ -184,6 +184,10 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.network.rdma.count",
     ),
     "zero network bandwidth": (spec_with(network={"bandwidthGbps": 0}), "spec.network.bandwidthGbps"),
+    "the GPUs the device plugin gave the pod": (
+        spec_with(env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
+        "spec.env[0].name",
+    ),
     "evaluation with both split and fraction": (
         spec_with(evaluation={"split": "test", "fraction": 0.1}),
         "spec.evaluation",

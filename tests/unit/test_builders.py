@@ -138,6 +138,9 @@ def test_a_model_on_a_volume_is_mounted_read_only_where_the_config_points() -> N
     p = pod(s)
     mount = next(m for m in p["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
     assert mount == {"name": "model", "mountPath": c.MODEL_MOUNT, "readOnly": True}
+    # The volume too: no fsGroup relabelling of a shared model tree, a ReadOnlyMany claim on every node.
+    volume = next(v for v in p["spec"]["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     config = builders.trainer_config(JOB, s, plan_candidates(s, default_products(), fake_plan).first)
     assert config.model.path == f"{c.MODEL_MOUNT}/llama-8b"
 

@@ -296,3 +296,11 @@ def test_quantities_are_numbers_or_strings_checked_with_the_models_pattern_and_w
 def test_the_output_path_rule_holds_the_checkpoint_volumes_names(schema: Schema) -> None:
     rules = schema["properties"]["spec"]["properties"]["output"]["x-kubernetes-validations"]
     assert any(f"self.path.matches(r'{c.CHECKPOINT_VOLUME_NAMES}')" in r["rule"] for r in rules)
+
+
+def test_the_crd_reserves_every_env_name_the_spec_model_does(schema: Schema) -> None:
+    from sftjob.pod_settings import RESERVED_ENV_NAMES
+
+    item = schema["properties"]["spec"]["properties"]["env"]["items"]
+    rules = " ".join(rule["rule"] for rule in item["x-kubernetes-validations"])
+    assert all(f"'{name}'" in rules for name in RESERVED_ENV_NAMES), rules
