@@ -60,8 +60,16 @@ _NETWORK_ERRORS = frozenset(
         "requests.ConnectionError",
         "requests.Timeout",
         "requests.ChunkedEncodingError",
-        "httpx.TransportError",
-        "httpx2.TransportError",
+        # Not httpx's whole TransportError: UnsupportedProtocol (HF_ENDPOINT without https://) and
+        # LocalProtocolError (a token with a newline in its header) are configuration, not the network.
+        "httpx.NetworkError",
+        "httpx.TimeoutException",
+        "httpx.RemoteProtocolError",
+        "httpx.ProxyError",
+        "httpx2.NetworkError",
+        "httpx2.TimeoutException",
+        "httpx2.RemoteProtocolError",
+        "httpx2.ProxyError",
         "aiohttp.ClientConnectionError",
         "aiohttp.ClientPayloadError",
     }
@@ -74,8 +82,10 @@ _ADAPTER_TARGET_ERRORS = re.compile(r"Target modules? .*(not found in the base m
 
 
 def one_line(text: str) -> str:
-    """Collapse whitespace so the reason is one line, and keep it short."""
+    """Collapse whitespace so the reason is one line, and keep it short; a hub token quoted in an error
+    (``Bearer hf_...``) is blanked out, as the reason ends up in the pod's and the job's status."""
     line = re.sub(r"\s+", " ", text).strip()
+    line = re.sub(r"(Bearer\s+)[^\s'\"]+|\bhf_[A-Za-z0-9]{8,}", lambda m: f"{m[1] or ''}<redacted>", line)
     return line[: _MAX_REASON_CHARS - 3] + "..." if len(line) > _MAX_REASON_CHARS else line
 
 

@@ -53,8 +53,10 @@ def resolve_attention(
     model_config: Any = None,
     longest_example: int | None = None,
 ) -> str:
-    """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask), and
-    a model whose attention SDPA does not compute exactly (``model_config``, a transformers config) eager.
+    """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask); a
+    model whose attention SDPA does not compute exactly (``model_config``, a transformers config), whose
+    class has no SDPA attention, or (packed) whose attention is its own code and never sees the examples'
+    boundaries, eager.
     """
     if requested == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
@@ -72,6 +74,20 @@ def resolve_attention(
                 " (packed examples kept apart by a block-diagonal mask)" if packing else "",
             )
             return "eager"
+    model_class = _causal_lm_class(model_config)
+    if requested == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        log.warning("attention sdpa planned, but %s has no SDPA attention: using eager", model_class.__name__)
+        return "eager"
+    own_attention = model_class is not None and not model_class.is_backend_compatible()
+    if packing and requested == "sdpa" and own_attention:
+        # Its attention is its own code, which never gets the examples' boundaries: masked eager instead.
+        log.warning(
+            "packed rows: %s takes no attention function of transformers' registry, so %s would let packed"
+            " examples attend to each other: using eager attention with a block-diagonal mask",
+            model_class.__name__,
+            attention.VARLEN,
+        )
+        return "eager"
     if packing and requested == "sdpa":
         attention.register()
         log.info(
@@ -81,6 +97,18 @@ def resolve_attention(
         )
         return attention.VARLEN
     return requested
+
+
+def _causal_lm_class(model_config: Any) -> Any:
+    """The transformers causal-LM class of ``model_config``; None for a model of remote code or no config."""
+    if model_config is None:
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
+    except KeyError:
+        return None
 
 
 def check_positions(model_config: Any, longest_example: int) -> None:
@@ -106,7 +134,8 @@ def check_positions(model_config: Any, longest_example: int) -> None:
 def _hub_kwargs(source: ModelSource) -> dict[str, Any]:
     return {
         "revision": source.revision,
-        "token": os.environ.get("HF_TOKEN") or None,
+        # A Secret written from a file often ends in a newline, which no HTTP header may carry.
+        "token": os.environ.get("HF_TOKEN", "").strip() or None,
         "trust_remote_code": source.trust_remote_code,
     }
 
@@ -180,6 +209,7 @@ def build_model(config: TrainerConfig, attention: str) -> Any:
                 dtype=dtype,
                 attn_implementation=attention,
                 trust_remote_code=source.trust_remote_code,
+                **_code_revision(source, model_config),
             )
     except Exception as exc:
         raise _load_error("model", source, exc) from exc
@@ -192,6 +222,14 @@ def build_model(config: TrainerConfig, attention: str) -> Any:
                 _model_ref(source), revision=source.revision or "main", token=_hub_kwargs(source)["token"]
             )
     return model.eval()  # from_pretrained's mode
+
+
+def _code_revision(source: ModelSource, model_config: Any) -> dict[str, Any]:
+    """The revision of a remote-code model's own code, as rank 0's from_pretrained reads it (from_config
+    would fetch the code of ``main``); nothing for a built-in class, which takes no such argument."""
+    remote = "AutoModelForCausalLM" in (getattr(model_config, "auto_map", None) or {})
+    pinned = source.trust_remote_code and remote and source.revision
+    return {"code_revision": source.revision} if pinned else {}
 
 
 def pretrained_weights(config: TrainerConfig, attention: str) -> dict[str, torch.Tensor]:

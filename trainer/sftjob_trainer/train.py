@@ -146,7 +146,9 @@ class Training:
         model_config = load_model_config(config.model)
         check_positions(model_config, longest)
         attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest)
-        layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=tokenizer.pad_token_id)
+        # A tokenizer with no pad, EOS or unknown token: padding is masked out and ignored by the loss anyway.
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=pad_id)
         evaluation = eval_set(held, packing_length, t.micro_batch_size, layout) if held else None
         log.info(
             "%d training units (%s), %d steps per epoch, %d steps in all",
