@@ -16,7 +16,7 @@ from sftjob.config import LoraSettings, TrainingSettings
 from sftjob_trainer.data import ensure_chat_template
 from sftjob_trainer.model import check_positions, prepare_for_training
 from sftjob_trainer.output import save_output
-from sftjob_trainer.tiny import make_tokenizer
+from sftjob_trainer.tiny import make_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.trainer
 
@@ -36,19 +36,7 @@ def _chat_tokenizer(template: str | None) -> Any:
 
 
 def _tiny_llama(tokenizer: Any) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama(tokenizer, max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id)
 
 
 def _eos(folder: Path) -> Any:

@@ -8,7 +8,6 @@ import json
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.model import prepare_for_training
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.output import save_output
-from sftjob_trainer.tiny import make_tokenizer
+from sftjob_trainer.tiny import make_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.trainer
 
@@ -54,28 +53,13 @@ def _names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-def _tiny_llama(tokenizer: Any, tied: bool = False) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(config)  # fp32 master weights, as full fine-tuning keeps them
-
-
 def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_head_still_tied(
     tmp_path: Path,
 ) -> None:
     from transformers import AutoModelForCausalLM
 
     tokenizer = make_tokenizer()
-    model = _tiny_llama(tokenizer, tied=True)
+    model = tiny_llama(tokenizer, tied=True)
     trained = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     save_output(model, tokenizer, tmp_path, None, torch.bfloat16)
@@ -94,7 +78,7 @@ def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_
 def test_a_fully_fine_tuned_model_keeps_the_kv_cache_setting_of_its_base(tmp_path: Path) -> None:
     tokenizer = make_tokenizer()
     model = prepare_for_training(
-        _tiny_llama(tokenizer), "full", LoraSettings(), TrainingSettings(gradient_checkpointing=True), CPU
+        tiny_llama(tokenizer), "full", LoraSettings(), TrainingSettings(gradient_checkpointing=True), CPU
     )
     save_output(model, tokenizer, tmp_path, None, torch.bfloat16)
     assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True
@@ -104,7 +88,7 @@ def test_a_fully_fine_tuned_model_keeps_the_kv_cache_setting_of_its_base(tmp_pat
 def test_a_prepared_model_trains_with_its_checkpointed_layers_recomputed(method: str) -> None:
     tokenizer = make_tokenizer()
     model = prepare_for_training(
-        _tiny_llama(tokenizer), method, LoraSettings(), TrainingSettings(gradient_checkpointing=True), CPU
+        tiny_llama(tokenizer), method, LoraSettings(), TrainingSettings(gradient_checkpointing=True), CPU
     )
     assert model.training
     attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
@@ -118,7 +102,7 @@ def test_a_prepared_model_trains_with_its_checkpointed_layers_recomputed(method:
 def test_an_adapter_names_the_revision_of_the_base_it_was_trained_on(tmp_path: Path) -> None:
     tokenizer = make_tokenizer()
     model = prepare_for_training(
-        _tiny_llama(tokenizer), "lora", LoraSettings(), TrainingSettings(), CPU, revision="0123abcd"
+        tiny_llama(tokenizer), "lora", LoraSettings(), TrainingSettings(), CPU, revision="0123abcd"
     )
     save_output(model, tokenizer, tmp_path, None, None)
     assert json.loads((tmp_path / "adapter_config.json").read_text())["revision"] == "0123abcd"
@@ -126,7 +110,7 @@ def test_an_adapter_names_the_revision_of_the_base_it_was_trained_on(tmp_path: P
 
 def test_the_output_files_are_readable_by_a_serving_pod_of_another_user(tmp_path: Path) -> None:
     tokenizer = make_tokenizer()
-    model = _tiny_llama(tokenizer)
+    model = tiny_llama(tokenizer)
     config = _config(tmp_path)
 
     def write(folder: Path) -> None:

@@ -85,3 +85,21 @@ def make_tiny_model(folder: Path, layers: int = 2, hidden: int = 64, seed: int =
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def tiny_llama(tokenizer: Any, tied: bool = False, **config: Any) -> Any:
+    """A one-layer random Llama for ``tokenizer``, in memory (fp32, as full fine-tuning keeps it);
+    ``config`` adds LlamaConfig fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        **config,
+    )
+    return LlamaForCausalLM(shape)
