@@ -19,6 +19,8 @@ Method = Literal["lora", "qlora", "full"]
 # No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
 Precision = Literal["bf16", "fp16", "fp32"]
 DatasetFormat = Literal["auto", "messages", "alpaca", "text"]
+# The weights the output is written from: the last step's, or the checkpoint with the lowest eval loss.
+FinalModel = Literal["Last", "Best"]
 Attention = Literal["sdpa", "flash_attention_2", "eager"]
 Optimizer = Literal["adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit"]
 # hsdp: FSDP inside each node, the nodes' shards replicated (FSDP2 on a nodes x GPUs-per-node mesh).
@@ -76,16 +78,30 @@ class DatasetSource(_Strict):
         return self
 
 
+class EarlyStopping(_Strict):
+    """Training ends (successfully) once ``patience`` evaluations in a row have not lowered the lowest
+    evaluation loss so far by more than ``min_delta``."""
+
+    patience: int = Field(ge=1, le=1000)
+    min_delta: float = Field(default=0.0, ge=0, le=100)
+
+
 class EvaluationSettings(_Strict):
     """Examples kept out of training whose mean loss per target token the trainer reports: at every
     checkpoint, every ``every_steps`` steps when set, and after the last step. They come from another
     ``split`` of the dataset or are a ``fraction`` of the training rows, held out the same way on every
-    rank and attempt; at most ``max_samples`` of them."""
+    rank and attempt; at most ``max_samples`` of them.
+
+    ``final_model`` Best writes the output from the checkpoint whose evaluation loss is the lowest (or
+    from the final weights when theirs is lower still) and keeps that checkpoint out of the rotation.
+    """
 
     split: str | None = Field(default=None, min_length=1, max_length=64)
     fraction: float | None = Field(default=None, gt=0, le=0.5)
     max_samples: int = Field(default=DEFAULT_EVAL_MAX_SAMPLES, ge=1, le=100_000)
     every_steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    final_model: FinalModel = "Last"
+    early_stopping: EarlyStopping | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> EvaluationSettings:

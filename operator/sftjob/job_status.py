@@ -60,6 +60,7 @@ class PlanStatus(_Status):
 class ProgressStatus(_Status):
     step: int = 0
     total_steps: int = 0
+    planned_steps: int | None = None  # early stopping ended the run at total_steps of these
     epoch: float = 0.0
     loss: float | None = None
     learning_rate: float | None = None
@@ -106,6 +107,7 @@ class SFTJobStatus(_Status):
     plan: PlanStatus | None = None
     progress: ProgressStatus | None = None
     last_checkpoint: CheckpointStatus | None = None
+    best_checkpoint: CheckpointStatus | None = None  # spec.evaluation: the lowest eval loss saved so far
     attempts: list[AttemptRecord] = []
     effective: EffectiveSettings | None = None
     start_time: datetime | None = None

@@ -2,7 +2,8 @@
 instead of at the first save that fills it, hours into the run.
 
 The volume holds ``spec.checkpoints.keep`` complete checkpoints plus the one being written (a save
-writes a temporary folder before the oldest is deleted), the final model when ``spec.output`` has no
+writes a temporary folder before the oldest is deleted), one more with ``spec.evaluation.finalModel``
+Best (the best checkpoint is kept out of the rotation), the final model when ``spec.output`` has no
 volume of its own, and the hub download of the model (``HF_HOME`` lives on it, so a restart does not
 download again). Checkpoint sizes are the plan's (:attr:`~sftjob.plan.Plan.checkpoint_gib`, what the
 trainer writes); the dataset's cache is not counted, so the figure is a floor.
@@ -26,7 +27,8 @@ QUANTITY_SCALE = {
 
 @dataclass(frozen=True)
 class VolumeNeed:
-    checkpoints_gib: float  # keep + 1 checkpoints
+    checkpoints: int  # keep + 1 (+ 1: the best one, kept apart)
+    checkpoints_gib: float
     final_model_gib: float  # 0 when spec.output has its own volume
     download_gib: float  # the model from the hub (0 for a model on a volume)
 
@@ -35,7 +37,8 @@ class VolumeNeed:
         return self.checkpoints_gib + self.final_model_gib + self.download_gib
 
     def describe(self, keep: int, checkpoint_gib: float) -> str:
-        parts = [f"{keep} + 1 checkpoints of {checkpoint_gib:.1f} GiB"]
+        best = " + 1 (the best)" if self.checkpoints > keep + 1 else ""
+        parts = [f"{keep} + 1{best} checkpoints of {checkpoint_gib:.1f} GiB"]
         if self.final_model_gib:
             parts.append(f"the final model {self.final_model_gib:.1f} GiB")
         if self.download_gib:
@@ -56,7 +59,9 @@ def volume_need(spec: SFTJobSpec, plan: Plan) -> VolumeNeed:
         lora = spec.lora
         final = architecture.lora_parameters(lora.r, lora.target_modules) * FULL_STATE_BYTES["weights"] / GIB
     download = n * BF16_BYTES / GIB if spec.model.name else 0.0  # hub checkpoints ship in bf16
-    return VolumeNeed((spec.checkpoints.keep + 1) * plan.checkpoint_gib, final, download)
+    best = spec.evaluation is not None and spec.evaluation.final_model == "Best"
+    count = spec.checkpoints.keep + 1 + int(best)
+    return VolumeNeed(count, count * plan.checkpoint_gib, final, download)
 
 
 def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:

@@ -219,6 +219,21 @@ def checkpoint_of(pods: Sequence[Obj]) -> CheckpointStatus | None:
     return max(found, key=lambda cp: cp.step, default=None)
 
 
+def best_checkpoint_of(pods: Sequence[Obj]) -> CheckpointStatus | None:
+    """The checkpoint with the lowest evaluation loss, as the newest checkpoint report names it."""
+    found = []
+    for pod in pods:
+        report = _annotation(pod, c.ANNOTATION_CHECKPOINT) or {}
+        best = report.get("best")
+        if not isinstance(best, dict) or _finite(best.get("evalLoss")) is None:
+            continue
+        try:
+            found.append((int(report.get("step") or 0), CheckpointStatus.model_validate(best)))
+        except (ValueError, TypeError, ValidationError):
+            continue
+    return max(found, key=lambda pair: pair[0], default=(0, None))[1]
+
+
 def _annotation(pod: Obj, key: str) -> dict[str, Any] | None:
     raw = (pod["metadata"].get("annotations") or {}).get(key)
     if not raw:
@@ -251,6 +266,7 @@ def _progress(pod: Obj) -> ProgressStatus | None:
             eta_seconds=None if eta is None else int(eta),
             eval_loss=_rounded(report.get("evalLoss"), 4),
             eval_step=int(report["evalStep"]) if report.get("evalStep") is not None else None,
+            planned_steps=int(report["plannedSteps"]) if report.get("plannedSteps") is not None else None,
             updated=report.get("updated"),
             summary=f"{step}/{total or '?'}",  # no total yet: a download heartbeat before the data is read
         )

@@ -82,11 +82,19 @@ class StatusDraft:
         self.set_phase("Pending" if resuming else "Restarting", reason, message)
 
     def succeeded(self, attempt: int) -> None:
-        self.cond(T.SUCCEEDED, True, Reason.COMPLETED, f"attempt {attempt} completed training")
+        """The trainer finished; the messages say so when early stopping ended it (the last report's
+        ``plannedSteps``, spec.evaluation.earlyStopping)."""
+        progress, early = self.status.progress, ""
+        if progress is not None and progress.planned_steps:
+            early = (
+                f", stopped early at step {progress.step} of {progress.planned_steps}: the evaluation loss"
+                " stopped improving"
+            )
+        self.cond(T.SUCCEEDED, True, Reason.COMPLETED, f"attempt {attempt} completed training{early}")
         self.cond(T.FAILED, False, Reason.COMPLETED, "")
         self.cond(T.RUNNING, False, Reason.COMPLETED, "finished")
         self.update(completion_time=self.now)
-        self.set_phase("Succeeded", Reason.COMPLETED, f"training completed in attempt {attempt}")
+        self.set_phase("Succeeded", Reason.COMPLETED, f"training completed in attempt {attempt}{early}")
 
     def failed(self, attempt: int, reason: str, message: str, ended_as: FailureClass | None) -> None:
         """The job failed for ``reason``; a running ``attempt`` ends with ``ended_as`` as its class."""
@@ -111,8 +119,9 @@ class StatusDraft:
         self.update(phase=phase)
 
     def fold_reports(self, pods: Sequence[Mapping[str, Any]]) -> None:
-        """The trainer's latest progress and checkpoint annotations on ``pods`` into the status; an
-        older checkpoint report (a pod of an earlier attempt) never replaces a newer one, and the last
+        """The trainer's latest progress and checkpoint annotations on ``pods`` into the status (the best
+        checkpoint with the newest); an older checkpoint report (a pod of an earlier attempt) never
+        replaces a newer one, and the last
         evaluation stays until a report carries a newer one (a restarted trainer's setup reports carry
         none)."""
         progress = observe.progress_of(pods)
@@ -126,6 +135,9 @@ class StatusDraft:
         old = self.status.last_checkpoint
         if checkpoint is not None and (old is None or checkpoint.step >= old.step):
             self.update(last_checkpoint=checkpoint)
+            best = observe.best_checkpoint_of(pods)
+            if best is not None:
+                self.update(best_checkpoint=best)
 
     def transition_events(self) -> list[Event]:
         """The events of this pass: the phase transitions, and Unschedulable when the pods became so."""

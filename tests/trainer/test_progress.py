@@ -40,7 +40,12 @@ class Recorder:
         self.progress_records.append(record)
 
     def checkpoint(
-        self, step: int, path: str, saved_at: float | None = None, eval_loss: float | None = None
+        self,
+        step: int,
+        path: str,
+        saved_at: float | None = None,
+        eval_loss: float | None = None,
+        best: dict[str, Any] | None = None,
     ) -> None:
         self.checkpoints.append((step, eval_loss))
 

@@ -114,3 +114,55 @@ def test_the_last_eval_loss_stays_in_the_status_while_a_restarted_trainer_sets_u
     )
     progress = reconcile(later, CTX).status.progress
     assert progress is not None and (progress.eval_loss, progress.eval_step) == (1.5, 40)
+
+
+def test_early_stopping_and_the_best_model_are_off_unless_asked_for_and_patience_is_required() -> None:
+    settings = _spec(evaluation={"fraction": 0.02}).evaluation
+    assert settings is not None and settings.final_model == "Last" and settings.early_stopping is None
+    chosen = _spec(evaluation={"fraction": 0.02, "finalModel": "Best", "earlyStopping": {"patience": 3}})
+    assert chosen.evaluation is not None and chosen.evaluation.early_stopping is not None
+    assert chosen.evaluation.early_stopping.min_delta == 0.0
+    for bad, words in [
+        ({"earlyStopping": {}}, "patience"),
+        ({"earlyStopping": {"patience": 0}}, "greater than or equal to 1"),
+        ({"earlyStopping": {"patience": 2, "minDelta": -0.1}}, "greater than or equal to 0"),
+        ({"finalModel": "best"}, "'Last' or 'Best'"),
+    ]:
+        with pytest.raises(ValidationError, match=words):
+            _spec(evaluation={"fraction": 0.02} | bad)
+
+
+def test_the_status_keeps_the_best_checkpoint_the_newest_report_names() -> None:
+    from sftjob_operator.reconcile import reconcile
+    from tests.unit.reconcile_cases import CTX, observed, pod, then
+
+    best = {"step": 20, "path": "/checkpoints/checkpoint-20", "evalLoss": 0.9}
+    newest = {"step": 40, "path": "/checkpoints/checkpoint-40", "evalLoss": 1.2, "best": best}
+    obs = observed()
+    first = reconcile(obs, CTX)
+    seen = reconcile(
+        then(obs, first, pods=[pod(annotations={ANNOTATION_CHECKPOINT: json.dumps(newest)})]), CTX
+    )
+    assert seen.status.best_checkpoint is not None
+    assert (seen.status.best_checkpoint.step, seen.status.best_checkpoint.eval_loss) == (20, 0.9)
+    assert seen.status.last_checkpoint is not None and seen.status.last_checkpoint.step == 40
+    nan = observe.best_checkpoint_of([_pod(checkpoint=newest | {"best": best | {"evalLoss": math.nan}})])
+    assert nan is None
+
+
+def test_a_job_that_stopped_early_says_so_when_it_succeeds() -> None:
+    from sftjob.job_status import ProgressStatus, SFTJobStatus
+    from sftjob_operator.status_draft import StatusDraft
+    from tests.unit.reconcile_cases import NOW
+
+    report = {"step": 300, "totalSteps": 300, "plannedSteps": 1000, "phase": "stopped early"}
+    progress = observe.progress_of([_pod(report)])
+    assert progress is not None and progress.planned_steps == 1000
+    draft = StatusDraft(SFTJobStatus(progress=progress), generation=1, now=NOW)
+    draft.succeeded(2)
+    succeeded = next(c for c in draft.status.conditions if c.type == "Succeeded")
+    assert succeeded.status == "True" and "stopped early at step 300 of 1000" in succeeded.message
+    status = SFTJobStatus(progress=ProgressStatus(step=1000, total_steps=1000))
+    plain = StatusDraft(status, generation=1, now=NOW)
+    plain.succeeded(2)
+    assert "early" not in next(c for c in plain.status.conditions if c.type == "Succeeded").message

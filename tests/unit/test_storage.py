@@ -52,3 +52,10 @@ def test_a_claim_big_enough_or_a_volume_of_the_users_own_is_not_questioned() -> 
 def test_an_output_volume_of_its_own_takes_the_final_model_off_the_checkpoint_volume() -> None:
     spec, plan = job(output={"volume": {"persistentVolumeClaim": {"claimName": "out"}}})
     assert volume_need(spec, plan).final_model_gib == 0
+
+
+def test_keeping_the_best_checkpoint_asks_room_for_one_checkpoint_more() -> None:
+    spec, plan = job(evaluation={"fraction": 0.01, "finalModel": "Best"})
+    need = volume_need(spec, plan)
+    assert need.checkpoints_gib == pytest.approx(5 * plan.checkpoint_gib)
+    assert "3 + 1 + 1 (the best) checkpoints" in need.describe(spec.checkpoints.keep, plan.checkpoint_gib)

@@ -77,6 +77,10 @@ class TrainState:
     loss: float | None = None
     eval_loss: float | None = None  # the last evaluation's (spec.evaluation), at step eval_step
     eval_step: int | None = None
+    lowest_eval_loss: float | None = None  # of every evaluation so far (early stopping)
+    evals_without_improvement: int = 0
+    best_step: int | None = None  # the saved checkpoint with the lowest eval loss (finalModel Best)
+    best_eval_loss: float | None = None
     fingerprint: dict[str, Any] = field(default_factory=dict)
     course: dict[str, Any] = field(default_factory=dict)
 
@@ -144,9 +148,17 @@ def _tensors_problem(folder: Path) -> str | None:
 
 
 def save(
-    root: Path, state: TrainState, parts: Trainables, ctx: DistContext, *, keep: int, job: JobRef
+    root: Path,
+    state: TrainState,
+    parts: Trainables,
+    ctx: DistContext,
+    *,
+    keep: int,
+    job: JobRef,
+    keep_best: bool = False,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final path of the new checkpoint."""
+    """Collective: every rank calls it. Returns the final path of the new checkpoint. With ``keep_best``
+    the rotation spares ``state.best_step``'s checkpoint besides the newest ``keep``."""
     name = f"{CHECKPOINT_PREFIX}{state.step}"
     tmp, final = root / f"{TMP_PREFIX}{name}-attempt-{job.attempt}", root / name
     try:
@@ -182,7 +194,7 @@ def save(
                 shutil.rmtree(final)
             os.rename(tmp, final)
             fsync_dir(root)
-            rotate(root, keep, state.step)
+            rotate(root, keep, state.step, spare=state.best_step if keep_best else None)
         ctx.barrier()
     except OSError as exc:
         raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {exc}") from exc
@@ -211,14 +223,18 @@ def _tensors(parts: Trainables) -> dict[str, Any]:
     second time. Should a trainable parameter's name not be found (a wrapper renaming it), everything
     is kept: a bigger checkpoint, never a missing weight.
     """
-    model = get_model_state_dict(parts.model, options=_TRAINABLE)
-    trainable = {name for name, p in unwrap(parts.model).named_parameters() if p.requires_grad}
-    if trainable <= model.keys():
-        model = {name: tensor for name, tensor in model.items() if name in trainable}
     return {
-        "model": model,
+        "model": _weights(parts.model),
         "optimizer": get_optimizer_state_dict(parts.model, parts.optimizer, options=_TRAINABLE),
     }
+
+
+def _weights(model: nn.Module) -> dict[str, Any]:
+    state = get_model_state_dict(model, options=_TRAINABLE)
+    trainable = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
+    if trainable <= state.keys():
+        state = {name: tensor for name, tensor in state.items() if name in trainable}
+    return state
 
 
 @contextmanager
@@ -235,9 +251,10 @@ def _failures(exc: CheckpointException) -> str:
     )
 
 
-def rotate(root: Path, keep: int, committed: int) -> None:
+def rotate(root: Path, keep: int, committed: int, spare: int | None = None) -> None:
     """After committing the checkpoint of step ``committed``: keep it and the newest ``keep`` - 1 complete
-    ones before it; drop older ones and older broken leftovers.
+    ones before it, and the one of step ``spare`` (the best so far); drop older ones and older broken
+    leftovers.
 
     A checkpoint newer than the one just committed is none of this run's (load_latest set aside those it
     found): it is left alone, never counted as one of the newest. Unfinished saves (``.tmp-``) are left
@@ -246,7 +263,7 @@ def rotate(root: Path, keep: int, committed: int) -> None:
     """
     older = [(step, path) for step, path in checkpoint_dirs(root) if step < committed]
     complete = [path for _, path in older if problem(path) is None]
-    doomed = complete[keep - 1 :]
+    doomed = [path for path in complete[keep - 1 :] if _step_of(path) != spare]
     doomed += [path for _, path in older if problem(path) is not None]
     for path in doomed:
         log.info("removing old checkpoint %s", path)
@@ -319,6 +336,20 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
         )
     _set_aside_newer(root, 0, failed, ctx)
     return None
+
+
+def load_weights(path: Path, parts: Trainables, ctx: DistContext) -> None:
+    """Collective: the trainable weights of the checkpoint at ``path`` into the model (the optimizer is
+    left alone: this is for writing the output from an earlier checkpoint, not for training on)."""
+    model = _weights(parts.model)
+    try:
+        with _single_process_is_meant():
+            dcp.load(
+                {"model": model}, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active
+            )
+    except CheckpointException as exc:
+        raise _storage_error(f"could not read the weights of {path}: {_failures(exc)}") from exc
+    set_model_state_dict(parts.model, model, options=_TRAINABLE)
 
 
 def _set_aside_newer(root: Path, resumed: int, failed: dict[str, str], ctx: DistContext) -> None:

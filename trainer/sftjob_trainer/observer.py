@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sftjob.config import TrainerConfig
-from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, PROGRESS_REPORT_INTERVAL_SECONDS
+from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX, PROGRESS_REPORT_INTERVAL_SECONDS
 from sftjob_trainer.batching import Schedule
 from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.distributed import DistContext
@@ -85,6 +85,21 @@ class Observer:
             self.metrics.loss.set(loss)
             record["loss"] = loss
         self._progress(record)
+
+    def stopped_early(self, state: TrainState) -> None:
+        """Early stopping ended training at ``state.step``: that is the run's total from now on (the
+        progress reads complete and no alert takes the output's writing for a stall), and the report
+        says what the run was planned for (``plannedSteps``)."""
+        planned = self.total
+        self.follow(self.schedule, state.step)
+        log.info("stopped early at step %d of %d planned", state.step, planned)
+        record = {
+            "step": state.step,
+            "totalSteps": state.step,
+            "plannedSteps": planned,
+            "phase": "stopped early",
+        }
+        self._progress(record | ({"loss": state.loss} if state.loss is not None else {}))
 
     def training_started(self) -> None:
         """The training loop starts: the CheckpointTooOld and TrainingStalled alerts count from now."""
@@ -190,7 +205,9 @@ class Observer:
 
     def checkpoint_saved(self, state: TrainState, path: str, seconds: float) -> None:
         self.metrics.record_checkpoint(state.step, seconds)
-        self.reporter.checkpoint(state.step, path, eval_loss=_eval_at(state, state.step))
+        self.reporter.checkpoint(
+            state.step, path, eval_loss=_eval_at(state, state.step), best=_best(state, path)
+        )
 
     def resumed_from(self, state: TrainState, path: Path) -> None:
         """The checkpoint this run resumed from, as old as it is (its completion marker's time): not a
@@ -203,7 +220,9 @@ class Observer:
         self._remember_eval(state)
         if state.eval_loss is not None and state.eval_step is not None:
             self.metrics.record_eval(state.eval_step, state.eval_loss, None)
-        self.reporter.checkpoint(step, str(path), saved_at, eval_loss=_eval_at(state, step))
+        self.reporter.checkpoint(
+            step, str(path), saved_at, eval_loss=_eval_at(state, step), best=_best(state, str(path))
+        )
 
     def close(self) -> None:
         """The progress reports stop; the metrics endpoint belongs to the whole attempt (``run``)."""
@@ -213,3 +232,11 @@ class Observer:
 def _eval_at(state: TrainState, step: int) -> float | None:
     """The evaluation of the weights saved at ``step``, if there was one."""
     return state.eval_loss if state.eval_step == step else None
+
+
+def _best(state: TrainState, newest: str) -> dict[str, Any] | None:
+    """The saved checkpoint with the lowest evaluation loss, beside the newest one (``newest``)."""
+    if state.best_step is None or state.best_eval_loss is None:
+        return None
+    path = Path(newest).parent / f"{CHECKPOINT_PREFIX}{state.best_step}"
+    return {"step": state.best_step, "path": str(path), "evalLoss": state.best_eval_loss}

@@ -77,11 +77,19 @@ class ProgressReporter:
         self._set(ANNOTATION_PROGRESS, record | {"updated": rfc3339_now()})
 
     def checkpoint(
-        self, step: int, path: str, saved_at: float | None = None, eval_loss: float | None = None
+        self,
+        step: int,
+        path: str,
+        saved_at: float | None = None,
+        eval_loss: float | None = None,
+        best: dict[str, Any] | None = None,
     ) -> None:
+        """The newest checkpoint; ``best`` the one with the lowest evaluation loss (step, path, evalLoss)."""
         record: dict[str, Any] = {"step": step, "path": path, "time": rfc3339_now(saved_at)}
         if eval_loss is not None and math.isfinite(eval_loss):
             record["evalLoss"] = eval_loss
+        if best is not None:
+            record["best"] = best
         self._set(ANNOTATION_CHECKPOINT, record)
 
     def _set(self, key: str, value: dict[str, Any]) -> None:

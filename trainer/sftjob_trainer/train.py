@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, heartbeat, output, ownership
+from sftjob_trainer import checkpoints, heartbeat, output, ownership, selection
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -56,6 +56,7 @@ from sftjob_trainer.model import (
 )
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.preflight import run_preflight
+from sftjob_trainer.selection import stops_early
 from sftjob_trainer.stopping import GracefulStop, ignore_sigterm
 
 log = logging.getLogger("sftjob_trainer")
@@ -298,6 +299,10 @@ class Training:
         } | data
         if evaluation is not None:
             summary |= {"evalLoss": state.eval_loss, "evalStep": state.eval_step}
+            summary |= {
+                "stoppedEarly": state.step < course.total,
+                "outputStep": selection.load_output(self.config, parts, state, ctx),
+            }
         self.save_outputs(model, tokenizer, summary)
         return summary
 
@@ -324,7 +329,9 @@ class Training:
         """Train from ``state.step`` to ``total``, evaluating (``evaluation``) before each checkpoint, every
         ``evaluation.everySteps`` steps and after the last step; returns (seconds, tokens) of this attempt."""
         ctx, t, every = self.ctx, self.t, self.config.checkpoints
-        eval_every = self.config.evaluation.every_steps if self.config.evaluation else None
+        settings = self.config.evaluation
+        eval_every = settings.every_steps if settings else None
+        best = settings is not None and settings.final_model == "Best"  # its checkpoint spared by rotation
         # Its own generator: seeding workers must not draw from the global RNG restored from the checkpoint.
         loader = DataLoader(
             batches,
@@ -363,14 +370,22 @@ class Training:
             last = state.step == total and self.config.method != "full"
             save = stopping or last or (due and state.step < total)
             scheduled = eval_every is not None and state.step % eval_every == 0
+            early = False  # spec.evaluation.earlyStopping ends training at this step
             if evaluation is not None and not stopping and (save or scheduled or state.step == total):
                 # A SIGTERM during the evaluation stops it: the checkpoint is what the grace period is for.
                 stopping = not self.evaluate(parts, evaluation, plan, state, observer)
-                save = save or stopping
+                early = (
+                    not stopping
+                    and state.step < total
+                    and settings is not None
+                    and stops_early(state, settings)
+                )
+                save = save or stopping or (early and self.config.method != "full")  # as a last step
             if save:
                 saved = time.monotonic()
+                selection.saving(state)
                 path = checkpoints.save(
-                    Path(every.dir), state, parts, ctx, keep=every.keep, job=self.config.job
+                    Path(every.dir), state, parts, ctx, keep=every.keep, job=self.config.job, keep_best=best
                 )
                 last_save = time.monotonic()
                 if observer is not None:
@@ -378,12 +393,21 @@ class Training:
                 log.info("checkpoint %s saved in %.1fs", path, last_save - saved)
                 # A SIGTERM during a scheduled save: that checkpoint is the one the grace period is for (after
                 # the last step, the output is written as it would have been).
-                if not stopping and state.step < total:
+                if not stopping and not early and state.step < total:
                     stopping = ctx.sum([float(self.stop.requested)])[0] > 0
             if stopping:
                 raise TrainerError(
                     ExitCode.PREEMPTED, f"preempted (SIGTERM): checkpoint saved at step {state.step}"
                 )
+            if early:
+                log.info(
+                    "%d evaluations without improvement on %.4f",
+                    state.evals_without_improvement,
+                    state.lowest_eval_loss,
+                )
+                if observer is not None:
+                    observer.stopped_early(state)
+                break
             wait_started = time.monotonic()
         if evaluation is not None and state.eval_step != state.step:  # resumed from a SIGTERM's last step
             self.evaluate(parts, evaluation, plan, state, observer)
@@ -405,6 +429,8 @@ class Training:
         )
         if loss is not None:
             state.eval_loss, state.eval_step = loss, state.step
+            if self.config.evaluation is not None:
+                selection.evaluated(state, self.config.evaluation)
         if observer is not None:
             observer.evaluated(state, took, stopped=loss is None)
         return loss is not None

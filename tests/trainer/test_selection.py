@@ -1,0 +1,122 @@
+"""spec.evaluation.earlyStopping and finalModel: when training stops early, which checkpoint the rotation
+spares, and which weights the output is written from."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from sftjob.config import EvaluationSettings, JobRef
+from sftjob.failures import ExitCode
+from sftjob_trainer import checkpoints, ownership, selection
+from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig
+
+pytestmark = pytest.mark.trainer
+
+ONE_PROCESS = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+JOB = JobRef(name="job", uid="uid-1", attempt=1)
+
+
+def _evaluate(state: TrainState, settings: EvaluationSettings, step: int, loss: float) -> bool:
+    state.step, state.eval_step, state.eval_loss = step, step, loss
+    selection.evaluated(state, settings)
+    return selection.stops_early(state, settings)
+
+
+def test_training_stops_after_patience_evaluations_without_an_improvement_larger_than_min_delta() -> None:
+    settings = EvaluationSettings(fraction=0.1, early_stopping={"patience": 2, "minDelta": 0.05})
+    state = TrainState()
+    assert not _evaluate(state, settings, 10, 2.0)
+    assert not _evaluate(state, settings, 20, 1.5)  # an improvement: the count starts again
+    assert not _evaluate(state, settings, 30, 1.47)  # lower, but by less than minDelta
+    assert _evaluate(state, settings, 40, 1.6)
+    assert state.lowest_eval_loss == pytest.approx(1.47) and state.evals_without_improvement == 2
+
+
+def test_a_nan_evaluation_counts_as_no_improvement_and_without_early_stopping_nothing_stops() -> None:
+    state = TrainState()
+    plain = EvaluationSettings(fraction=0.1)
+    for step, loss in enumerate([1.0, float("nan"), 2.0, 3.0], start=1):
+        assert not _evaluate(state, plain, step, loss)
+    assert state.lowest_eval_loss == 1.0 and state.evals_without_improvement == 3
+
+
+def test_the_best_checkpoint_is_the_saved_one_with_the_lowest_loss_and_the_output_comes_from_it() -> None:
+    best = EvaluationSettings(fraction=0.1, final_model="Best")
+    state = TrainState()
+    for step, loss in [(10, 2.0), (20, 1.2), (30, 1.4)]:
+        state.step, state.eval_step, state.eval_loss = step, step, loss
+        selection.saving(state)
+    state.step = 31  # an evaluation between checkpoints is no candidate: its weights were never saved
+    state.eval_step, state.eval_loss = 31, 1.3
+    assert (state.best_step, state.best_eval_loss) == (20, 1.2)
+    assert selection.output_step(state, best) == 20
+    assert selection.output_step(state, EvaluationSettings(fraction=0.1)) is None  # finalModel Last
+    state.eval_loss = 1.1  # the final weights evaluated lower still: they are the output
+    assert selection.output_step(state, best) is None
+
+
+def _trainables() -> Trainables:
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return Trainables(model, optimizer, scheduler, scaler=None)
+
+
+def test_rotation_spares_the_best_checkpoint_and_its_weights_load_back_into_the_model(tmp_path: Path) -> None:
+    ownership.take_over(tmp_path, JOB, ONE_PROCESS)
+    parts = _trainables()
+    saved = {}
+    for step in (1, 2, 3, 4):
+        with torch.no_grad():
+            parts.model.weight.fill_(float(step))
+        saved[step] = parts.model.weight.detach().clone()
+        state = TrainState(step=step, best_step=2, best_eval_loss=0.5)
+        checkpoints.save(tmp_path, state, parts, ONE_PROCESS, keep=1, job=JOB, keep_best=True)
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2]
+
+    checkpoints.load_weights(tmp_path / "checkpoint-2", parts, ONE_PROCESS)
+    assert torch.equal(parts.model.weight, saved[2])
+
+
+def test_a_run_that_stops_early_writes_the_best_checkpoint_as_its_output(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    losses = iter([3.0, 1.0, 2.0, 2.5, 0.5])  # the held-out losses at steps 1, 2, 3, 4 (and 5: never reached)
+    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (next(losses), 0.01))
+    config = trainer_config(
+        "messages",
+        checkpoints={"everySteps": 1, "keep": 1},
+        evaluation={"fraction": 0.1, "finalModel": "Best", "earlyStopping": {"patience": 2}},
+    )
+    assert run(str(config)) == ExitCode.OK
+    settings = json.loads(config.read_text())
+    output, root = Path(settings["outputDir"]), Path(settings["checkpoints"]["dir"])
+    summary = json.loads((output / "summary.json").read_text())
+    assert summary["stoppedEarly"] and (summary["steps"], summary["totalSteps"]) == (4, 12)
+    assert summary["outputStep"] == 2
+    assert [step for step, _ in checkpoint_dirs(root)] == [4, 2]  # keep: 1, and the best one
+
+    adapter = load_file(output / "adapter_model.safetensors")
+    best, last = (
+        _lora_weights(root / "checkpoint-2", tmp_path / "2.pt"),
+        _lora_weights(root / "checkpoint-4", tmp_path / "4.pt"),
+    )
+    assert adapter.keys() == best.keys()
+    assert all(torch.equal(adapter[name], best[name]) for name in adapter)
+    assert not all(torch.equal(adapter[name], last[name]) for name in adapter)
+
+
+def _lora_weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's adapter weights under the names PEFT saves them with."""
+    dcp_to_torch_save(checkpoint / checkpoints.TENSORS_DIR, scratch)
+    model = torch.load(scratch, weights_only=True)["model"]
+    return {name.replace(".default.", "."): tensor for name, tensor in model.items()}
