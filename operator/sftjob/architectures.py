@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from sftjob.experts import Experts, experts_from_hf_config
+
 # The model families (HF model_type) the planner knows: the built-in table's, each one whose HF
 # modelling code Liger kernels patch (RMSNorm, RoPE, SwiGLU/GeGLU, fused linear CE).
 ModelFamily = Literal["llama", "mistral", "qwen2", "gemma2"]
@@ -25,7 +27,8 @@ EAGER_ATTENTION_FAMILIES = frozenset({"gemma2"})
 
 
 class Architecture(BaseModel):
-    """A decoder-only transformer's shape (Llama/Qwen/Mistral/Gemma style: GQA attention, gated MLP)."""
+    """A decoder-only transformer's shape (Llama/Qwen/Mistral/Gemma style: GQA attention, gated MLP, or
+    a mixture of gated MLP experts in every layer)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
@@ -42,6 +45,7 @@ class Architecture(BaseModel):
     # Every layer attends within this many tokens (Mistral 7B v0.1); from the table or config.json.
     sliding_window: int | None = Field(default=None, ge=1)
     family: str | None = None  # HF model_type ("llama", "qwen2", ...); None when unknown
+    experts: Experts | None = None  # a mixture-of-experts MLP in every layer; None: a dense one
     name: str | None = None  # where the shape came from, for the plan's reasons
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -60,6 +64,8 @@ class Architecture(BaseModel):
         }
         if self.head_dim is not None:
             config["head_dim"] = self.head_dim
+        if self.experts is not None:
+            config |= self.experts.to_hf_config()
         return config
 
     @property
@@ -82,7 +88,27 @@ class Architecture(BaseModel):
 
     @property
     def mlp_parameters(self) -> int:
-        return 3 * self.hidden_size * self.intermediate_size
+        """One layer's MLP as held in memory (a mixture: every expert)."""
+        if self.experts is None:
+            return 3 * self.hidden_size * self.intermediate_size
+        return self.experts.mlp_parameters(self.hidden_size, self.experts.count)
+
+    @property
+    def active_mlp_parameters(self) -> int:
+        """The MLP weights one token multiplies through (a mixture: the router, its experts, the shared)."""
+        if self.experts is None:
+            return self.mlp_parameters
+        return self.experts.mlp_parameters(self.hidden_size, self.experts.per_token)
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width one token's activations have (a mixture: its experts' and the shared one's)."""
+        e = self.experts
+        return (
+            self.intermediate_size
+            if e is None
+            else e.per_token * e.intermediate_size + e.shared_intermediate_size
+        )
 
     @property
     def layer_parameters(self) -> int:
@@ -115,13 +141,19 @@ class Architecture(BaseModel):
 
     @property
     def matmul_parameters(self) -> int:
-        """Weights every token multiplies through: the decoder layers plus the output projection."""
-        return self.layers * (self.attention_parameters + self.mlp_parameters) + self.embedding_parameters
+        """Weights every token multiplies through: the decoder layers (of a mixture, the experts the token
+        is routed to) plus the output projection."""
+        return (
+            self.layers * (self.attention_parameters + self.active_mlp_parameters) + self.embedding_parameters
+        )
 
     @property
     def linear_parameters(self) -> int:
-        """Decoder-layer linear weights: what 4-bit quantisation (QLoRA) compresses."""
-        return self.layers * (self.attention_parameters + self.mlp_parameters)
+        """Decoder-layer ``nn.Linear`` weights: what 4-bit quantisation (QLoRA) compresses. A mixture's
+        routed experts are fused 3-D tensors in transformers 5, not linears: they stay unquantised."""
+        if self.experts is None:
+            return self.layers * (self.attention_parameters + self.mlp_parameters)
+        return self.layers * (self.attention_parameters + self.experts.shared_parameters(self.hidden_size))
 
     @property
     def liger_supported(self) -> bool:
@@ -143,16 +175,13 @@ class Architecture(BaseModel):
     def lora_widths(self, target_modules: list[str] | str = "all-linear") -> tuple[int, int]:
         """Summed (input, output) widths of the targeted projections: the per-token traffic of the
         adapter paths, and what LoRA dropout copies (the inputs)."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
-        shapes = {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        # A mixture's gate/up/down linears are its shared expert's (none in Mixtral): the routed experts
+        # are fused tensors that LoRA's linear layers cannot wrap.
+        i = self.intermediate_size if self.experts is None else self.experts.shared_intermediate_size
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if i:
+            shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
         everything = target_modules == "all-linear" or "all-linear" in target_modules
         names = list(shapes) if everything else [m for m in target_modules if m in shapes]
         return sum(shapes[m][0] for m in names), sum(shapes[m][1] for m in names)
@@ -292,10 +321,13 @@ def resolve_architecture(
 
 # Families whose config.json omits tie_word_embeddings because their class default ties them.
 _TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text"})
+# Families whose q/k/v projections have biases without config.json saying so (attention_bias, qkv_bias).
+_QKV_BIAS_BY_DEFAULT = frozenset({"qwen2", "qwen2_moe"})
 
 
 def architecture_from_hf_config(config: dict[str, Any]) -> Architecture:
-    """The shape from a HF ``config.json`` dict (multimodal configs: their ``text_config``). No I/O."""
+    """The shape from a HF ``config.json`` dict (multimodal configs: their ``text_config``; mixtures of
+    experts: :func:`~sftjob.experts.experts_from_hf_config`). No I/O."""
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings")}
     missing = [
@@ -329,8 +361,11 @@ def architecture_from_hf_config(config: dict[str, Any]) -> Architecture:
         vocab_size=config["vocab_size"],
         tied_embeddings=bool(tied),
         head_dim=config.get("head_dim"),
-        attention_bias=bool(config.get("attention_bias", family == "qwen2")),
+        attention_bias=bool(
+            config.get("attention_bias", config.get("qkv_bias", family in _QKV_BIAS_BY_DEFAULT))
+        ),
         family=family if isinstance(family, str) else None,
+        experts=experts_from_hf_config(config),
         sliding_window=window if isinstance(window, int) and window > 0 else None,
         name="config.json",
     )

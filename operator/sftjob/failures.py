@@ -27,6 +27,7 @@ class ExitCode(IntEnum):
     COMMUNICATION_ERROR = 16
     STORAGE_ERROR = 17
     NETWORK_ERROR = 18  # the hub or the network failed while downloading the model or the dataset
+    DIVERGED = 19  # the loss or the gradients stayed non-finite: training diverged (the weights kept)
     PREEMPTED = 20  # SIGTERM received, current step finished, checkpoint saved
 
 
@@ -42,6 +43,7 @@ class FailureClass(StrEnum):
     MODEL_LOAD_ERROR = "ModelLoadError"
     STORAGE_ERROR = "StorageError"
     NETWORK_ERROR = "NetworkError"
+    DIVERGED = "Diverged"
     GPU_UNAVAILABLE = "GpuUnavailable"
     DRIVER_MISMATCH = "DriverMismatch"
     STALLED = "Stalled"
@@ -60,15 +62,18 @@ EXIT_CODE_CLASS: dict[int, FailureClass] = {
     ExitCode.COMMUNICATION_ERROR: FailureClass.COMMUNICATION_ERROR,
     ExitCode.STORAGE_ERROR: FailureClass.STORAGE_ERROR,
     ExitCode.NETWORK_ERROR: FailureClass.NETWORK_ERROR,
+    ExitCode.DIVERGED: FailureClass.DIVERGED,
     ExitCode.PREEMPTED: FailureClass.PREEMPTED,
 }
 
-# Fix the spec (or the data, or the model) and apply again: restarting cannot help.
+# Fix the spec (or the data, or the model) and apply again: restarting cannot help. A diverged run
+# resumed from its last checkpoint, with the same data in the same order, diverges again.
 PERMANENT = frozenset(
     {
         FailureClass.CONFIG_ERROR,
         FailureClass.DATA_ERROR,
         FailureClass.MODEL_LOAD_ERROR,
+        FailureClass.DIVERGED,
         FailureClass.IMAGE_PULL_ERROR,
         FailureClass.DEADLINE_EXCEEDED,
     }

@@ -204,11 +204,11 @@ def layer_activation_bytes_per_token(m: MemoryInputs) -> float:
     """Bytes one decoder layer saves for backward per token without recomputation."""
     a = m.architecture
     coef = ACT_HIDDEN_COEF_LIGER if m.liger_kernels else ACT_HIDDEN_COEF
-    per_token = coef * a.hidden_size + ACT_MLP_COEF * a.intermediate_size
+    per_token = coef * a.hidden_size + ACT_MLP_COEF * a.active_intermediate_size
     if m.method != "full" and m.lora.dropout > 0:
         per_token += LORA_DROPOUT_BYTES * a.lora_widths(m.lora.target_modules)[0]
     if m.method == "qlora":
-        per_token += QLORA_FP32_STREAM_BYTES * (a.hidden_size + a.intermediate_size)
+        per_token += QLORA_FP32_STREAM_BYTES * (a.hidden_size + a.active_intermediate_size)
     if m.attention == "eager":  # the row's score matrix, per token: one row of it per head
         per_token += EAGER_SCORE_BYTES * a.heads * m.sequence_length
     return per_token * (2 if m.precision == "fp32" else 1)

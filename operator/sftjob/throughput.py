@@ -122,7 +122,7 @@ def _micro_step_seconds(t: ThroughputInputs) -> float:
     efficiency = MATMUL_EFFICIENCY * tokens / (tokens + HALF_EFFICIENCY_TOKENS)
     compute = flops / (_peak_flops(t) * efficiency)
     per_unit = ELEMENTWISE_BYTES_LIGER if t.liger_kernels else ELEMENTWISE_BYTES
-    moved: float = tokens * a.layers * per_unit * (a.hidden_size + a.intermediate_size)
+    moved: float = tokens * a.layers * per_unit * (a.hidden_size + a.active_intermediate_size)
     if t.gradient_checkpointing:
         moved *= 4 / 3
     if not t.liger_kernels:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from sftjob.config import JobRef
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, ownership, rng
+from sftjob_trainer import checkpoints, ownership, resume, rng
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 
@@ -142,7 +142,7 @@ def test_a_checkpoint_holds_the_trainable_parameters_only_not_buffers_frozen_wei
     before = model.embed.weight.detach().clone()
     with torch.no_grad():
         model.embed.weight.zero_()
-    assert checkpoints.load_latest(tmp_path, parts, ONE_PROCESS) is not None
+    assert resume.load_latest(tmp_path, parts, ONE_PROCESS) is not None
     assert torch.equal(model.head.weight, before)  # the tied head came back with its embedding
 
 
@@ -165,7 +165,7 @@ def test_checkpoints_newer_than_the_one_resumed_from_are_set_aside_and_no_later_
     _unloadable(tmp_path / "checkpoint-10")
 
     ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
-    resumed = checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+    resumed = resume.load_latest(tmp_path, _trainables(), ONE_PROCESS)
     assert resumed is not None and resumed[0].step == 4
     assert _bad(tmp_path) == [".bad-checkpoint-10"]
     assert "setting checkpoint" in caplog.text and "its tensors do not load" in caplog.text
@@ -173,7 +173,7 @@ def test_checkpoints_newer_than_the_one_resumed_from_are_set_aside_and_no_later_
     checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=1, job=_attempt(2))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [6]
     assert _bad(tmp_path) == [".bad-checkpoint-10"]  # kept for inspection
-    assert checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS) is not None
+    assert resume.load_latest(tmp_path, _trainables(), ONE_PROCESS) is not None
 
 
 def test_a_save_keeps_the_checkpoint_it_committed_whatever_is_newer(tmp_path: Path) -> None:
@@ -194,7 +194,7 @@ def test_checkpoints_whose_small_files_do_not_load_stop_the_run_rather_than_star
         (path / checkpoints.SCHEDULER_FILE).write_bytes(b"cut off")
 
     with pytest.raises(TrainerError) as stopped:
-        checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+        resume.load_latest(tmp_path, _trainables(), ONE_PROCESS)
     assert stopped.value.code == ExitCode.STORAGE_ERROR
     assert "no checkpoint" in stopped.value.reason and "checkpoint-4, checkpoint-2" in stopped.value.reason
     assert "its files do not load" in caplog.text
@@ -205,7 +205,7 @@ def test_a_fresh_start_sets_incomplete_checkpoints_aside(tmp_path: Path) -> None
     ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     path = checkpoints.save(tmp_path, TrainState(step=2), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
     (path / CHECKPOINT_COMPLETE_MARKER).unlink()
-    assert checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS) is None
+    assert resume.load_latest(tmp_path, _trainables(), ONE_PROCESS) is None
     assert checkpoint_dirs(tmp_path) == [] and _bad(tmp_path) == [".bad-checkpoint-2"]
 
 
@@ -227,7 +227,7 @@ def test_a_storage_error_reading_a_checkpoint_stops_the_run_and_sets_nothing_asi
     }[where]
     monkeypatch.setattr(*target, stale)
     with pytest.raises(TrainerError) as stopped:
-        checkpoints.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+        resume.load_latest(tmp_path, _trainables(), ONE_PROCESS)
     assert stopped.value.code == ExitCode.STORAGE_ERROR and "Stale file handle" in stopped.value.reason
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and _bad(tmp_path) == []
 
@@ -294,7 +294,7 @@ from pathlib import Path
 import torch, torch.distributed as dist
 from sftjob.config import JobRef
 from sftjob.failures import TrainerError
-from sftjob_trainer import checkpoints, ownership
+from sftjob_trainer import checkpoints, ownership, resume
 from sftjob_trainer.checkpoints import Trainables, TrainState, rng_file
 from sftjob_trainer.distributed import DistContext
 
@@ -319,7 +319,7 @@ for case, broken in {"one": [4], "all": [4, 2]}.items():
             (root / f"checkpoint-{step}" / rng_file(1)).write_bytes(b"cut off")
     dist.barrier()
     try:
-        resumed = checkpoints.load_latest(root, parts(), ctx)
+        resumed = resume.load_latest(root, parts(), ctx)
         result = {"step": resumed[0].step if resumed else None}
     except TrainerError as exc:
         result = {"code": int(exc.code)}

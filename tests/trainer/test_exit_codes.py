@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,23 @@ def test_an_old_driver_or_a_driver_older_than_the_cuda_runtime_is_a_driver_misma
         check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "13.0")
     assert behind.value.code == ExitCode.DRIVER_MISMATCH and "CUDA up to 12.2" in behind.value.reason
     check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "12.8")  # minor-version compatible
+
+
+def test_a_run_whose_loss_stays_nan_exits_diverged_before_saving_a_checkpoint_of_it(
+    trainer_config: MakeConfig, tiny_model: Path, tmp_path: Path, termination_log: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-model"
+    shutil.copytree(tiny_model, broken)
+    weights = broken / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.norm.weight"][0] = float("nan")  # every logit NaN, whatever the batch
+    save_file(tensors, weights, metadata={"format": "pt"})
+    config = _rewrite(trainer_config(), model__path=str(broken), checkpoints__everySteps=8)
+
+    assert run(str(config)) == ExitCode.DIVERGED
+    assert "diverged" in _reason(termination_log) and "up to step 5" in _reason(termination_log)
+    assert not list((tmp_path / "run" / "checkpoints").glob("checkpoint-*"))
+    lines = (tmp_path / "run" / "output" / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["loss"] for line in lines] == [None] * 5

@@ -1,6 +1,8 @@
-"""The download heartbeat: while a setup phase downloads from the hub, rank 0 reports each growth of the
-hub cache, so a long download never looks stalled to the operator; a download that stops growing sends
-nothing, so the stall clock still ends a hung one."""
+"""The heartbeats. While a setup phase downloads from the hub, rank 0 reports each growth of the hub
+cache, so a long download never looks stalled to the operator; a download that stops growing sends
+nothing, so the stall clock still ends a hung one. While a checkpoint is saved or restored, or the output
+written, rank 0 repeats its last report, for at most a bound from the checkpoint's size, after which
+the stall clock ends one that hangs."""
 
 from __future__ import annotations
 
@@ -12,11 +14,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from sftjob.config import TrainerConfig
-from sftjob_trainer import heartbeat
-from sftjob_trainer.heartbeat import DownloadHeartbeat, downloads, hub_folders
+from sftjob.failures import ExitCode
+from sftjob_trainer import checkpoints, heartbeat, output, resume
+from sftjob_trainer import observer as observer_module
+from sftjob_trainer.batching import Schedule
+from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.heartbeat import (
+    BUSY_BASE_SECONDS,
+    DownloadHeartbeat,
+    busy,
+    downloads,
+    hub_folders,
+    io_seconds,
+)
 from sftjob_trainer.metrics import Phase, TrainerMetrics
+from sftjob_trainer.observer import Observer
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig
 
 pytestmark = pytest.mark.trainer
 
@@ -48,6 +65,9 @@ class Recorder:
 
     def progress(self, record: dict[str, Any]) -> None:
         self.records.append(record)
+
+    def checkpoint(self, step: int, path: str, *args: Any, **kwargs: Any) -> None:
+        pass
 
     def close(self) -> None:
         self.closed = True
@@ -157,7 +177,7 @@ def test_a_file_whose_length_is_set_first_counts_the_bytes_written_into_it(tmp_p
 
 
 def _heartbeats() -> int:
-    return sum(t.name == "download-heartbeat" for t in threading.enumerate())
+    return _threads("download-heartbeat")
 
 
 def test_other_ranks_and_local_models_watch_nothing(tmp_path: Path) -> None:
@@ -168,3 +188,94 @@ def test_other_ranks_and_local_models_watch_nothing(tmp_path: Path) -> None:
         assert _heartbeats() == 0
     with downloads(local, Phase.LOADING_MODEL, metrics, hub_cache=tmp_path):
         assert _heartbeats() == 0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _observer(tmp_path: Path, recorder: Recorder, monkeypatch: pytest.MonkeyPatch) -> Observer:
+    monkeypatch.setattr(observer_module, "ProgressReporter", lambda settings: recorder)
+    config = _config(tmp_path, {"path": str(tmp_path / "model")}, {"path": str(tmp_path / "data.jsonl")})
+    ctx = DistContext(0, 1, 0, 1, torch.device("cpu"))
+    metrics = TrainerMetrics("run", "cpu", "m", "lora", "fp32")
+    observer = Observer(config, ctx, metrics, None, 100, Schedule(1000, 1, 1, 1, 0))
+    observer.phase("resumed", 40, 1.25)
+    return observer
+
+
+def test_a_long_save_repeats_the_last_report_every_interval_saying_what_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = Recorder()
+    observer = _observer(tmp_path, recorder, monkeypatch)
+    with busy(observer, "saving the checkpoint of step 40", seconds=3600, interval=INTERVAL):
+        _wait_for(recorder.records, 4)
+    resumed, *beats = recorder.records
+    assert beats[0] == resumed | {"phase": "saving the checkpoint of step 40"}
+    assert all(beat == beats[0] for beat in beats)
+    sent = len(recorder.records)
+    time.sleep(10 * INTERVAL)
+    assert len(recorder.records) == sent  # none after the save
+
+
+def test_a_save_that_outlasts_its_bound_stops_reporting_so_the_stall_timeout_ends_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = Recorder()
+    observer = _observer(tmp_path, recorder, monkeypatch)
+    clock = Clock()
+    with busy(observer, "saving the checkpoint of step 40", seconds=600, interval=INTERVAL, clock=clock):
+        _wait_for(recorder.records, 3)
+        clock.now = 600.0  # the save hangs past its bound
+        _wait_until(lambda: _threads("busy-heartbeat") == 0)
+        sent = len(recorder.records)
+        time.sleep(10 * INTERVAL)
+        assert len(recorder.records) == sent
+
+
+def test_other_ranks_keep_no_busy_heartbeat() -> None:
+    with busy(None, "saving the checkpoint of step 40", seconds=3600, interval=INTERVAL):
+        assert _threads("busy-heartbeat") == 0
+
+
+def test_the_bound_of_a_save_grows_with_the_trainable_weights_and_their_optimizer_state() -> None:
+    gib_of_weights = torch.nn.Linear(16384, 16384, bias=False, device="meta")  # 2**28 fp32 weights
+    assert io_seconds(gib_of_weights) == BUSY_BASE_SECONDS + 3 * heartbeat.BUSY_SECONDS_PER_GIB
+    gib_of_weights.requires_grad_(False)  # frozen: a LoRA run's base is in no checkpoint
+    assert io_seconds(gib_of_weights) == BUSY_BASE_SECONDS
+
+
+def test_saves_restores_and_the_output_of_a_run_are_reported_while_they_run(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = Recorder()
+    monkeypatch.setattr(observer_module, "ProgressReporter", lambda settings: recorder)
+    monkeypatch.setattr(heartbeat, "PROGRESS_REPORT_INTERVAL_SECONDS", INTERVAL)
+    for module, name in ((checkpoints, "save"), (resume, "load_latest"), (output, "save")):
+        monkeypatch.setattr(module, name, _slow(getattr(module, name)))
+    config = trainer_config(training={"maxSteps": 2}, checkpoints={"everySteps": 1})
+    assert run(str(config)) == ExitCode.OK
+    phases = {record.get("phase") for record in recorder.records}
+    assert {
+        "restoring the newest checkpoint",
+        "saving the checkpoint of step 1",
+        "saving the checkpoint of step 2",
+        "writing the output",
+    } <= phases
+
+
+def _slow(real: Callable[..., Any]) -> Callable[..., Any]:
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(20 * INTERVAL)
+        return real(*args, **kwargs)
+
+    return slow
+
+
+def _threads(name: str) -> int:
+    return sum(t.name == name for t in threading.enumerate())

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode
-from sftjob_trainer import checkpoints
+from sftjob_trainer import checkpoints, resume
 from sftjob_trainer import train as train_module
 from sftjob_trainer.batching import Schedule, StepBatches
 from sftjob_trainer.checkpoints import TrainState
@@ -147,7 +147,7 @@ def scraping(monkeypatch: pytest.MonkeyPatch, port: int) -> Scrapes:
     scrapes.at(train_module, "init_distributed")  # before the rendezvous
     scrapes.at(train_module, "load_examples")
     scrapes.at(train_module, "load_model")
-    scrapes.at(checkpoints, "load_latest")
+    scrapes.at(resume, "load_latest")
     scrapes.at(train_module, "train_step")
     return scrapes
 
@@ -172,6 +172,8 @@ def test_metrics_are_served_before_the_rendezvous_and_show_each_setup_phase(
     assert value(seen["load_latest"], started) == 0  # still setting up
     assert before <= value(seen["train_step"], started) <= time.time()
     assert value(seen["init_distributed"], "sftjob_train_step", sftjob="tiny", gpu="cpu") == 0
+    for name in ("sftjob_train_loss", "sftjob_train_learning_rate", "sftjob_train_grad_norm"):
+        assert f"\n{name}{{" not in seen["train_step"], f"{name} before the first step"
 
 
 def test_a_resumed_attempt_shows_its_step_while_it_loads_and_counts_from_its_own_start(
@@ -277,3 +279,39 @@ def test_a_step_based_checkpoint_interval_is_estimated_from_the_wall_time_of_rec
     for step in range(1, 11):  # step 10 is a logging step: its window is measured
         observer.step(TrainState(step=step), result, 2.0, 0.5, FlopsModel(6.0, 0.0))
     assert _interval(metrics) == pytest.approx(50 * 2.5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the series read before and between the events that set them.
+
+LABELS = {"sftjob": "job", "gpu": "cpu"}
+
+
+def _metrics() -> TrainerMetrics:
+    return TrainerMetrics("job", "cpu", "model", "lora", "bf16")
+
+
+def test_loss_learning_rate_and_grad_norm_have_no_series_until_the_first_step_sets_them() -> None:
+    metrics = _metrics()
+    per_step = ("sftjob_train_loss", "sftjob_train_learning_rate", "sftjob_train_grad_norm")
+    assert [metrics.registry.get_sample_value(name, LABELS) for name in per_step] == [None, None, None]
+    metrics.record_step(
+        step=1, epoch=0.1, loss=2.5, learning_rate=1e-4, grad_norm=0.7, tokens=10, samples=1,
+        seconds=0.2, dataloader_wait=0.0,
+    )  # fmt: skip
+    assert [metrics.registry.get_sample_value(name, LABELS) for name in per_step] == [2.5, 1e-4, 0.7]
+
+
+def test_checkpoint_saves_of_hours_and_steps_of_minutes_fall_into_buckets_of_their_own() -> None:
+    metrics = _metrics()
+    metrics.record_checkpoint(100, 5000.0)  # a 70B full checkpoint on slow network storage
+    metrics.step_duration.observe(500.0)
+
+    def bucket(name: str, le: str) -> float | None:
+        return metrics.registry.get_sample_value(f"{name}_bucket", LABELS | {"le": le})
+
+    save = "sftjob_train_checkpoint_save_duration_seconds"
+    assert (bucket(save, "3600.0"), bucket(save, "7200.0")) == (0, 1)
+    assert bucket(save, "14400.0") == 1
+    step = "sftjob_train_step_duration_seconds"
+    assert (bucket(step, "300.0"), bucket(step, "600.0")) == (0, 1)

@@ -201,3 +201,15 @@ def test_an_output_folder_that_is_not_the_jobs_own_keeps_what_it_holds(tmp_path:
     assert not [p for p in (*tmp_path.iterdir(), *out.iterdir()) if p.name.startswith(".tmp-")]
     if where == "the checkpoint folder":
         assert [step for step, _ in checkpoint_dirs(out)] == [4]
+
+
+def test_a_nan_final_loss_is_written_to_summary_json_as_null(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    ownership.take_over(Path(config.checkpoints.dir), config.job, ONE_PROCESS)
+    out = output.save(config, ONE_PROCESS, {"steps": 12, "finalLoss": float("nan")}, _writes({}))
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
+    assert (summary["steps"], summary["finalLoss"]) == (12, None)

@@ -225,3 +225,39 @@ def test_no_eta_is_exported_before_the_first_logging_window(tmp_path: Path, reco
     assert observer.metrics.registry.get_sample_value("sftjob_train_eta_seconds", labels) == pytest.approx(
         2.0
     )
+
+
+def test_the_eta_counts_the_evaluations_and_saves_between_steps_but_the_token_rate_does_not(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=10, total=100)
+    observer.training_started()
+    for step in range(1, 61):
+        _step(observer, clock, step, 2.0)
+        if step == 50:
+            clock.now += 60.0  # an evaluation and a save after step 50
+    report = recorder.progress_records[-1]
+    assert report["step"] == 60
+    assert report["etaSeconds"] == 40 * (2.0 + 60.0 / 60)  # the minute spread over the 60 steps so far
+    assert report["tokensPerSecond"] == TOKENS_PER_STEP / 2.0  # what the steps compute
+    labels = {"sftjob": "run", "gpu": "cpu"}
+    assert observer.metrics.registry.get_sample_value("sftjob_train_eta_seconds", labels) == 120.0
+
+
+def test_a_nan_loss_is_written_to_the_train_log_as_null(tmp_path: Path, recorder: Recorder) -> None:
+    clock = Clock()
+    observer = _observer(tmp_path, clock, every=1)
+    clock.now += 1.0
+    diverged = StepResult(
+        loss=float("nan"), grad_norm=float("inf"), learning_rate=1e-4, tokens=1, samples=1, attention_pairs=0
+    )
+    observer.step(TrainState(step=1), diverged, 1.0, 0.0, FlopsModel(6.0, 0.0))
+    observer.evaluated(TrainState(step=1, eval_loss=float("nan"), eval_step=1), 1.0)
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    lines = (tmp_path / "train_log.jsonl").read_text().splitlines()
+    step, evaluation = (json.loads(line, parse_constant=refuse) for line in lines)
+    assert (step["loss"], step["gradNorm"], evaluation["evalLoss"]) == (None, None, None)

@@ -79,3 +79,17 @@ def test_reporting_is_disabled_outside_a_pod(
     assert "POD_NAME is not set" in caplog.text
     reporter.progress({"step": 1})
     reporter.close()
+
+
+def test_a_nan_loss_is_reported_as_null_in_valid_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    api = FakePods()
+    reporter = _reporter(monkeypatch, api)
+    reporter.progress({"step": 5, "loss": float("nan"), "tokensPerSecond": float("inf")})
+    reporter.close()
+    ((_, _, body),) = api.patches
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    progress = json.loads(body["metadata"]["annotations"][ANNOTATION_PROGRESS], parse_constant=refuse)
+    assert (progress["step"], progress["loss"], progress["tokensPerSecond"]) == (5, None, None)

@@ -15,7 +15,9 @@ import pytest
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER
 from sftjob.failures import ExitCode
 from sftjob_trainer import checkpoints
+from sftjob_trainer.batching import Schedule
 from sftjob_trainer.checkpoints import BAD_PREFIX, TENSORS_DIR, TrainState, checkpoint_dirs, problem
+from sftjob_trainer.resume import same_data_order
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, start_trainer, train_log, trainer_output, wait_for_step
 
@@ -173,3 +175,16 @@ def test_a_run_whose_only_checkpoints_fail_to_load_stops_rather_than_train_from_
     assert "checkpoint-5, checkpoint-4, checkpoint-2" in caplog.text
     assert "no checkpoint" in caplog.text and "move them away" in caplog.text
     assert [step for step, _ in checkpoint_dirs(root)] == [5, 4, 2] and _set_aside(root) == []
+
+
+def test_a_resume_on_another_number_of_gpus_with_the_same_global_batch_keeps_the_data_order() -> None:
+    def units_of(schedule: Schedule, step: int) -> list[int]:
+        return sorted(
+            u for rank in range(schedule.world_size) for mb in schedule.micro_batches(step, rank) for u in mb
+        )
+
+    one_gpu, two_gpus = Schedule(100, 2, 4, 1, seed=7), Schedule(100, 2, 2, 2, seed=7)
+    assert all(units_of(one_gpu, step) == units_of(two_gpus, step) for step in range(40))
+    now = {"units": 100, "perStep": 8, "seed": 7, "packing": True}
+    assert same_data_order(now | {"worldSize": 1}, now)  # written by an older trainer on one GPU
+    assert not same_data_order(now | {"perStep": 4}, now)

@@ -145,3 +145,61 @@ def test_a_small_model_known_only_by_its_size_gets_a_narrow_tied_deep_enough_sha
     assert guess.tied_embeddings and guess.hidden_size <= 1024 and guess.layers >= 16
     assert guess.parameters == pytest.approx(360e6, rel=0.05)
     assert llama_shaped(8_000_000_000).tied_embeddings is False
+
+
+# The mixture-of-experts fields of the published config.json files (hub ids in the names).
+MIXTRAL_8X7B = {
+    "model_type": "mixtral",
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+QWEN1_5_MOE_A2_7B = {
+    "model_type": "qwen2_moe",
+    "num_hidden_layers": 24,
+    "hidden_size": 2048,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 5632,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+}
+
+
+def test_a_mixtral_holds_every_expert_in_memory_and_computes_two_per_token():
+    arch = architecture_from_hf_config(MIXTRAL_8X7B)
+    assert arch.parameters == 46_702_792_704  # MixtralForCausalLM's count: 46.7B
+    # Per token: attention, the router, 2 of the 8 experts and the head; not 46.7B, nor one expert's 7.1B.
+    assert round(arch.matmul_parameters / 1e9, 2) == 12.75
+    assert arch.active_intermediate_size == 2 * 14336
+    assert arch.lora_widths() == (4 * 4096, 4096 + 2 * 1024 + 4096)  # the experts are no linear layers
+
+
+def test_a_qwen2_moe_counts_its_shared_expert_router_and_q_k_v_biases():
+    arch = architecture_from_hf_config(QWEN1_5_MOE_A2_7B)
+    assert arch.attention_bias
+    assert arch.parameters == 14_315_784_192  # Qwen2MoeForCausalLM's count: 14.3B, "A2.7B" active
+    assert round((arch.matmul_parameters + arch.embedding_parameters) / 1e9, 2) == 2.69
+    assert arch.active_intermediate_size == 4 * 1408 + 5632
+    assert arch.linear_parameters == 24 * (arch.attention_parameters + 3 * 2048 * 5632 + 2048)
+
+
+def test_a_dense_config_has_no_experts_and_a_mixture_survives_the_round_trip():
+    assert architecture_from_hf_config({**MIXTRAL_8X7B, "num_local_experts": 0}).experts is None
+    arch = architecture_from_hf_config(QWEN1_5_MOE_A2_7B)
+    assert architecture_from_hf_config(arch.to_hf_config()) == arch
+
+
+def test_a_mixture_routing_tokens_to_more_experts_than_it_has_is_refused():
+    with pytest.raises(ValueError, match=r"perToken 9 exceeds experts\.count 8"):
+        architecture_from_hf_config({**MIXTRAL_8X7B, "num_experts_per_tok": 9})

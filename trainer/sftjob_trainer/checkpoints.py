@@ -1,12 +1,9 @@
-"""Checkpoints that are either complete or ignored, and resuming from the newest complete one.
+"""Checkpoints that are either complete or ignored: what one holds, saving it, and rotating old ones.
 
 A checkpoint is written into ``.tmp-checkpoint-N-attempt-A``, fsynced, marked with the COMPLETE file
 and only then renamed to ``checkpoint-N``, so a kill at any moment leaves either the previous state or
-a whole new checkpoint. On start every ``checkpoint-N`` is checked newest first; one without its
-marker, with a file missing or shorter than its index says, or whose files do not load is skipped with
-a warning and the next older one is tried. Those newer than the one resumed from are then set aside as
-``.bad-checkpoint-N`` (kept for inspection, never resumed from or deleted): a save of this run must not
-rank below them, nor rotation delete the run's own progress to keep them.
+a whole new checkpoint. :func:`problem` says why one cannot be used (no marker, a file missing or shorter
+than its index says); resuming from the newest that loads is resume.py's.
 
 The folder belongs to one attempt at a time (the ``OWNER`` file, written as an attempt starts): a
 restart can begin while the previous attempt's pods still finish their SIGTERM save, or run on, on a
@@ -42,8 +39,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from sftjob.config import JobRef
@@ -51,9 +46,9 @@ from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.distributed import DistContext, unwrap
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir, save_file, write_text
-from sftjob_trainer.failures import causes
+from sftjob_trainer.failures import storage_failure
 from sftjob_trainer.ownership import check_owner
-from sftjob_trainer.rng import capture_rng, restore_rng
+from sftjob_trainer.rng import capture_rng
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +58,7 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
 REQUIRED_FILES = (STATE_FILE, SCHEDULER_FILE)
 BAD_PREFIX = ".bad-"  # a checkpoint set aside: newer than the one resumed from, so not usable
-_TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
+TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass
@@ -105,6 +100,11 @@ def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
         if suffix.isdigit() and path.is_dir():
             found.append((int(suffix), path))
     return sorted(found, reverse=True)
+
+
+def step_of(path: Path) -> int:
+    """N of ``checkpoint-N``."""
+    return int(path.name[len(CHECKPOINT_PREFIX) :])
 
 
 def newest_complete_step(root: Path) -> int:
@@ -166,9 +166,11 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         ctx.barrier()
-        with _single_process_is_meant():
+        with single_process_is_meant():
             dcp.save(
-                _tensors(parts), storage_writer=FileSystemWriter(tmp / TENSORS_DIR), no_dist=not ctx.active
+                trainable_tensors(parts),
+                storage_writer=FileSystemWriter(tmp / TENSORS_DIR),
+                no_dist=not ctx.active,
             )
         save_file(capture_rng(), tmp / rng_file(ctx.rank))
         if ctx.is_main:
@@ -197,10 +199,10 @@ def save(
             rotate(root, keep, state.step, spare=state.best_step if keep_best else None)
         ctx.barrier()
     except OSError as exc:
-        raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {exc}") from exc
+        raise storage_failure(exc, f"could not save checkpoint {final}", root) from exc
     except CheckpointException as exc:
         raise TrainerError(
-            ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {_failures(exc)}"
+            ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {describe_failures(exc)}"
         ) from exc
     return final
 
@@ -213,7 +215,7 @@ def _missing(tmp: Path, world_size: int) -> str | None:
     return ", ".join([*([tensors] if tensors else []), *absent]) or None
 
 
-def _tensors(parts: Trainables) -> dict[str, Any]:
+def trainable_tensors(parts: Trainables) -> dict[str, Any]:
     """The trainable weights and their optimizer state as this rank holds them (its shards under FSDP),
     keyed by parameter name: the tensors themselves, so that loading writes straight into them. Before
     the first step torch creates the optimizer state with a zero-learning-rate step, for loading to fill.
@@ -224,13 +226,13 @@ def _tensors(parts: Trainables) -> dict[str, Any]:
     is kept: a bigger checkpoint, never a missing weight.
     """
     return {
-        "model": _weights(parts.model),
-        "optimizer": get_optimizer_state_dict(parts.model, parts.optimizer, options=_TRAINABLE),
+        "model": trainable_weights(parts.model),
+        "optimizer": get_optimizer_state_dict(parts.model, parts.optimizer, options=TRAINABLE),
     }
 
 
-def _weights(model: nn.Module) -> dict[str, Any]:
-    state = get_model_state_dict(model, options=_TRAINABLE)
+def trainable_weights(model: nn.Module) -> dict[str, Any]:
+    state = get_model_state_dict(model, options=TRAINABLE)
     trainable = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
     if trainable <= state.keys():
         state = {name: tensor for name, tensor in state.items() if name in trainable}
@@ -238,14 +240,14 @@ def _weights(model: nn.Module) -> dict[str, Any]:
 
 
 @contextmanager
-def _single_process_is_meant() -> Iterator[None]:
+def single_process_is_meant() -> Iterator[None]:
     """torch.distributed.checkpoint warns on every call outside a process group, where one is intended."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
 
 
-def _failures(exc: CheckpointException) -> str:
+def describe_failures(exc: CheckpointException) -> str:
     return "; ".join(
         f"rank {rank}: {type(error).__name__}: {error}" for rank, (error, _) in exc.failures.items()
     )
@@ -256,184 +258,15 @@ def rotate(root: Path, keep: int, committed: int, spare: int | None = None) -> N
     ones before it, and the one of step ``spare`` (the best so far); drop older ones and older broken
     leftovers.
 
-    A checkpoint newer than the one just committed is none of this run's (load_latest set aside those it
-    found): it is left alone, never counted as one of the newest. Unfinished saves (``.tmp-``) are left
-    to the attempt that takes the folder over: one may be the save in progress of an attempt that took
-    it over from this one meanwhile.
+    A checkpoint newer than the one just committed is none of this run's (resume.load_latest set aside
+    those it found): it is left alone, never counted as one of the newest. Unfinished saves (``.tmp-``)
+    are left to the attempt that takes the folder over: one may be the save in progress of an attempt
+    that took it over from this one meanwhile.
     """
     older = [(step, path) for step, path in checkpoint_dirs(root) if step < committed]
     complete = [path for _, path in older if problem(path) is None]
-    doomed = [path for path in complete[keep - 1 :] if _step_of(path) != spare]
+    doomed = [path for path in complete[keep - 1 :] if step_of(path) != spare]
     doomed += [path for _, path in older if problem(path) is not None]
     for path in doomed:
         log.info("removing old checkpoint %s", path)
         shutil.rmtree(path, ignore_errors=True)
-
-
-# --- resuming ------------------------------------------------------------------------------------
-
-
-def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainState, Path] | None:
-    """Restore the newest usable checkpoint into ``parts``; None when there is none (a fresh start).
-
-    Collective. Rank 0 lists the checkpoints that look complete; all ranks then try them newest first,
-    together: one that some rank cannot read is skipped by all. Loading writes into the model and
-    optimizer in place, so once one has failed part-way only a later success restores a consistent
-    state. When none of them loads, the run stops rather than train from weights half overwritten, or
-    from the pretrained weights as if the checkpoints were not there. Once one has loaded (or on a fresh
-    start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
-    """
-    candidates: list[Path] | str = ctx.broadcast(_listing(root) if ctx.is_main else None)
-    if isinstance(candidates, str):
-        raise _storage_error(candidates)
-    failed: dict[str, str] = {}  # checkpoint name: why it did not load (as rank 0 saw it)
-    for path in candidates:
-        storage = None
-        try:
-            small, why = _small_files(path, ctx.rank)
-        except OSError as exc:
-            small, why, storage = None, None, f"rank {ctx.rank} could not read {path}: {exc}"
-        unreadable, failing = (int(n) for n in ctx.sum([float(small is None), float(storage is not None)]))
-        if failing:  # all stop together, the checkpoint kept for the restart
-            raise _storage_error(
-                storage or f"{failing} other rank(s) could not read {path} (their log says why)"
-            )
-        if unreadable:  # all skip together
-            if why is None:
-                why = f"{unreadable} other rank(s) cannot read its files"
-                log.warning("skipping checkpoint %s: %s", path, why)
-            failed[path.name] = why
-            continue
-        assert small is not None
-        try:
-            tensors = _tensors(parts)
-            with _single_process_is_meant():
-                dcp.load(tensors, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active)
-        except CheckpointException as exc:
-            if any(_is_storage_failure(error) for error, _ in exc.failures.values()):
-                raise _storage_error(f"could not read {path}: {_failures(exc)}") from exc
-            failed[path.name] = f"its tensors do not load ({_failures(exc)})"
-            log.warning("skipping checkpoint %s: %s", path, failed[path.name])
-            continue
-        set_model_state_dict(parts.model, tensors["model"], options=_TRAINABLE)
-        set_optimizer_state_dict(parts.model, parts.optimizer, tensors["optimizer"], options=_TRAINABLE)
-        parts.scheduler.load_state_dict(small[SCHEDULER_FILE])
-        if parts.scaler is not None and SCALER_FILE in small:
-            parts.scaler.load_state_dict(small[SCALER_FILE])
-        if rng_file(ctx.rank) in small:
-            restore_rng(small[rng_file(ctx.rank)])
-        else:
-            log.warning("checkpoint %s has no RNG state for rank %d: keeping this run's seed", path, ctx.rank)
-        state = TrainState(**small[STATE_FILE])
-        log.info("resumed from %s (step %d)", path, state.step)
-        _set_aside_newer(root, _step_of(path), failed, ctx)
-        return state, path
-    if failed:
-        raise TrainerError(
-            ExitCode.STORAGE_ERROR,
-            f"no checkpoint in {root} loads ({', '.join(failed)}: the log says why): move them away to"
-            " start again from the pretrained weights",
-        )
-    _set_aside_newer(root, 0, failed, ctx)
-    return None
-
-
-def load_weights(path: Path, parts: Trainables, ctx: DistContext) -> None:
-    """Collective: the trainable weights of the checkpoint at ``path`` into the model (the optimizer is
-    left alone: this is for writing the output from an earlier checkpoint, not for training on)."""
-    model = _weights(parts.model)
-    try:
-        with _single_process_is_meant():
-            dcp.load(
-                {"model": model}, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active
-            )
-    except CheckpointException as exc:
-        raise _storage_error(f"could not read the weights of {path}: {_failures(exc)}") from exc
-    set_model_state_dict(parts.model, model, options=_TRAINABLE)
-
-
-def _set_aside_newer(root: Path, resumed: int, failed: dict[str, str], ctx: DistContext) -> None:
-    """Collective: rank 0 renames every checkpoint newer than step ``resumed`` (0: a fresh start) to
-    ``.bad-checkpoint-N``, saying why (``failed`` holds the reasons of those that did not load); the others
-    wait until it has. Kept for inspection: nothing resumes from, ranks or deletes such a folder."""
-    error = None
-    if ctx.is_main:
-        try:
-            for step, path in checkpoint_dirs(root):
-                if step > resumed:
-                    why = failed.get(path.name) or problem(path) or "newer than the checkpoint resumed from"
-                    aside = _aside(path)
-                    log.warning("setting checkpoint %s aside as %s: %s", path, aside.name, why)
-                    os.rename(path, aside)
-            fsync_dir(root)
-        except OSError as exc:
-            error = f"could not set aside the unusable checkpoints in {root}: {exc}"
-    error = ctx.broadcast(error)
-    if error is not None:
-        raise TrainerError(ExitCode.STORAGE_ERROR, error)
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name[len(CHECKPOINT_PREFIX) :])
-
-
-def _aside(path: Path) -> Path:
-    """``.bad-checkpoint-N``, or ``.bad-checkpoint-N-2``... when an earlier one of that step is there."""
-    aside = path.with_name(f"{BAD_PREFIX}{path.name}")
-    n = 1
-    while aside.exists():
-        n += 1
-        aside = path.with_name(f"{BAD_PREFIX}{path.name}-{n}")
-    return aside
-
-
-def _is_storage_failure(exc: BaseException) -> bool:
-    """The storage failing (EIO, a stale NFS handle, a timeout), not the checkpoint: no reason to skip it.
-    A missing file is the checkpoint's fault (a lost rank's file, a node's copy of an unshared folder)."""
-    return any(
-        isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError) for cause in causes(exc)
-    )
-
-
-def _storage_error(detail: str) -> TrainerError:
-    return TrainerError(
-        ExitCode.STORAGE_ERROR,
-        f"storage error reading the checkpoints: {detail} (kept as they are: the restart tries again)",
-    )
-
-
-def _listing(root: Path) -> list[Path] | str:
-    """The checkpoints that look complete (rank 0's view), or what kept rank 0 from reading them."""
-    try:
-        return _complete(root)
-    except OSError as exc:
-        return f"could not list {root}: {exc}"
-
-
-def _complete(root: Path) -> list[Path]:
-    complete = []
-    for _step, path in checkpoint_dirs(root):
-        issue = problem(path)
-        if issue is None:
-            complete.append(path)
-        else:
-            log.warning("skipping checkpoint %s: %s", path, issue)
-    return complete
-
-
-def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | None]:
-    """Everything but the tensors, as this rank needs it; or None and why (with a warning) when a file
-    does not load, or this rank cannot see the checkpoint (a node's copy of a folder not shared). Raises
-    the OSError of a storage failure (:func:`_is_storage_failure`)."""
-    names = [SCHEDULER_FILE, *(name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())]
-    try:
-        files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
-        for name in names:
-            files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a truncated pickle can raise nearly anything
-        if _is_storage_failure(exc):
-            raise  # the caller stops the run: a restart may read it
-        why = f"its files do not load on rank {rank} ({type(exc).__name__}: {exc})"
-        log.warning("skipping checkpoint %s: %s", path, why)
-        return None, why
-    return files, None

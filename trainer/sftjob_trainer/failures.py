@@ -12,11 +12,14 @@ replace the cause.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -47,9 +50,9 @@ _COMMUNICATION_PATTERNS = (
     "collective operation timeout",
     "Watchdog caught collective operation timeout",
 )
-_STORAGE_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT, errno.EIO, errno.EPERM, errno.ESTALE}
-)
+_STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO, errno.ESTALE})
+# Permission denied: a folder's owner and mode, which no restart changes (a CONFIG_ERROR).
+_PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 # Exceptions (top-level package.class, anywhere in the class's MRO) that mean the connection to the hub
 # failed on the way: builtins covers socket errors (ECONNRESET, ETIMEDOUT...), requests is what datasets
 # uses, httpx2 (httpx before huggingface_hub 2) what huggingface_hub uses, aiohttp what fsspec uses.
@@ -100,9 +103,49 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         return ExitCode.CUDA_OOM, one_line(f"CUDA out of memory: {exc}")
     if _is_communication(exc):
         return ExitCode.COMMUNICATION_ERROR, one_line(f"communication error between ranks: {message}")
+    if isinstance(exc, OSError) and exc.errno in _PERMISSION_ERRNOS:
+        return ExitCode.CONFIG_ERROR, one_line(f"permission denied: {message} ({permission_advice(exc)})")
     if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
         return ExitCode.STORAGE_ERROR, one_line(f"storage error: {message}")
     return ExitCode.UNKNOWN, one_line(f"unexpected error: {message}")
+
+
+def storage_failure(exc: OSError, doing: str, folder: str | Path | None = None) -> TrainerError:
+    """The error to end with when ``doing`` ("could not save checkpoint /checkpoints/checkpoint-4") failed
+    with ``exc``: CONFIG_ERROR when the trainer's user may not write or read there (:func:`permission_advice`
+    says whose the folder is, ``folder`` when the error names no path, and what to do), else STORAGE_ERROR
+    (a full, read-only or failing disk: the restart tries again)."""
+    if exc.errno in _PERMISSION_ERRNOS:
+        return TrainerError(ExitCode.CONFIG_ERROR, f"{doing}: {exc} ({permission_advice(exc, folder)})")
+    return TrainerError(ExitCode.STORAGE_ERROR, f"{doing}: {exc}")
+
+
+def permission_advice(exc: OSError, folder: str | Path | None = None) -> str:
+    """Whose the path of ``exc`` (else ``folder``) is, whom the trainer runs as, and how to give it the
+    folder. The operator runs the trainer as uid 1000 with fsGroup 1000, which the kubelet applies to most
+    claims but not to ``nfs`` or ``hostPath`` volumes (docs/install.md)."""
+    uid, gid = os.getuid(), os.getgid()
+    owner = _owner(exc.filename if exc.filename is not None else folder)
+    return (
+        f"{owner}the trainer runs as uid {uid}, gid {gid}: make the folder writable by uid"
+        f" {uid} or gid {gid}, e.g. chown -R {uid}:{gid} it on the nfs server or the node of a hostPath"
+        " volume, or, for a volume that ignores the pod's fsGroup, once from a pod that runs as root"
+    )
+
+
+def _owner(filename: object) -> str:
+    """``filename``'s (or the nearest folder above it that exists) owner and mode; "" when unknown."""
+    if not isinstance(filename, str | bytes | Path):
+        return ""
+    path = Path(os.fsdecode(filename))
+    with contextlib.suppress(OSError):
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        info = path.stat()
+        return (
+            f"{path} belongs to uid {info.st_uid}, gid {info.st_gid}, mode {stat.S_IMODE(info.st_mode):03o}; "
+        )
+    return ""
 
 
 def load_failure(exc: BaseException, what: str) -> TrainerError | None:
@@ -169,6 +212,20 @@ def _is_communication(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError | TimeoutError | ConnectionError) and any(
         p in str(exc) for p in _COMMUNICATION_PATTERNS
     )
+
+
+def exit_with(exc: BaseException, started: float, *, several_ranks: bool, sigterm: bool) -> ExitCode:
+    """The end of an attempt that raised ``exc``: logged, its termination message written, its code
+    returned. A peer rank's failure breaks the collectives of the others (COMMUNICATION_ERROR), and
+    torchrun SIGTERMs them (PREEMPTED, with ``sigterm``): among ``several_ranks`` such an echo keeps the
+    message another rank wrote since the attempt ``started`` (a ``time.time()``), the cause."""
+    code, reason = classify(exc)
+    if code in (ExitCode.UNKNOWN, ExitCode.COMMUNICATION_ERROR):
+        log.error("trainer failed", exc_info=exc)
+    log.error("exiting with %s (%d): %s", code.name, code, reason)
+    echo = code == ExitCode.COMMUNICATION_ERROR or (code == ExitCode.PREEMPTED and sigterm)
+    write_termination_message(reason, code, unless_written_since=started if several_ranks and echo else None)
+    return code
 
 
 def termination_log_path() -> str:

@@ -1,7 +1,8 @@
 """Model FLOPs per step and MFU, with the planner's functions from :mod:`sftjob.throughput`.
 
 Weights: 6·N FLOPs per real token for full fine-tuning, 4·N for LoRA/QLoRA (frozen weights get no
-weight gradients), N = the matmul weights every token goes through (decoder layers + output head).
+weight gradients), N = the matmul weights every token goes through (decoder layers + output head; of a
+mixture of experts, the router and the experts it routes the token to, not all of them).
 Attention: 12·L·q_dim FLOPs per causal query-key pair (forward 4, backward 8), counted exactly from
 the sequence lengths in each batch. Recomputation (gradient checkpointing) is not model FLOPs.
 The peak is the card's dense bf16 number from :mod:`sftjob.gpus`, times the number of GPUs.

@@ -3,6 +3,11 @@
 Kept apart from ``train.py`` so the throughput benchmark times exactly the code jobs run. The loss is
 normalised by the number of target tokens in the whole global batch (all micro-batches, all ranks),
 so gradient accumulation and data parallelism give the same gradient as one big batch would.
+
+A step whose loss or gradients are not finite leaves the weights, the optimizer and the schedule as they
+were (in bf16/fp32 one inf gradient would otherwise turn every weight into NaN through the clipping
+factor); it still counts as a step, its batch consumed, so a resume replays the same data in the same
+order. ``MAX_NONFINITE_STEPS`` of them in a row end the run as diverged (:class:`NonFiniteSteps`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -27,16 +32,60 @@ from sftjob_trainer.model import PrecisionPlan
 log = logging.getLogger("sftjob_trainer")
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
+# Steps in a row with a non-finite loss or gradient norm that end the run as diverged. One is a batch the
+# weights cannot take (skipped, as HF's Trainer and accelerate skip fp16 overflow steps); since a skipped
+# step never changes the weights, the same weights failing on this many different global batches in a row
+# is the weights' doing, and a restart from the last checkpoint with the same data would get there again.
+# Megatron fails at the first NaN; five ride out an isolated bad batch and cost a job a few of its steps.
+MAX_NONFINITE_STEPS = 5
+
+# Why a step left the weights as they were: "overflow", fp16's loss scale was too high for the gradients
+# (the scaler lowered it: expected now and then); "non-finite", the loss or the gradients were inf/NaN.
+Skip = Literal["overflow", "non-finite"]
 
 
 @dataclass(frozen=True)
 class StepResult:
     loss: float  # mean loss per target token over the global batch
-    grad_norm: float
+    grad_norm: float  # before clipping; inf/NaN when a gradient was
     learning_rate: float
     tokens: int  # real tokens, all ranks
     samples: int
     attention_pairs: int
+    skipped: Skip | None = None  # None: the optimizer and the schedule stepped
+
+
+@dataclass
+class NonFiniteSteps:
+    """The steps in a row skipped for a non-finite loss or gradients; the run diverged at
+    ``MAX_NONFINITE_STEPS`` of them. Every rank sees the same (global) loss and norm, so all end together."""
+
+    in_a_row: int = 0
+
+    def count(self, result: StepResult, step: int) -> None:
+        """After step ``step`` (``result``); raises ``TrainerError(DIVERGED)`` on the last one allowed."""
+        if result.skipped != "non-finite":
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        log.warning(
+            "step %d skipped, the weights kept: loss %s, gradient norm %s (%d of %d in a row allowed)",
+            step,
+            result.loss,
+            result.grad_norm,
+            self.in_a_row,
+            MAX_NONFINITE_STEPS,
+        )
+        if self.in_a_row < MAX_NONFINITE_STEPS:
+            return
+        raise TrainerError(
+            ExitCode.DIVERGED,
+            f"training diverged: the loss or the gradient norm was not finite for {self.in_a_row} steps in"
+            f" a row, up to step {step} (loss {result.loss}, gradient norm {result.grad_norm}); they were"
+            " skipped, so the weights and the last checkpoint are from before them. Lower"
+            f" spec.training.learningRate (now {result.learning_rate:.3g}) or raise"
+            " spec.training.warmupRatio, use bf16 rather than fp16, and check the data",
+        )
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -186,20 +235,23 @@ def train_step(
     max_grad_norm: float,
     ctx: DistContext,
 ) -> StepResult:
-    """Forward/backward every micro-batch, clip, step the optimizer and the schedule."""
+    """Forward/backward every micro-batch, clip, step the optimizer and the schedule (unless the loss or
+    the gradients are not finite: :func:`_update`)."""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     local = [
         sum(float(mb[k]) for mb in micro_batches)
         for k in ("num_targets", "num_tokens", "num_samples", "attention_pairs")
     ]
     targets, tokens, samples, pairs = ctx.sum(local)
-    targets_on_device = torch.tensor(max(targets, 1.0), device=ctx.device)
+    # A Python number, not a tensor: FSDP2's MixedPrecisionPolicy casts floating-point tensor inputs of
+    # forward to the compute dtype, and bf16 rounds counts above 256 (1001 to 1000).
+    divisor = int(max(targets, 1.0))
     loss_sum = torch.zeros((), device=ctx.device)
     for i, mb in enumerate(micro_batches):
         inputs = model_inputs(mb, ctx.device)
         with no_sync(model, i == len(micro_batches) - 1):
             with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
-                loss = model(**inputs, use_cache=False, num_items_in_batch=targets_on_device).loss
+                loss = model(**inputs, use_cache=False, num_items_in_batch=divisor).loss
             # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
             scaled = loss * ctx.world_size
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -207,14 +259,35 @@ def train_step(
     if scaler is not None:
         scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), max_grad_norm)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    learning_rate = float(optimizer.param_groups[0]["lr"])
-    parts.scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     (loss_total,) = ctx.sum([float(loss_sum)])
-    return StepResult(loss_total, float(full_norm), learning_rate, int(tokens), int(samples), int(pairs))
+    learning_rate = float(optimizer.param_groups[0]["lr"])
+    skipped = _update(parts, loss_total, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_total, grad_norm, learning_rate, int(tokens), int(samples), int(pairs), skipped)
+
+
+def _update(parts: Trainables, loss: float, grad_norm: float) -> Skip | None:
+    """Step the optimizer and the schedule with the clipped gradients, or say why not.
+
+    ``loss`` and ``grad_norm`` are global (every rank decides alike). Without a loss scaler a non-finite
+    norm means inf/NaN gradients, which clipping would spread to every weight (its factor is NaN). With
+    fp16's scaler an inf norm is an overflow the scaler handles (it skips the update and lowers the
+    scale; the schedule waits too, as in HF's Trainer); a non-finite loss is no overflow, the scale
+    cannot cure a forward pass that overflows.
+    """
+    optimizer, scaler = parts.optimizer, parts.scaler
+    non_finite = not math.isfinite(loss) or (scaler is None and not math.isfinite(grad_norm))
+    if scaler is not None:
+        scale = scaler.get_scale()
+        if not non_finite:
+            scaler.step(optimizer)  # skipped by the scaler when a gradient is inf/NaN
+        scaler.update()  # lowers the scale after inf/NaN gradients
+        if not non_finite and scaler.get_scale() < scale:
+            return "overflow"
+    elif not non_finite:
+        optimizer.step()
+    if non_finite:
+        return "non-finite"
+    parts.scheduler.step()
+    return None

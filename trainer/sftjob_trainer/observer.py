@@ -4,14 +4,17 @@ Everything here is fed once per optimizer step by the loop in train.py, plus onc
 (data, model, resume) before the first step; the metrics it writes are served from the start of the
 attempt (``start_metrics``), before this Observer exists. A report goes out at every
 ``logging_every_steps`` step and also at any step that ends ``PROGRESS_REPORT_INTERVAL_SECONDS`` after
-the previous report, so slow steps never look stalled to the operator; rates (tokens/s, MFU) are over
-the window since the previous report. Reports are sent from the training thread on purpose: a hung rank
-goes silent and the operator's stall detection (``restartPolicy.stallTimeoutSeconds``) ends the attempt.
+the previous report, so slow steps never look stalled to the operator. Rates (tokens/s, MFU) are over
+the steps of the window since the previous report and the waits for their batches: what the steps
+compute. The ETA and the checkpoint interval count the rest of the loop too (evaluations, saves), spread
+over this attempt's steps: a run that evaluates for a minute every 50 two-second steps takes 3.2 s a
+step, not 2. Reports are sent from the training thread on purpose: a hung rank goes silent and the
+operator's stall detection (``restartPolicy.stallTimeoutSeconds``) ends the attempt; only a long save or
+load is reported from a thread while it runs (heartbeat.py, bounded).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -22,6 +25,7 @@ from typing import Any
 
 from sftjob.config import TrainerConfig
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX, PROGRESS_REPORT_INTERVAL_SECONDS
+from sftjob_trainer import strict_json
 from sftjob_trainer.batching import Schedule
 from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.distributed import DistContext
@@ -57,6 +61,8 @@ class Observer:
         self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
         self._window: list[tuple[StepResult, float, float]] = []  # (result, wall seconds, flops)
         self._reported = clock()  # when the last progress report was sent
+        self._started = clock()  # this attempt's loop (training_started): its steps, waits and the rest
+        self._steps, self._stepping = 0, 0.0  # steps of this attempt, their seconds with their waits
         self._eval: dict[str, Any] = {}  # the last evaluation, in every report from then on
         self._last: dict[str, Any] = {}  # the last report, sent again with a new evaluation
 
@@ -104,6 +110,7 @@ class Observer:
     def training_started(self) -> None:
         """The training loop starts: the CheckpointTooOld and TrainingStalled alerts count from now."""
         self.metrics.training_started()
+        self._started = self.clock()
 
     def _progress(self, record: dict[str, Any]) -> None:
         self._last = record
@@ -118,9 +125,11 @@ class Observer:
         return step % self.every == 0 or step == self.total or overdue
 
     def step(self, state: TrainState, result: StepResult, seconds: float, waited: float, flops: Any) -> None:
-        """An optimizer step of ``seconds`` after ``waited`` seconds for its batch; rates, the ETA and the
-        step-based checkpoint interval are over wall time, both together."""
+        """An optimizer step of ``seconds`` after ``waited`` seconds for its batch: rates over both together,
+        the ETA and the step-based checkpoint interval over :meth:`_seconds_per_step`."""
         wall = seconds + waited
+        self._steps += 1
+        self._stepping += wall
         epoch = self.schedule.epoch_of(state.step)
         self.metrics.record_step(
             step=state.step,
@@ -142,7 +151,7 @@ class Observer:
             sum(r.samples for r, _, _ in self._window) / elapsed,
             mfu(sum(f for _, _, f in self._window) / elapsed, self.peak),
         )
-        per_step = elapsed / len(self._window)
+        per_step = self._seconds_per_step(elapsed / len(self._window))
         eta = (self.total - state.step) * per_step
         self._window.clear()
         self.metrics.record_window(rates, self.ctx.device, eta)
@@ -171,7 +180,15 @@ class Observer:
         }
         self._progress(record)
         with self.train_log.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record | {"gradNorm": result.grad_norm, "tokens": state.tokens}) + "\n")
+            line = record | {"gradNorm": result.grad_norm, "tokens": state.tokens}
+            fh.write(strict_json.dumps(line) + "\n")
+
+    def _seconds_per_step(self, stepping: float) -> float:
+        """The loop's time a step: ``stepping`` (a step and the wait for its batch, as in the last window)
+        plus the rest of the loop (evaluations, saves, anything but steps and waits) this attempt so far,
+        spread over its steps."""
+        rest = max(0.0, self.clock() - self._started - self._stepping)
+        return stepping + rest / max(1, self._steps)
 
     def evaluating(self) -> None:
         self.metrics.enter(Phase.EVALUATING)
@@ -182,6 +199,13 @@ class Observer:
         the phase, ``evaluating``, instead)."""
         if self.clock() - self._reported >= PROGRESS_REPORT_INTERVAL_SECONDS and self._last:
             self._progress(self._last)
+
+    def still_busy(self, doing: str) -> None:
+        """A long save or load is under way (``doing``; called from ``heartbeat.busy``'s thread while the
+        training thread is in it): the last report again, its ``phase`` saying what is going on, so the
+        operator's stall clock sees it progress."""
+        self.reporter.progress(self._last | self._eval | {"phase": doing})
+        self._reported = self.clock()
 
     def evaluated(self, state: TrainState, seconds: float, *, stopped: bool = False) -> None:
         """An evaluation at ``state.step`` ended: its loss goes into the metrics, the train log and every
@@ -197,7 +221,7 @@ class Observer:
         self._progress(self._last or {"step": state.step, "totalSteps": self.total})
         with self.train_log.open("a", encoding="utf-8") as fh:
             line = {"step": state.step, "evalLoss": state.eval_loss, "evalSeconds": round(seconds, 3)}
-            fh.write(json.dumps(line) + "\n")
+            fh.write(strict_json.dumps(line) + "\n")
 
     def _remember_eval(self, state: TrainState) -> None:
         if state.eval_loss is not None and math.isfinite(state.eval_loss):

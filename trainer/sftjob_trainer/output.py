@@ -32,11 +32,12 @@ from typing import Any
 import torch
 
 from sftjob.config import JobRef, TrainerConfig
-from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import ownership
+from sftjob_trainer import ownership, strict_json
 from sftjob_trainer.data import answer_end_token
-from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.distributed import DistContext, shards, unwrap
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir
+from sftjob_trainer.failures import storage_failure
+from sftjob_trainer.model import precision_plan
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,26 @@ FILE_MODE, DIR_MODE = 0o644, 0o755  # readable by a serving pod's user, whatever
 def check_owner(config: TrainerConfig, ctx: DistContext) -> None:
     """Collective: stop (PREEMPTED) before gathering the weights when another attempt owns the job now."""
     ownership.check_owner(Path(config.checkpoints.dir), config.job, ctx, "without saving its output")
+
+
+def write_model(
+    config: TrainerConfig, ctx: DistContext, model: torch.nn.Module, tokenizer: Any, summary: dict[str, Any]
+) -> Path:
+    """Collective: the model (gathered from the shards under FSDP: only the adapters of a LoRA run) and
+    ``summary.json``, as :func:`save` and :func:`save_output` write them, after checking that this attempt
+    still owns the job (:func:`check_owner`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    check_owner(config, ctx)
+    state_dict = None
+    full = config.method == "full"
+    if shards(config, ctx):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not full)
+        state_dict = get_model_state_dict(model, options=options)
+    dtype = precision_plan(config.method, config.training.precision).compute_dtype if full else None
+    return save(
+        config, ctx, summary, lambda folder: save_output(unwrap(model), tokenizer, folder, state_dict, dtype)
+    )
 
 
 def save(
@@ -65,7 +86,8 @@ def save(
             write(tmp)
             if whole and (out / TRAIN_LOG_FILE).is_file():
                 shutil.copyfile(out / TRAIN_LOG_FILE, tmp / TRAIN_LOG_FILE)
-            (tmp / SUMMARY_FILE).write_text(json.dumps(summary | {"job": _identity(job)}, indent=2) + "\n")
+            summary_json = strict_json.dumps(summary | {"job": _identity(job)}, indent=2)
+            (tmp / SUMMARY_FILE).write_text(summary_json + "\n")
             _readable_and_synced(tmp)
         ctx.barrier()
         ownership.check_owner(
@@ -77,7 +99,7 @@ def save(
             log.info("saved the %s to %s", "model" if config.method == "full" else "adapter", out)
         ctx.barrier()
     except OSError as exc:
-        raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save the output to {out}: {exc}") from exc
+        raise storage_failure(exc, f"could not save the output to {out}", out) from exc
     return out
 
 
@@ -168,7 +190,7 @@ def save_output(
             model.config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     except OSError as exc:
-        raise TrainerError(ExitCode.STORAGE_ERROR, f"could not save the output to {folder}: {exc}") from exc
+        raise storage_failure(exc, f"could not save the output to {folder}", folder) from exc
     if stop is None:
         return
     name = f"{tokenizer.convert_ids_to_tokens(stop)} (id {stop})"

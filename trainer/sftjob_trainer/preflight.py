@@ -20,6 +20,7 @@ import torch
 
 from sftjob.config import GpuExpectation, ModelSource, TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.failures import storage_failure
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def run_preflight(config: TrainerConfig, local_rank: int, local_world_size: int)
 
 
 def check_writable(path: str, what: str) -> None:
+    """A file can be created and synced in ``path``: else STORAGE_ERROR, or CONFIG_ERROR when the trainer's
+    user may not write there (``failures.storage_failure`` says whose the folder is and what to do)."""
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".preflight-") as fh:
@@ -52,7 +55,7 @@ def check_writable(path: str, what: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
     except OSError as exc:
-        raise TrainerError(ExitCode.STORAGE_ERROR, f"{what} {path} is not writable: {exc}") from exc
+        raise storage_failure(exc, f"{what} {path} is not writable", path) from exc
 
 
 # --- model files ---------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ and a failed PATCH is logged and retried at the next interval, never raised into
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -18,6 +17,7 @@ from typing import Any
 
 from sftjob.config import ReportSettings
 from sftjob.constants import ANNOTATION_CHECKPOINT, ANNOTATION_PROGRESS
+from sftjob_trainer import strict_json
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ProgressReporter:
         if self._api is None:
             return
         with self._lock:
-            self._pending[key] = json.dumps(value, separators=(",", ":"))
+            self._pending[key] = strict_json.dumps(value, separators=(",", ":"))
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sftjob.config import EvaluationSettings, TrainerConfig
 from sftjob.constants import CHECKPOINT_PREFIX
-from sftjob_trainer import checkpoints
+from sftjob_trainer import checkpoints, resume
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.distributed import DistContext
 
@@ -80,6 +80,6 @@ def load_output(config: TrainerConfig, parts: Trainables, state: TrainState, ctx
             "the best checkpoint %s cannot be read (%s): the output is the last step's", path, problem
         )
         return state.step
-    checkpoints.load_weights(path, parts, ctx)
+    resume.load_weights(path, parts, ctx)
     log.info("the output is written from %s (evaluation loss %.4f)", path, state.best_eval_loss)
     return step

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -22,25 +23,24 @@ from torch.utils.data import DataLoader
 from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, heartbeat, output, ownership, selection
+from sftjob_trainer import checkpoints, heartbeat, output, resume, selection
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.configs import config_for_device, load_config
 from sftjob_trainer.data import load_examples
-from sftjob_trainer.distributed import (
-    DistContext,
-    init_distributed,
-    load_rank0_weights,
-    loads_on_rank0,
-    shards,
-    unwrap,
-    wrap_model,
-)
+from sftjob_trainer.distributed import DistContext, init_distributed, loads_on_rank0, shards, wrap_model
 from sftjob_trainer.evaluation import EvalSet, eval_set, evaluate, held_out
-from sftjob_trainer.failures import classify, write_termination_message
+from sftjob_trainer.failures import exit_with, write_termination_message
 from sftjob_trainer.flops import flops_model, peak_flops
-from sftjob_trainer.loop import build_optimizer, build_scheduler, continue_course, make_scaler, train_step
+from sftjob_trainer.loop import (
+    NonFiniteSteps,
+    build_optimizer,
+    build_scheduler,
+    continue_course,
+    make_scaler,
+    train_step,
+)
 from sftjob_trainer.metrics import Phase, TrainerMetrics, start_metrics
 from sftjob_trainer.model import (
     build_model,
@@ -51,7 +51,6 @@ from sftjob_trainer.model import (
     load_tokenizer,
     precision_plan,
     prepare_for_training,
-    pretrained_weights,
     resolve_attention,
 )
 from sftjob_trainer.observer import Observer
@@ -92,19 +91,7 @@ def run(config_path: str) -> ExitCode:
         )
         return ExitCode.OK
     except BaseException as exc:
-        code, reason = classify(exc)
-        if code in (ExitCode.UNKNOWN, ExitCode.COMMUNICATION_ERROR):
-            log.exception("trainer failed")
-        log.error("exiting with %s (%d): %s", code.name, code, reason)
-        # A peer rank's failure breaks the collectives of the others, and torchrun SIGTERMs them: its
-        # reason is the one to keep.
-        echo = (
-            ctx is not None
-            and ctx.active
-            and (code == ExitCode.COMMUNICATION_ERROR or (code == ExitCode.PREEMPTED and stop.requested))
-        )
-        write_termination_message(reason, code, unless_written_since=started if echo else None)
-        return code
+        return exit_with(exc, started, several_ranks=ctx is not None and ctx.active, sigterm=stop.requested)
     finally:
         stop.uninstall()
         if metrics is not None:
@@ -119,6 +106,7 @@ class Training:
     ) -> None:
         self.config, self.ctx, self.stop, self.metrics = config, ctx, stop, metrics  # metrics: rank 0 only
         self.t = config.training
+        self.io_seconds = heartbeat.BUSY_BASE_SECONDS  # how long a save or load reports: set with the model
 
     def run(self) -> dict[str, Any]:
         config, ctx, t = self.config, self.ctx, self.t
@@ -228,6 +216,7 @@ class Training:
             attention,
         )
         model = wrap_model(model, config, ctx, plan.compute_dtype)
+        self.io_seconds = heartbeat.io_seconds(model)
         optimizer = build_optimizer(model, t, ctx.device)
         parts = Trainables(
             model,
@@ -239,42 +228,21 @@ class Training:
             observer.phase("model loaded", checkpoints.newest_complete_step(root), then=Phase.RESTORING)
         self.stop.during_setup("after loading the model")
 
-        # Resume.
-        fingerprint = {
-            "units": len(units),
-            "perStep": schedule.per_step,
-            "worldSize": ctx.world_size,
-            "seed": t.seed,
-            "packing": t.packing,
-        }
-        ownership.take_over(root, config.job, ctx)
-        # Rank 0 reads the pretrained weights and broadcasts them into the shards: before the resume for
-        # adapters (their checkpoint holds no base; it overwrites the fresh adapters); after it for full
-        # fine-tuning, and only on a fresh start (its checkpoint holds every weight).
-        full = config.method == "full"
-        if rank0_weights and not full:
-            self.load_pretrained(model, attention, observer)
-        resumed = checkpoints.load_latest(root, parts, ctx)
-        if rank0_weights and full and not resumed:
-            self.load_pretrained(model, attention, observer)
-        state = resumed[0] if resumed else TrainState(fingerprint=fingerprint)
+        # Resume: the newest checkpoint that loads, else the pretrained weights (resume.py).
+        data_layout = resume.fingerprint(len(units), schedule, t.seed, t.packing)
+        state, resumed = resume.restore(config, ctx, parts, attention, data_layout, self.metrics, observer)
         resumed_from = state.step if resumed else None
-        if resumed and state.fingerprint != fingerprint:
-            log.warning(
-                "resuming with a different data layout (%s, was %s): the data order after step %d"
-                " differs from the interrupted run",
-                fingerprint,
-                state.fingerprint,
-                state.step,
-            )
-        state.fingerprint = fingerprint
         course = continue_course(state, parts, self.t, planned)
         schedule = replace(schedule, offset=course.offset)
+        stopped = config.evaluation is not None and stops_early(state, config.evaluation)  # an attempt before
         if observer is not None:
             observer.follow(schedule, course.total)
-            if resumed:
-                observer.resumed_from(state, resumed[1])
+            if resumed is not None:
+                observer.resumed_from(state, resumed)
             observer.phase("resumed" if resumed else "starting", state.step, state.loss)
+            if stopped:
+                observer.stopped_early(state)
+        course = replace(course, total=state.step) if stopped else course
 
         seconds, tokens = self.loop(
             parts,
@@ -299,21 +267,12 @@ class Training:
         } | data
         if evaluation is not None:
             summary |= {"evalLoss": state.eval_loss, "evalStep": state.eval_step}
-            summary |= {
-                "stoppedEarly": state.step < course.total,
-                "outputStep": selection.load_output(self.config, parts, state, ctx),
-            }
-        self.save_outputs(model, tokenizer, summary)
+            with heartbeat.busy(observer, "loading the best checkpoint", self.io_seconds):
+                output_step = selection.load_output(self.config, parts, state, ctx)
+            summary |= {"stoppedEarly": stopped or state.step < course.total, "outputStep": output_step}
+        with heartbeat.busy(observer, "writing the output", self.io_seconds):
+            output.write_model(self.config, self.ctx, model, tokenizer, summary)
         return summary
-
-    def load_pretrained(self, model: torch.nn.Module, attention: str, observer: Observer | None) -> None:
-        """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
-        loading = time.monotonic()
-        with heartbeat.downloads(self.config, Phase.RESTORING, self.metrics, observer):
-            weights = pretrained_weights(self.config, attention) if self.ctx.is_main else {}
-        self.ctx.wait_for_rank0()  # its download may outlast NCCL's timeout: the others wait on the CPU
-        load_rank0_weights(model, weights)
-        log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
 
     def loop(
         self,
@@ -345,7 +304,7 @@ class Training:
         if observer is not None:
             observer.training_started()
         started = last_save = time.monotonic()
-        tokens_this_attempt = 0
+        tokens_this_attempt, non_finite = 0, NonFiniteSteps()
         wait_started = time.monotonic()
         for micro_batches in loader:
             stepping = time.monotonic()
@@ -354,10 +313,12 @@ class Training:
             state.step += 1
             state.tokens += result.tokens
             state.samples += result.samples
-            state.loss = result.loss
+            if math.isfinite(result.loss):  # a skipped step left the weights as they were
+                state.loss = result.loss
             tokens_this_attempt += result.tokens
             if observer is not None:
                 observer.step(state, result, time.monotonic() - stepping, waited, flops)
+            non_finite.count(result, state.step)  # Diverged after too many, before any save of theirs
             minutes_due = (
                 every.every_minutes is not None and time.monotonic() - last_save >= every.every_minutes * 60
             )
@@ -384,9 +345,16 @@ class Training:
             if save:
                 saved = time.monotonic()
                 selection.saving(state)
-                path = checkpoints.save(
-                    Path(every.dir), state, parts, ctx, keep=every.keep, job=self.config.job, keep_best=best
-                )
+                with heartbeat.busy(observer, f"saving the checkpoint of step {state.step}", self.io_seconds):
+                    path = checkpoints.save(
+                        Path(every.dir),
+                        state,
+                        parts,
+                        ctx,
+                        keep=every.keep,
+                        job=self.config.job,
+                        keep_best=best,
+                    )
                 last_save = time.monotonic()
                 if observer is not None:
                     observer.checkpoint_saved(state, str(path), last_save - saved)
@@ -434,25 +402,6 @@ class Training:
         if observer is not None:
             observer.evaluated(state, took, stopped=loss is None)
         return loss is not None
-
-    def save_outputs(self, model: torch.nn.Module, tokenizer: Any, summary: dict[str, Any]) -> None:
-        """Collective: the model (gathered from the shards under FSDP: only the adapters of a LoRA run) and
-        ``summary.json`` as output.py writes them, after checking that this attempt still owns the job."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        output.check_owner(self.config, self.ctx)
-        state_dict = None
-        full = self.config.method == "full"
-        if shards(self.config, self.ctx):
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not full)
-            state_dict = get_model_state_dict(model, options=options)
-        dtype = precision_plan(self.config.method, self.t.precision).compute_dtype if full else None
-        output.save(
-            self.config,
-            self.ctx,
-            summary,
-            lambda folder: output.save_output(unwrap(model), tokenizer, folder, state_dict, dtype),
-        )
 
 
 if __name__ == "__main__":

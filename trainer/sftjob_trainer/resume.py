@@ -1,0 +1,290 @@
+"""Where an attempt's training starts from: the newest checkpoint that loads, else the pretrained weights.
+
+On start every ``checkpoint-N`` is checked newest first (checkpoints.problem); one without its marker,
+with a file missing or shorter than its index says, or whose files do not load is skipped with a
+warning and the next older one is tried. Those newer than the one resumed from are then set aside as
+``.bad-checkpoint-N`` (kept for inspection, never resumed from or deleted): a save of this run must not
+rank below them, nor rotation delete the run's own progress to keep them. A storage failure while
+reading (EIO, a stale handle) stops the run with the checkpoints kept as they are for the restart.
+
+The data order follows from the step (batching.py) as long as the layout it depends on is the same: a
+checkpoint records that layout (:func:`fingerprint`), and a resume with another one says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+from sftjob.config import TrainerConfig
+from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import heartbeat, ownership
+from sftjob_trainer.batching import Schedule
+from sftjob_trainer.checkpoints import (
+    BAD_PREFIX,
+    SCALER_FILE,
+    SCHEDULER_FILE,
+    STATE_FILE,
+    TENSORS_DIR,
+    TRAINABLE,
+    Trainables,
+    TrainState,
+    checkpoint_dirs,
+    describe_failures,
+    problem,
+    rng_file,
+    single_process_is_meant,
+    step_of,
+    trainable_tensors,
+    trainable_weights,
+)
+from sftjob_trainer.distributed import DistContext, load_rank0_weights, loads_on_rank0
+from sftjob_trainer.durable import fsync_dir
+from sftjob_trainer.failures import causes
+from sftjob_trainer.metrics import Phase, TrainerMetrics
+from sftjob_trainer.model import pretrained_weights
+from sftjob_trainer.observer import Observer
+from sftjob_trainer.rng import restore_rng
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(units: int, schedule: Schedule, seed: int, packing: bool) -> dict[str, Any]:
+    """What the data order depends on: which units a step takes follows from the units, the global batch
+    and the seed (batching.Schedule), not from how many ranks share the batch."""
+    return {"units": units, "perStep": schedule.per_step, "seed": seed, "packing": packing}
+
+
+def same_data_order(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a checkpoint's :func:`fingerprint` gives the data order ``now`` does; the ``worldSize``
+    older checkpoints recorded is ignored."""
+    return {key: value for key, value in saved.items() if key != "worldSize"} == now
+
+
+def restore(
+    config: TrainerConfig,
+    ctx: DistContext,
+    parts: Trainables,
+    attention: str,
+    layout: dict[str, Any],
+    metrics: TrainerMetrics | None,
+    observer: Observer | None,
+) -> tuple[TrainState, Path | None]:
+    """Collective: this attempt takes the checkpoint folder over and starts from the newest checkpoint that
+    loads (returned with it), or from the pretrained weights with a fresh state (and None). ``layout`` is
+    this attempt's :func:`fingerprint`, recorded in the state.
+
+    Under FSDP rank 0 alone reads the pretrained weights and broadcasts them into the shards: before the
+    checkpoint for adapters (theirs holds no base; it overwrites the fresh adapters), after it for full
+    fine-tuning, and only on a fresh start (its checkpoint holds every weight).
+    """
+    root = Path(config.checkpoints.dir)
+    ownership.take_over(root, config.job, ctx)
+    rank0_weights, full = loads_on_rank0(config, ctx), config.method == "full"
+    if rank0_weights and not full:
+        load_pretrained(config, ctx, parts.model, attention, metrics, observer)
+    with heartbeat.busy(observer, "restoring the newest checkpoint", heartbeat.io_seconds(parts.model)):
+        resumed = load_latest(root, parts, ctx)
+    if rank0_weights and full and not resumed:
+        load_pretrained(config, ctx, parts.model, attention, metrics, observer)
+    if resumed is None:
+        return TrainState(fingerprint=layout), None
+    state, path = resumed
+    if not same_data_order(state.fingerprint, layout):
+        log.warning(
+            "resuming with a different data layout (%s, was %s): the data order after step %d"
+            " differs from the interrupted run",
+            layout,
+            state.fingerprint,
+            state.step,
+        )
+    state.fingerprint = layout
+    return state, path
+
+
+def load_pretrained(
+    config: TrainerConfig,
+    ctx: DistContext,
+    model: torch.nn.Module,
+    attention: str,
+    metrics: TrainerMetrics | None,
+    observer: Observer | None,
+) -> None:
+    """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
+    loading = time.monotonic()
+    with heartbeat.downloads(config, Phase.RESTORING, metrics, observer):
+        weights = pretrained_weights(config, attention) if ctx.is_main else {}
+    ctx.wait_for_rank0()  # its download may outlast NCCL's timeout: the others wait on the CPU
+    load_rank0_weights(model, weights)
+    log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
+
+
+def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainState, Path] | None:
+    """Restore the newest usable checkpoint into ``parts``; None when there is none (a fresh start).
+
+    Collective. Rank 0 lists the checkpoints that look complete; all ranks then try them newest first,
+    together: one that some rank cannot read is skipped by all. Loading writes into the model and
+    optimizer in place, so once one has failed part-way only a later success restores a consistent
+    state. When none of them loads, the run stops rather than train from weights half overwritten, or
+    from the pretrained weights as if the checkpoints were not there. Once one has loaded (or on a fresh
+    start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
+    """
+    candidates: list[Path] | str = ctx.broadcast(_listing(root) if ctx.is_main else None)
+    if isinstance(candidates, str):
+        raise _storage_error(candidates)
+    failed: dict[str, str] = {}  # checkpoint name: why it did not load (as rank 0 saw it)
+    for path in candidates:
+        storage = None
+        try:
+            small, why = _small_files(path, ctx.rank)
+        except OSError as exc:
+            small, why, storage = None, None, f"rank {ctx.rank} could not read {path}: {exc}"
+        unreadable, failing = (int(n) for n in ctx.sum([float(small is None), float(storage is not None)]))
+        if failing:  # all stop together, the checkpoint kept for the restart
+            raise _storage_error(
+                storage or f"{failing} other rank(s) could not read {path} (their log says why)"
+            )
+        if unreadable:  # all skip together
+            if why is None:
+                why = f"{unreadable} other rank(s) cannot read its files"
+                log.warning("skipping checkpoint %s: %s", path, why)
+            failed[path.name] = why
+            continue
+        assert small is not None
+        try:
+            tensors = trainable_tensors(parts)
+            with single_process_is_meant():
+                dcp.load(tensors, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active)
+        except CheckpointException as exc:
+            if any(_is_storage_failure(error) for error, _ in exc.failures.values()):
+                raise _storage_error(f"could not read {path}: {describe_failures(exc)}") from exc
+            failed[path.name] = f"its tensors do not load ({describe_failures(exc)})"
+            log.warning("skipping checkpoint %s: %s", path, failed[path.name])
+            continue
+        set_model_state_dict(parts.model, tensors["model"], options=TRAINABLE)
+        set_optimizer_state_dict(parts.model, parts.optimizer, tensors["optimizer"], options=TRAINABLE)
+        parts.scheduler.load_state_dict(small[SCHEDULER_FILE])
+        if parts.scaler is not None and SCALER_FILE in small:
+            parts.scaler.load_state_dict(small[SCALER_FILE])
+        if rng_file(ctx.rank) in small:
+            restore_rng(small[rng_file(ctx.rank)])
+        else:
+            log.warning("checkpoint %s has no RNG state for rank %d: keeping this run's seed", path, ctx.rank)
+        state = TrainState(**small[STATE_FILE])
+        log.info("resumed from %s (step %d)", path, state.step)
+        _set_aside_newer(root, step_of(path), failed, ctx)
+        return state, path
+    if failed:
+        raise TrainerError(
+            ExitCode.STORAGE_ERROR,
+            f"no checkpoint in {root} loads ({', '.join(failed)}: the log says why): move them away to"
+            " start again from the pretrained weights",
+        )
+    _set_aside_newer(root, 0, failed, ctx)
+    return None
+
+
+def load_weights(path: Path, parts: Trainables, ctx: DistContext) -> None:
+    """Collective: the trainable weights of the checkpoint at ``path`` into the model (the optimizer is
+    left alone: this is for writing the output from an earlier checkpoint, not for training on)."""
+    model = trainable_weights(parts.model)
+    try:
+        with single_process_is_meant():
+            dcp.load(
+                {"model": model}, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active
+            )
+    except CheckpointException as exc:
+        raise _storage_error(f"could not read the weights of {path}: {describe_failures(exc)}") from exc
+    set_model_state_dict(parts.model, model, options=TRAINABLE)
+
+
+def _set_aside_newer(root: Path, resumed: int, failed: dict[str, str], ctx: DistContext) -> None:
+    """Collective: rank 0 renames every checkpoint newer than step ``resumed`` (0: a fresh start) to
+    ``.bad-checkpoint-N``, saying why (``failed`` holds the reasons of those that did not load); the others
+    wait until it has. Kept for inspection: nothing resumes from, ranks or deletes such a folder."""
+    error = None
+    if ctx.is_main:
+        try:
+            for step, path in checkpoint_dirs(root):
+                if step > resumed:
+                    why = failed.get(path.name) or problem(path) or "newer than the checkpoint resumed from"
+                    aside = _aside(path)
+                    log.warning("setting checkpoint %s aside as %s: %s", path, aside.name, why)
+                    os.rename(path, aside)
+            fsync_dir(root)
+        except OSError as exc:
+            error = f"could not set aside the unusable checkpoints in {root}: {exc}"
+    error = ctx.broadcast(error)
+    if error is not None:
+        raise TrainerError(ExitCode.STORAGE_ERROR, error)
+
+
+def _aside(path: Path) -> Path:
+    """``.bad-checkpoint-N``, or ``.bad-checkpoint-N-2``... when an earlier one of that step is there."""
+    aside = path.with_name(f"{BAD_PREFIX}{path.name}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{BAD_PREFIX}{path.name}-{n}")
+    return aside
+
+
+def _is_storage_failure(exc: BaseException) -> bool:
+    """The storage failing (EIO, a stale NFS handle, a timeout), not the checkpoint: no reason to skip it.
+    A missing file is the checkpoint's fault (a lost rank's file, a node's copy of an unshared folder)."""
+    return any(
+        isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError) for cause in causes(exc)
+    )
+
+
+def _storage_error(detail: str) -> TrainerError:
+    return TrainerError(
+        ExitCode.STORAGE_ERROR,
+        f"storage error reading the checkpoints: {detail} (kept as they are: the restart tries again)",
+    )
+
+
+def _listing(root: Path) -> list[Path] | str:
+    """The checkpoints that look complete (rank 0's view), or what kept rank 0 from reading them."""
+    try:
+        return _complete(root)
+    except OSError as exc:
+        return f"could not list {root}: {exc}"
+
+
+def _complete(root: Path) -> list[Path]:
+    complete = []
+    for _step, path in checkpoint_dirs(root):
+        issue = problem(path)
+        if issue is None:
+            complete.append(path)
+        else:
+            log.warning("skipping checkpoint %s: %s", path, issue)
+    return complete
+
+
+def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | None]:
+    """Everything but the tensors, as this rank needs it; or None and why (with a warning) when a file
+    does not load, or this rank cannot see the checkpoint (a node's copy of a folder not shared). Raises
+    the OSError of a storage failure (:func:`_is_storage_failure`)."""
+    names = [SCHEDULER_FILE, *(name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())]
+    try:
+        files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
+        for name in names:
+            files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated pickle can raise nearly anything
+        if _is_storage_failure(exc):
+            raise  # the caller stops the run: a restart may read it
+        why = f"its files do not load on rank {rank} ({type(exc).__name__}: {exc})"
+        log.warning("skipping checkpoint %s: %s", path, why)
+        return None, why
+    return files, None
