@@ -8,15 +8,21 @@ before. Both models read and write camelCase, like the rest of the SFTJob.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from sftjob.failures import FREE_RESTART, FailureClass
+from sftjob.failures import FREE_RESTART, NODE_FAULT, FailureClass
 
 OnOOM = Literal["Replan", "Retry", "Fail"]
+
+# The CRD's maxItems on status.attempts: the API server refuses every status write with more records.
+ATTEMPTS_MAX_ITEMS = 1200
+# The newest records stay whatever they say; older ones only when a restart decision reads them.
+ATTEMPTS_KEPT_NEWEST = 100
 
 
 class RestartPolicy(BaseModel):
@@ -39,7 +45,8 @@ class RestartPolicy(BaseModel):
         default=20,
         ge=0,
         le=1000,
-        description="Restarts after preemption or node loss; they do not count against maxRestarts.",
+        description="Restarts after preemption, node loss or a node's GPU or driver fault; they do not count"
+        " against maxRestarts.",
     )
     stall_timeout_seconds: int | None = Field(
         default=1800,
@@ -97,5 +104,31 @@ class AttemptRecord(BaseModel):
 
     @property
     def interrupted(self) -> bool:
-        """Ended by preemption or node loss: not the job's fault, counted apart from maxRestarts."""
+        """Ended by preemption or node loss: restarted at once."""
         return self.reason in FREE_RESTART
+
+    @property
+    def not_the_jobs_fault(self) -> bool:
+        """Ended by preemption, node loss, or a node whose GPUs or driver failed: counted against
+        ``maxInterruptions``, never against ``maxRestarts``."""
+        return self.reason in FREE_RESTART or self.reason in NODE_FAULT
+
+
+def trimmed(records: Sequence[AttemptRecord]) -> list[AttemptRecord]:
+    """``status.attempts`` without the records no restart decision reads, so that suspending and
+    resuming a job without end never fills it up.
+
+    Those are the attempts that ended without failing (suspended), except the first record and the
+    newest :data:`ATTEMPTS_KEPT_NEWEST`. Every failed record stays: each counts toward a budget, the OOM
+    ladder, the memory raised or the nodes avoided, and the budgets bound how many there are
+    (``maxRestarts`` + ``maxInterruptions`` + 2 and the ladders' rungs, fewer than
+    :data:`ATTEMPTS_MAX_ITEMS`). Should they leave too little room, suspended records among the newest
+    go as well, oldest first, but never the newest two: the last attempt and the one before it, which the
+    decisions read. Decisions on the trimmed history are the ones on the whole history.
+    """
+    newest = len(records) - ATTEMPTS_KEPT_NEWEST
+    droppable = [i for i, r in enumerate(records[:-2]) if i > 0 and r.ended and not r.failed]
+    drop = {i for i in droppable if i < newest}
+    over = len(records) - len(drop) - ATTEMPTS_MAX_ITEMS
+    drop.update([i for i in droppable if i >= newest][: max(0, over)])
+    return [r for i, r in enumerate(records) if i not in drop]

@@ -20,7 +20,7 @@ from typing import Any
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
-from sftjob_operator.termination import read_message
+from sftjob_operator.termination import gpu_runtime_failure, read_message
 
 Obj = Mapping[str, Any]
 
@@ -55,6 +55,12 @@ CONFIG_WAITING = "CreateContainerConfigError"
 CONFIG_MISSING = re.compile(r"\bnot found\b|couldn't find key", re.IGNORECASE)
 CONFIG_MISSING_GIVE_UP_SECONDS = 180.0
 CONFIG_GIVE_UP_SECONDS = 600.0
+# The container runtime could not create or start the container: with the GPU runtime at fault, the node's
+# (termination.gpu_runtime_failure). The kubelet retries a failed create, so one that still fails this long
+# after it took the pod ends the attempt (the GPU runtime's classes, else Unknown).
+CREATE_WAITING = frozenset({"CreateContainerError", "RunContainerError"})
+CREATE_GIVE_UP_SECONDS = 300.0
+START_FAILURES = frozenset({"StartError", "ContainerCannotRun"})  # terminated before the process ran
 # Kubelet admission failures that mean the node advertised GPUs it could not hand out.
 GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/gpu"})
 # DisruptionTarget reasons that mean the node went away rather than someone asking the pod to leave.
@@ -75,7 +81,10 @@ MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
             FailureClass.CUDA_OOM,
         ),
         (r"DataLoader worker .* killed by signal: Killed|Cannot allocate memory", FailureClass.HOST_OOM),
-        (r"driver version is insufficient|CUDA driver .* too old", FailureClass.DRIVER_MISMATCH),
+        (
+            r"driver version is insufficient|CUDA driver .* too old|driver/library version mismatch",
+            FailureClass.DRIVER_MISMATCH,
+        ),
         (
             r"no CUDA-capable device|busy or unavailable|uncorrectable ECC|\bXid\b",
             FailureClass.GPU_UNAVAILABLE,
@@ -178,6 +187,7 @@ ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
     FailureClass.CONFIG_ERROR,
     FailureClass.MODEL_LOAD_ERROR,
     FailureClass.DATA_ERROR,
+    FailureClass.DIVERGED,
     FailureClass.DEADLINE_EXCEEDED,
     FailureClass.HOST_OOM,
     FailureClass.CUDA_OOM,
@@ -274,6 +284,10 @@ def _classify_ended(
         )
     if code is not None and code in TRAINER_FAILURE_CODES:
         return fail(EXIT_CODE_CLASS[code], text or f"trainer exited with code {code} ({ExitCode(code).name})")
+    if terminated is not None and terminated.get("reason") in START_FAILURES:
+        runtime = gpu_runtime_failure(terminated["reason"], said.text)
+        if runtime is not None:
+            return fail(*runtime)
     signalled = code is not None and code > 128
     if pod_reason == "Evicted":
         memory = "memory" in pod_message and "ephemeral" not in pod_message
@@ -317,6 +331,9 @@ def _waiting_failure(pod: Obj, now: datetime, node_name: str | None) -> Classifi
             missing = CONFIG_MISSING.search(message) is not None
             if waited > (CONFIG_MISSING_GIVE_UP_SECONDS if missing else CONFIG_GIVE_UP_SECONDS):
                 return _failed(FailureClass.CONFIG_ERROR, None, _still(said, waited), node_name)
+        if reason in CREATE_WAITING and waited > CREATE_GIVE_UP_SECONDS:
+            cls, what = gpu_runtime_failure(reason, message) or (FailureClass.UNKNOWN, said)
+            return _failed(cls, None, _still(what, waited), node_name)
     return None
 
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from pydantic import ValidationError
 
-from sftjob.attempts import AttemptRecord
+from sftjob.attempts import AttemptRecord, trimmed
 from sftjob.failures import FailureClass
 from sftjob.spec import SFTJobSpec, valid_job_name
 from sftjob_operator import observe, pod_lifecycle
@@ -101,6 +101,8 @@ class JobPass(StatusDraft):
         record = self.record()
         if record is not None and not record.ended:
             self.replace_record(record.model_copy(update={"end_time": self.now, "message": "suspended"}))
+        # A suspended attempt's record weighs on no decision: without end, they would fill the status.
+        self.update(attempts=trimmed(self.status.attempts))
         self.cond(T.SUSPENDED, True, Reason.SUSPENDED, "spec.suspend is true: pods deleted, checkpoints kept")
         self.cond(T.RUNNING, False, Reason.SUSPENDED, "suspended")
         self.cond(T.SCHEDULED, False, Reason.SUSPENDED, "no pods: the job is suspended")

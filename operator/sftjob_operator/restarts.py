@@ -36,8 +36,13 @@ NodeObj = Mapping[str, Any]
 # ``fits=False`` once no rung is left).
 Replanner = Callable[[Plan], Plan]
 
-# Each host OOM raises the pod's memory request (and limit) by this factor, up to node allocatable.
+# Each host OOM raises the pod's memory request (and limit) by this factor, up to this share of the node's
+# allocatable memory: the node's DaemonSet pods request some of it too, and a pod that asks for all of it
+# is never scheduled (Pending without end). When the cap leaves less than this fraction more than the
+# failed attempt had, the job fails with HostMemoryExhausted instead.
 HOST_OOM_MEMORY_FACTOR = 1.5
+HOST_OOM_MEMORY_CAP = 0.9
+HOST_OOM_MIN_RAISE = 0.1
 # A node that produced this many communication errors is avoided by later attempts.
 COMMUNICATION_ERRORS_TO_AVOID_NODE = 2
 # NCCL's slow-but-safe setting for PCIe-only GPUs whose P2P path hangs (ACS/IOMMU), research §3.1: P2P only
@@ -50,6 +55,7 @@ ADVICE: dict[FailureClass, str] = {
     FailureClass.DATA_ERROR: "fix the dataset (format, columns, bad rows) and apply the job again",
     FailureClass.MODEL_LOAD_ERROR: "check the model name, revision, token Secret and volume; apply again",
     FailureClass.IMAGE_PULL_ERROR: "check spec.image and the registry credentials, then apply again",
+    FailureClass.DIVERGED: "lower training.learningRate or raise warmupRatio, check the data; apply again",
     FailureClass.DEADLINE_EXCEEDED: "raise spec.activeDeadlineSeconds or shorten the training",
     FailureClass.CUDA_OOM: "lower training.microBatchSize or dataset.maxSeqLength, or use a larger GPU",
     FailureClass.HOST_OOM: "lower dataloader memory (workers, in-memory data) or use bigger nodes",
@@ -99,31 +105,36 @@ def decide(
     """The decision, with the re-planner passed in. ``plans`` are the planner's plans for the job
     (the user's resources applied); the nodes map names to Node objects (for allocatable memory)."""
     last = history[-1] if history else None
-    counted = False
     if last is not None and last.failed:
         stop = _stop(policy, history)
         if stop is not None:
             return stop
-        counted = counts_against_budget(policy, last)
     settings = attempt_settings(policy, history, plans, replan=replan, nodes=nodes)
     if isinstance(settings, GiveUp):
         return settings
     not_before = None
-    if counted and last is not None and last.end_time is not None:
-        used = sum(1 for r in history if counts_against_budget(policy, r))
-        not_before = last.end_time + timedelta(seconds=backoff_seconds(policy, used))
+    if last is not None and last.end_time is not None and backs_off(policy, last):
+        failures = sum(1 for r in history if backs_off(policy, r))
+        not_before = last.end_time + timedelta(seconds=backoff_seconds(policy, failures))
     return settings if not_before is None else replace(settings, not_before=not_before)
 
 
 def backoff_seconds(policy: RestartPolicy, failures: int) -> float:
-    """Wait before the restart after the ``failures``-th counted failure: backoff·2^(n-1), capped."""
+    """Wait before the restart after the ``failures``-th failure that backs off: backoff·2^(n-1), capped."""
     if failures < 1:
         return 0.0
     return float(min(policy.backoff_seconds * 2 ** min(failures - 1, 32), policy.max_backoff_seconds))
 
 
 def counts_against_budget(policy: RestartPolicy, record: AttemptRecord) -> bool:
-    """Failures the job caused itself count against maxRestarts; interruptions and OOM re-plans do not."""
+    """Failures the job caused itself count against maxRestarts; interruptions, faulty nodes (bounded by
+    maxInterruptions) and OOM re-plans (bounded by the ladder) do not."""
+    return backs_off(policy, record) and not record.not_the_jobs_fault
+
+
+def backs_off(policy: RestartPolicy, record: AttemptRecord) -> bool:
+    """The restart after this failure waits: all but interruptions and OOM re-plans, which restart at once
+    (elsewhere, or with a smaller plan). A faulty node's does too: other nodes may be as broken."""
     if not record.failed or record.interrupted:
         return False
     return not (record.reason is FailureClass.CUDA_OOM and policy.on_oom == "Replan")
@@ -157,7 +168,8 @@ def attempt_settings(
                 return GiveUp(
                     GiveUpReason.HOST_MEMORY_EXHAUSTED,
                     f"the trainer ran out of host memory {len(host_ooms)} time(s) and its memory request"
-                    f" already equals the node's allocatable {allocatable}; {ADVICE[FailureClass.HOST_OOM]}",
+                    f" cannot be raised {HOST_OOM_MIN_RAISE:.0%} more within {HOST_OOM_MEMORY_CAP:.0%} of the"
+                    f" node's allocatable {allocatable}; {ADVICE[FailureClass.HOST_OOM]}",
                 )
             resources = plan.resources.model_copy(update={"memory": memory})
             adjusted[key] = plan.model_copy(update={"resources": resources})
@@ -230,15 +242,23 @@ def avoided_nodes(ended: Sequence[AttemptRecord]) -> tuple[str, ...]:
 
 
 def raised_memory(base: str, host_ooms: int, allocatable: str | None) -> str | None:
-    """``base`` raised once per host OOM, capped at ``allocatable``; None when the failed attempt
-    already ran at the cap."""
+    """``base`` raised once per host OOM, capped at :data:`HOST_OOM_MEMORY_CAP` of ``allocatable``; None
+    when that is not :data:`HOST_OOM_MIN_RAISE` more than the failed attempt (the ``host_ooms``-th) ran
+    with."""
     mib = 2**20
     base_bytes = int(parse_quantity(base))
-    cap = int(parse_quantity(allocatable)) // mib * mib if allocatable else None
-    if cap is not None and base_bytes * HOST_OOM_MEMORY_FACTOR ** (host_ooms - 1) >= cap:
+    cap = int(int(parse_quantity(allocatable)) * HOST_OOM_MEMORY_CAP) // mib * mib if allocatable else None
+
+    def request(ooms: int) -> int:
+        if ooms == 0:
+            return base_bytes
+        wanted = math.ceil(base_bytes * HOST_OOM_MEMORY_FACTOR**ooms / mib) * mib
+        return wanted if cap is None else min(wanted, cap)
+
+    raised = request(host_ooms)
+    if raised < request(host_ooms - 1) * (1 + HOST_OOM_MIN_RAISE):
         return None
-    wanted = math.ceil(base_bytes * HOST_OOM_MEMORY_FACTOR**host_ooms / mib) * mib
-    return f"{(wanted if cap is None else min(wanted, cap)) // mib}Mi"
+    return f"{raised // mib}Mi"
 
 
 def final_failure(spec: SFTJobSpec, history: Sequence[AttemptRecord]) -> GiveUp | None:
@@ -259,13 +279,15 @@ def _stop(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> GiveUp | N
         return GiveUp(cls.value, f"{what}; {ADVICE[cls]}")
     if cls is FailureClass.CUDA_OOM and policy.on_oom == "Fail":
         return GiveUp(cls.value, f"{what}; restartPolicy.onOOM is Fail: {ADVICE[cls]}")
-    if last.interrupted:
-        used = sum(1 for r in history if r.interrupted)
+    if last.not_the_jobs_fault:
+        used = sum(1 for r in history if r.not_the_jobs_fault)
         if used > policy.max_interruptions:
+            avoided = avoided_nodes([r for r in history if r.failed])
+            nodes = f" (nodes at fault: {', '.join(avoided)})" if avoided else ""
             return GiveUp(
                 GiveUpReason.INTERRUPTION_LIMIT_EXCEEDED,
-                f"{what}; {used} preemptions or node losses exceed restartPolicy.maxInterruptions"
-                f" {policy.max_interruptions}",
+                f"{what}; {used} preemptions, node losses or GPU and driver faults exceed"
+                f" restartPolicy.maxInterruptions {policy.max_interruptions}{nodes}",
             )
     elif counts_against_budget(policy, last):
         used = sum(1 for r in history if counts_against_budget(policy, r))

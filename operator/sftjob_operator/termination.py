@@ -29,7 +29,13 @@ bytes of the log instead, and those end with torchrun's own traceback and its re
     ============================================================
 
 Such a tail is summed up as the root cause's rank and how it ended, then the last line the ranks wrote
-before torchrun took over: ``rank 1 killed by SIGABRT: <last line>``. Pure functions, no I/O.
+before torchrun took over: ``rank 1 killed by SIGABRT: <last line>``.
+
+A container that never ran (terminated as ``StartError``, or waiting in ``CreateContainerError``) has the
+container runtime's message instead. When it is the node's GPU runtime that failed (NVIDIA's container
+hook, ``nvidia-container-cli: initialization error: nvml error: driver/library version mismatch``, or a CDI
+device that does not resolve), the node is broken, not the job: :func:`gpu_runtime_failure` says so.
+Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from sftjob.failures import read_exit_tag
+from sftjob.failures import FailureClass, read_exit_tag
 
 # The heading of the last block of torchrun's report (torch.distributed.elastic.multiprocessing.errors).
 _ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
@@ -47,6 +53,17 @@ _REPORT_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
 # torchrun's own log lines: they name its modules, and even cut short end in glog's "<file>.py:<line>] ".
 _TORCHRUN_LOG = re.compile(r"torch/distributed/elastic/|\.py:\d+\] ")
 _ALPHANUMERIC = re.compile(r"[A-Za-z0-9]")
+# What the GPU runtime says when it cannot hand a container its GPUs. First match wins.
+GPU_RUNTIME_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), cls)
+    for pattern, cls in (
+        (r"driver/library version mismatch", FailureClass.DRIVER_MISMATCH),
+        (
+            r"nvidia-container-cli|nvidia-container-runtime|nvml error|CDI devices?\b|libnvidia-ml",
+            FailureClass.GPU_UNAVAILABLE,
+        ),
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +94,21 @@ def read_message(message: str) -> TerminationMessage:
     if code is None and exitcode is not None and exitcode > 0:
         code = exitcode  # the rank ended with a code of its own but could not write the message
     return TerminationMessage(code, text, summary)
+
+
+def gpu_runtime_failure(reason: str, message: str) -> tuple[FailureClass, str] | None:
+    """The class of a container the node's GPU runtime could not create or start (``reason``: the
+    container's, such as ``StartError``), with a message that keeps the runtime's own words
+    (``StartError: nvidia-container-cli: initialization error: ...``) rather than the preamble before
+    them; None when the GPU runtime is not what failed."""
+    for pattern, cls in GPU_RUNTIME_SIGNATURES:
+        match = pattern.search(message)
+        if match is not None:
+            line = message.rfind("\n", 0, match.start()) + 1
+            cli = message.find("nvidia-container-cli", line, match.end())
+            end = message.find("\n", match.end())
+            return cls, f"{reason}: {message[cli if cli >= 0 else line : end if end >= 0 else None]}"
+    return None
 
 
 def _root_cause(block: list[str]) -> tuple[int | None, int | None]:

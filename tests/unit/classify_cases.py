@@ -83,3 +83,33 @@ def waiting(reason: str, message: str = "") -> dict[str, Any]:
 
 def classify(p: dict[str, Any] | None, n: dict[str, Any] | None = None, **kw: Any) -> Classification:
     return classify_pod(p, node() if n is None else n, now=NOW, **kw)
+
+
+# What containerd and the NVIDIA Container Toolkit say when a GPU node cannot create or start a container.
+_RUNC = (
+    "failed to create containerd task: failed to create shim task: OCI runtime create failed: runc create"
+    " failed: unable to start container process: error during container init: error running hook #0: error"
+    " running hook: exit status 1, stdout: , stderr: Auto-detected mode as 'legacy'"
+)
+NVML_MISMATCH = (
+    f"{_RUNC}\nnvidia-container-cli: initialization error: nvml error: driver/library version mismatch:"
+    " unknown"
+)
+UNKNOWN_DEVICE = (
+    f"{_RUNC} nvidia-container-cli: device error: GPU-3b1c2d4e-5f60-7182-93a4-b5c6d7e8f901: unknown device:"
+    " unknown"
+)
+NO_NVML = (
+    f"{_RUNC}\nnvidia-container-cli: initialization error: load library failed: libnvidia-ml.so.1: cannot"
+    " open shared object file: no such file or directory: unknown"
+)
+CDI_UNRESOLVABLE = (
+    'failed to generate container "4f2a" spec: failed to inject CDI devices: unresolvable CDI devices'
+    " nvidia.com/gpu=GPU-3b1c2d4e-5f60-7182-93a4-b5c6d7e8f901"
+)
+# ... and when the container could not start for a reason of the image's own.
+NO_TORCHRUN = (
+    "failed to create containerd task: failed to create shim task: OCI runtime create failed: runc create"
+    ' failed: unable to start container process: exec: "torchrun": executable file not found in $PATH:'
+    " unknown"
+)

@@ -3,109 +3,32 @@ CUDA OOM walks the planner's ladder, and every decision is re-derived from statu
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from sftjob.attempts import AttemptRecord, RestartPolicy
-from sftjob.config import DistributedSettings, TrainingSettings
 from sftjob.failures import PERMANENT, FailureClass
-from sftjob.plan import MemoryEstimate, Plan, PodResources
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
-from sftjob_operator.planning import CandidatePlans, plan_candidates
-from sftjob_operator.restarts import GiveUpReason, backoff_seconds, decide, next_attempt
+from sftjob_operator.planning import plan_candidates
+from sftjob_operator.restarts import GiveUpReason, backoff_seconds, next_attempt, raised_memory
 from sftjob_operator.scheduling import default_products
-
-T0 = datetime(2026, 5, 1, 12, 0, 0, tzinfo=UTC)
-A800, L40S = "A800-SXM4-80GB", "L40S"
-PRODUCTS = {"NVIDIA-A800-SXM4-80GB": A800, "NVIDIA-L40S": L40S}
-
-
-def plan(gpu: str = A800, micro_batch: int = 4, accumulation: int = 8, memory: str = "64Gi") -> Plan:
-    return Plan(
-        gpu=gpu,
-        fits=True,
-        training=TrainingSettings(
-            global_batch_size=micro_batch * accumulation,
-            micro_batch_size=micro_batch,
-            gradient_accumulation_steps=accumulation,
-        ),
-        distributed=DistributedSettings(),
-        resources=PodResources(cpu="8", memory=memory, shm_size="16Gi"),
-        memory=MemoryEstimate(terms=[], total_gib=60.0, budget_gib=70.0),
-        predicted_tokens_per_second=1000.0,
-        predicted_mfu=0.4,
-    )
-
-
-def candidates(*plans: Plan) -> CandidatePlans:
-    return CandidatePlans({p.gpu: p for p in plans or (plan(),)}, PRODUCTS)
-
-
-def halve_micro_batch(p: Plan) -> Plan:
-    """A stand-in re-planner for policy tests: one rung (halve the micro-batch), then exhausted."""
-    t = p.training
-    if t.micro_batch_size == 1:
-        return p.model_copy(update={"fits": False, "ladder": [*p.ladder, "exhausted"]})
-    training = t.model_copy(
-        update={
-            "micro_batch_size": t.micro_batch_size // 2,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps * 2,
-        }
-    )
-    return p.model_copy(update={"training": training, "ladder": [*p.ladder, "halved"]})
-
-
-def failed(attempt: int, reason: FailureClass, *, node: str = "gpu-0", gpu: str = A800) -> AttemptRecord:
-    end = T0 + timedelta(minutes=attempt * 10)
-    return AttemptRecord(
-        attempt=attempt,
-        node=node,
-        gpu=gpu,
-        start_time=end - timedelta(minutes=5),
-        end_time=end,
-        reason=reason,
-        exit_code=1,
-        message=f"{reason} happened",
-    )
-
-
-def history_of(*reasons: FailureClass, node: str = "gpu-0", gpu: str = A800) -> list[AttemptRecord]:
-    return [failed(i, r, node=node, gpu=gpu) for i, r in enumerate(reasons, start=1)]
-
-
-def node(name: str, memory: str) -> dict[str, Any]:
-    return {"metadata": {"name": name}, "status": {"allocatable": {"memory": memory}}}
-
-
-def policy_decision(
-    history: list[AttemptRecord],
-    policy: RestartPolicy | None = None,
-    plans: CandidatePlans | None = None,
-    nodes: dict[str, Any] | None = None,
-) -> NextAttempt | GiveUp:
-    return decide(
-        policy or RestartPolicy(), history, plans or candidates(), replan=halve_micro_batch, nodes=nodes or {}
-    )
-
-
-def restart(decision: NextAttempt | GiveUp) -> NextAttempt:
-    assert isinstance(decision, NextAttempt), decision
-    return decision
-
-
-def give_up(decision: NextAttempt | GiveUp) -> GiveUp:
-    assert isinstance(decision, GiveUp), decision
-    return decision
-
-
-def wait_of(decision: NextAttempt | GiveUp, history: list[AttemptRecord]) -> float:
-    start, end = restart(decision).not_before, history[-1].end_time
-    assert end is not None
-    return 0.0 if start is None else (start - end).total_seconds()
-
+from tests.unit.restart_cases import (
+    A800,
+    L40S,
+    T0,
+    candidates,
+    failed,
+    give_up,
+    history_of,
+    node,
+    plan,
+    policy_decision,
+    restart,
+    wait_of,
+)
 
 # --- the policy --------------------------------------------------------------------------------------
 
@@ -230,7 +153,7 @@ def test_the_host_oom_memory_bump_keeps_the_users_resources_through_re_plans() -
     assert decision.plans.first.resources.memory == "153600Mi"  # 100Gi x 1.5, re-plan or not
 
 
-def test_host_oom_raises_the_memory_request_up_to_node_allocatable_then_fails() -> None:
+def test_host_oom_raises_the_memory_request_up_to_nine_tenths_of_node_allocatable_then_fails() -> None:
     nodes = {"gpu-0": node("gpu-0", "134217728Ki")}  # 128 GiB
 
     def memory_after(n: int) -> str:
@@ -238,16 +161,61 @@ def test_host_oom_raises_the_memory_request_up_to_node_allocatable_then_fails() 
         return restart(decision).plans.first.resources.memory
 
     assert memory_after(1) == "98304Mi"  # 64Gi x 1.5
-    assert memory_after(2) == "131072Mi"  # 144Gi capped at the node's 128Gi
+    assert memory_after(2) == "117964Mi"  # 144Gi capped at 90% of the node's 128Gi: DaemonSets need room
     result = give_up(policy_decision(history_of(*[FailureClass.HOST_OOM] * 3), nodes=nodes))
     assert result.reason == GiveUpReason.HOST_MEMORY_EXHAUSTED
-    assert "134217728Ki" in result.message
+    assert "cannot be raised 10% more within 90% of the node's allocatable 134217728Ki" in result.message
+
+
+def test_host_oom_gives_up_when_the_cap_leaves_less_than_a_tenth_more_memory() -> None:
+    nodes = {"gpu-0": node("gpu-0", "100Gi")}
+    assert raised_memory("64Gi", 1, "100Gi") == "92160Mi"  # 96Gi wanted, 90Gi allowed
+    assert raised_memory("64Gi", 2, "100Gi") is None  # the attempt that failed already had the 90Gi
+    assert raised_memory("88Gi", 1, "100Gi") is None  # 90Gi would be 2% more: no raise worth a restart
+    assert raised_memory("100Gi", 1, "100Gi") is None  # the user asked for all of it
+    history = history_of(FailureClass.HOST_OOM, FailureClass.HOST_OOM)
+    assert give_up(policy_decision(history, nodes=nodes)).reason == GiveUpReason.HOST_MEMORY_EXHAUSTED
 
 
 def test_host_oom_on_a_node_that_is_gone_still_raises_memory() -> None:
     decision = restart(policy_decision(history_of(FailureClass.HOST_OOM)))
     assert decision.plans.first.resources.memory == "98304Mi"
     assert "memory 64Gi -> 98304Mi after host OOM" in decision.message
+
+
+def test_faulty_gpu_nodes_do_not_consume_max_restarts_however_long_the_job_runs() -> None:
+    reasons = [
+        FailureClass.GPU_UNAVAILABLE,
+        FailureClass.COMMUNICATION_ERROR,
+        FailureClass.STALLED,
+        FailureClass.DRIVER_MISMATCH,
+        FailureClass.GPU_UNAVAILABLE,
+        FailureClass.UNKNOWN,
+    ]
+    history = [failed(i, r, node=f"gpu-{i}") for i, r in enumerate(reasons, start=1)]
+    policy = RestartPolicy(max_restarts=3)
+    assert restart(policy_decision(history, policy)).avoid_nodes == ("gpu-1", "gpu-4", "gpu-5")
+    four = give_up(policy_decision([*history, failed(7, FailureClass.UNKNOWN)], policy))
+    assert "4 failures exceed restartPolicy.maxRestarts 3" in four.message
+
+
+def test_a_faulty_gpu_node_restarts_elsewhere_after_the_backoff() -> None:
+    history = history_of(FailureClass.UNKNOWN, FailureClass.DRIVER_MISMATCH, node="old-driver")
+    assert wait_of(policy_decision(history), history) == 20  # the second failure that backs off
+
+
+def test_faulty_gpu_nodes_count_as_interruptions_so_a_cluster_of_broken_nodes_still_ends() -> None:
+    policy = RestartPolicy(max_interruptions=3)
+    history = [
+        failed(1, FailureClass.PREEMPTED, node="a"),
+        failed(2, FailureClass.GPU_UNAVAILABLE, node="b"),
+        failed(3, FailureClass.DRIVER_MISMATCH, node="c"),
+    ]
+    assert isinstance(policy_decision(history, policy), NextAttempt)
+    result = give_up(policy_decision([*history, failed(4, FailureClass.GPU_UNAVAILABLE, node="d")], policy))
+    assert result.reason == GiveUpReason.INTERRUPTION_LIMIT_EXCEEDED
+    assert "4 preemptions, node losses or GPU and driver faults exceed" in result.message
+    assert result.message.endswith("maxInterruptions 3 (nodes at fault: b, c, d)")
 
 
 def test_lost_and_faulty_nodes_and_repeated_nccl_breakers_are_avoided() -> None:
