@@ -21,6 +21,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 STARTUP_BUCKETS = (1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 28800, 86400)  # GPU queues
 STEP_BUCKETS = (0, 1, 10, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
 
+# success; error: an API or programming error; refused: the API server refused a child (a quota, RBAC).
+RECONCILE_RESULTS = ("success", "error", "refused")
 RECONCILES = Counter("sftjob_operator_reconcile_total", "Reconcile passes by result.", ["result"])
 RECONCILE_SECONDS = Histogram(
     "sftjob_operator_reconcile_duration_seconds",
@@ -80,8 +82,11 @@ def serve(port: int) -> WSGIServer:
 
 
 def create_series() -> None:
-    """Create every labelled counter's series at 0, so that increase() sees the first job end and the
-    first restart of each class: a series that appears already at 1 has no increase to show."""
+    """Create every labelled counter's series at 0, so that increase() sees the first job end, the first
+    restart of each class and the first failed pass: a series that appears already at 1 has no increase
+    to show (and SFTJobOperatorNotReconciling finds a success series that stays 0)."""
+    for result in RECONCILE_RESULTS:
+        RECONCILES.labels(result=result)
     for result in FINISHED_PHASES:
         JOBS_FINISHED.labels(result=result)
     for failure_class in FailureClass:

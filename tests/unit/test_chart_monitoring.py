@@ -1,11 +1,11 @@
 """The chart's monitoring: ServiceMonitor, PodMonitor, alert rules with their runbooks, and the Grafana
-dashboards, as `helm template` renders them."""
+dashboards, as `helm template` renders them. What the alerts do over time is in test_operator_alerts.py
+and test_training_alerts.py."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 from helmchart import CHART, ROOT, helm, one, render, template_args
+from promrules import promtool
 
 from sftjob import constants as c
 
@@ -52,6 +53,7 @@ def test_every_alert_has_severity_summary_description_and_a_runbook_section() ->
     rule = one(render("monitoring"), "PrometheusRule")
     alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     assert {a["alert"] for a in alerts} >= {
+        "SFTJobOperatorNotReconciling",
         "SFTJobFailed",
         "SFTJobRestartsClimbing",
         "SFTJobOOMReplans",
@@ -168,171 +170,38 @@ def test_the_training_dashboard_shows_the_phase_of_a_job_still_setting_up() -> N
     assert "sftjob_train_step" in variables["sftjob"]["definition"]  # served from the start of a run
 
 
-# ---------------------------------------------------------------------------------------------------
-# The training rules, evaluated by `promtool test rules` over made-up series (one sample a minute).
+def queries(dashboard: str) -> dict[str, list[str]]:
+    """Each panel's title and its PromQL expressions."""
+    panels = load_dashboards()[dashboard]["panels"]
+    return {p["title"]: [t["expr"] for t in p.get("targets", [])] for p in panels if p.get("targets")}
 
-JOB_LABELS = 'sftjob="j",namespace="n",pod="j-2-0",gpu="a800"'
-EXPECTED_LABELS = {"sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800", "severity": "warning"}
+
+def test_every_training_dashboard_panel_shows_only_the_chosen_job() -> None:
+    for title, exprs in queries("training-job.json").items():
+        for expr in exprs:
+            assert 'namespace="$namespace"' in expr and "$sftjob" in expr, title
 
 
-def promtool_test(tmp_path: Path, series: dict[str, str], checks: list[dict[str, Any]]) -> None:
-    """Run ``checks`` (promtool alert_rule_test entries) against the rendered rules fed ``series``."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail("promtool is missing: apt-get install prometheus (hack/test.sh does)")
-    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups(*BOTH_MONITORS)}))
-    inputs = [  # a name with labels of its own gets the job's too
-        {
-            "series": f"{name[:-1]},{JOB_LABELS}}}" if name.endswith("}") else f"{name}{{{JOB_LABELS}}}",
-            "values": values,
-        }
-        for name, values in series.items()
+def test_the_progress_gauge_reads_zero_not_nan_while_the_total_is_unknown() -> None:
+    (expr,) = queries("training-job.json")["Progress"]
+    assert "/ clamp_min(max(sftjob_train_total_steps" in expr and expr.endswith(", 1)")
+
+
+def test_restarts_are_drawn_as_a_rate_per_hour_not_as_increases_over_overlapping_windows() -> None:
+    for dashboard in DASHBOARD_UIDS:
+        for title, exprs in queries(dashboard).items():
+            assert not any("increase(" in e and "[$__rate_interval]" in e for e in exprs), title
+    (expr,) = queries("fleet-overview.json")["Restarts by failure class"]
+    assert expr == "sum by (failure_class) (rate(sftjob_restarts_total[$__rate_interval])) * 3600"
+
+
+def test_the_start_latency_panel_says_it_measures_pods_running_not_the_first_step() -> None:
+    titles = [
+        title
+        for title, exprs in queries("fleet-overview.json").items()
+        if any("sftjob_job_time_to_training_started_seconds" in e for e in exprs)
     ]
-    test = {
-        "rule_files": ["rules.yaml"],
-        "evaluation_interval": "1m",
-        "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": checks}],
-    }
-    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
-    result = subprocess.run(
-        [promtool, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def fires(minute: int, alert: str, description: str) -> dict[str, Any]:
-    """``alert`` fires at ``minute`` for the job's series, saying ``description``."""
-    (rule,) = [r for g in rule_groups(*BOTH_MONITORS) for r in g["rules"] if r["alert"] == alert]
-    annotations = rule["annotations"] | {"description": description}
-    return {
-        "eval_time": f"{minute}m",
-        "alertname": alert,
-        "exp_alerts": [{"exp_labels": EXPECTED_LABELS, "exp_annotations": annotations}],
-    }
-
-
-def quiet(minute: int, alert: str) -> dict[str, Any]:
-    return {"eval_time": f"{minute}m", "alertname": alert, "exp_alerts": []}
-
-
-CHECKPOINT = "SFTJobCheckpointTooOld"
-STALLED = "SFTJobTrainingStalled"
-
-
-def trained_without_checkpoint(duration: str) -> str:
-    return (
-        f"n/j has trained for {duration} without completing a checkpoint; a restart now would lose that work."
-    )
-
-
-def test_a_resumed_attempt_is_not_paged_for_the_age_of_the_checkpoint_it_resumed_from(tmp_path: Path) -> None:
-    # Attempt 2's pod comes up at 100m, resumed from a checkpoint saved at 5m (an hour-long outage);
-    # its training loop starts at 110m and, at 90-minute threshold, saves nothing until 215m.
-    series = {
-        "sftjob_train_last_checkpoint_timestamp_seconds": "_x100 300x120",
-        "sftjob_train_attempt_start_timestamp_seconds": "_x100 0x9 6600x110",
-        "sftjob_train_checkpoint_interval_seconds": "_x100 1800x120",
-    }
-    checks = [
-        quiet(105, CHECKPOINT),
-        quiet(130, CHECKPOINT),
-        quiet(199, CHECKPOINT),
-        fires(215, CHECKPOINT, trained_without_checkpoint("1h 45m 0s")),
-    ]
-    promtool_test(tmp_path, series, checks)
-
-
-def test_an_attempt_that_never_completes_a_checkpoint_is_alerted(tmp_path: Path) -> None:
-    # Step-based checkpoints whose interval is not measured yet (0): the threshold alone applies.
-    series = {
-        "sftjob_train_last_checkpoint_timestamp_seconds": "0x300",
-        "sftjob_train_attempt_start_timestamp_seconds": "60x300",
-        "sftjob_train_checkpoint_interval_seconds": "0x300",
-    }
-    promtool_test(
-        tmp_path,
-        series,
-        [quiet(60, CHECKPOINT), fires(300, CHECKPOINT, trained_without_checkpoint("4h 59m 0s"))],
-    )
-
-
-def test_an_attempt_still_setting_up_is_not_alerted_for_its_checkpoint_age(tmp_path: Path) -> None:
-    series = {
-        "sftjob_train_last_checkpoint_timestamp_seconds": "300x300",
-        "sftjob_train_attempt_start_timestamp_seconds": "0x300",
-        "sftjob_train_checkpoint_interval_seconds": "1800x300",
-    }
-    promtool_test(tmp_path, series, [quiet(300, CHECKPOINT)])
-
-
-def test_a_sparse_checkpoint_interval_is_alerted_after_twice_the_interval_not_the_threshold(
-    tmp_path: Path,
-) -> None:
-    # everyMinutes: 180, checkpoint and training start at 1m: overdue past 361m, fired 5 minutes on.
-    series = {
-        "sftjob_train_last_checkpoint_timestamp_seconds": "60x400",
-        "sftjob_train_attempt_start_timestamp_seconds": "60x400",
-        "sftjob_train_checkpoint_interval_seconds": "10800x400",
-    }
-    promtool_test(
-        tmp_path,
-        series,
-        [
-            quiet(180, CHECKPOINT),
-            quiet(360, CHECKPOINT),
-            fires(370, CHECKPOINT, trained_without_checkpoint("6h 9m 0s")),
-        ],
-    )
-
-
-def test_a_stalled_job_is_alerted_once_it_has_made_no_step_for_stalled_minutes(tmp_path: Path) -> None:
-    # Training since 1m, the last step (40) at 40m: 15 minutes without a step at 55m.
-    series = {
-        "sftjob_train_step": "0+1x40 40x60",
-        "sftjob_train_total_steps": "1000x100",
-        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
-    }
-    checks = [quiet(54, STALLED), fires(56, STALLED, "n/j has been at step 40 for 15 minutes.")]
-    promtool_test(tmp_path, series, checks)
-
-
-def test_a_long_evaluation_is_not_alerted_as_stalled_but_a_hang_after_it_is(tmp_path: Path) -> None:
-    # The last step (40) at 40m, then an evaluation from 41m to 71m (spec.evaluation), then nothing.
-    series = {
-        "sftjob_train_step": "0+1x40 40x60",
-        "sftjob_train_total_steps": "1000x100",
-        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
-        'sftjob_train_phase{phase="evaluating"}': "0x40 1x30 0x30",
-    }
-    checks = [
-        quiet(56, STALLED),
-        quiet(71, STALLED),
-        fires(72, STALLED, "n/j has been at step 40 for 15 minutes."),
-    ]
-    promtool_test(tmp_path, series, checks)
-
-
-def test_a_resumed_attempt_loading_its_model_is_not_alerted_as_stalled(tmp_path: Path) -> None:
-    # Resumed at step 500: the step is known from the start, the loop starts at 61m, its first step
-    # (slow: compiling, warming up) ends at 70m.
-    series = {
-        "sftjob_train_step": "500x69 501+1x30",
-        "sftjob_train_total_steps": "1000x100",
-        "sftjob_train_attempt_start_timestamp_seconds": "0x60 3660x39",
-    }
-    checks = [quiet(minute, STALLED) for minute in (20, 40, 60, 68, 90)]
-    promtool_test(tmp_path, series, checks)
-
-
-def test_a_job_hung_before_its_first_step_is_alerted_as_stalled(tmp_path: Path) -> None:
-    series = {
-        "sftjob_train_step": "0x60",
-        "sftjob_train_total_steps": "1000x60",
-        "sftjob_train_attempt_start_timestamp_seconds": "60x60",
-    }
-    promtool_test(
-        tmp_path, series, [quiet(15, STALLED), fires(17, STALLED, "n/j has been at step 0 for 15 minutes.")]
-    )
+    assert titles == ["Time from creation to pods Running (first attempt)"]
 
 
 def test_ratio_thresholds_given_with_helm_set_reach_the_rules_as_valid_promql(tmp_path: Path) -> None:
@@ -341,12 +210,9 @@ def test_ratio_thresholds_given_with_helm_set_reach_the_rules_as_valid_promql(tm
     rules = {r["alert"]: r["expr"] for g in rule_groups(*BOTH_MONITORS, *sets) for r in g["rules"]}
     assert "< 0.3 * avg_over_time" in rules["SFTJobThroughputDropped"]
     assert "> .9 and" in rules["SFTJobGPUMemoryNearlyFull"]
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.fail("promtool is missing: apt-get install prometheus (hack/test.sh does)")
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups(*BOTH_MONITORS, *sets)}))
     result = subprocess.run(
-        [promtool, "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True
+        [promtool(), "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

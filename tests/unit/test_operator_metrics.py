@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from urllib.request import urlopen
 
 import pytest
@@ -12,7 +14,7 @@ from prometheus_client import REGISTRY
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import FailureClass
 from sftjob.job_status import Condition, GpuStatus, SFTJobStatus
-from sftjob_operator import metrics
+from sftjob_operator import handlers, metrics
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 CONTRACT = {
@@ -95,6 +97,18 @@ def test_restart_counters_exist_at_zero_for_every_failure_class_before_the_first
             is not None
         )
     assert REGISTRY.get_sample_value("sftjob_jobs_finished_total", {"result": "Succeeded"}) is not None
+
+
+def test_reconcile_counters_exist_at_zero_for_every_result_before_the_first_pass() -> None:
+    metrics.create_series()
+    for result in metrics.RECONCILE_RESULTS:
+        assert REGISTRY.get_sample_value("sftjob_operator_reconcile_total", {"result": result}) is not None
+
+
+def test_every_result_a_pass_is_counted_by_is_one_the_not_reconciling_alert_knows() -> None:
+    source = Path(handlers.__file__).read_text()
+    counted = set(re.findall(r'result="(\w+)"', source))
+    assert counted and counted <= set(metrics.RECONCILE_RESULTS)
 
 
 def ipv6_loopback() -> bool:

@@ -27,8 +27,9 @@ from sftjob_trainer.flops import peak_flops
 
 log = logging.getLogger(__name__)
 
-STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
-SAVE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800)
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+# Up to hours: a full checkpoint of a 70B model on network storage takes half an hour and more.
+SAVE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400)
 
 
 class Phase(StrEnum):
@@ -51,6 +52,17 @@ def checkpoint_interval(every: CheckpointSettings, seconds_per_step: float | Non
     if every.every_steps is not None and seconds_per_step:
         intervals.append(every.every_steps * seconds_per_step)
     return min(intervals, default=0.0)
+
+
+class FirstSet:
+    """The job's series of a labelled gauge, exported from its first value on: before it there is none,
+    where a plain child would read 0 (a loss of 0 from every attempt's setup until its first step)."""
+
+    def __init__(self, gauge: Gauge, labels: dict[str, str]) -> None:
+        self._gauge, self._labels = gauge, labels
+
+    def set(self, value: float) -> None:
+        self._gauge.labels(**self._labels).set(value)
 
 
 @dataclass(frozen=True)
@@ -76,9 +88,15 @@ class TrainerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**self._labels)
 
-        self.loss = gauge("sftjob_train_loss", "Mean training loss of the last optimizer step")
-        self.learning_rate = gauge("sftjob_train_learning_rate", "Learning rate of the last optimizer step")
-        self.grad_norm = gauge("sftjob_train_grad_norm", "Gradient norm before clipping, last step")
+        def first_set(name: str, doc: str) -> FirstSet:
+            return FirstSet(Gauge(name, doc, names, registry=self.registry), self._labels)
+
+        # From the first step on (a resumed attempt: its checkpoint's loss as soon as it loads).
+        self.loss = first_set("sftjob_train_loss", "Mean training loss of the last optimizer step")
+        self.learning_rate = first_set(
+            "sftjob_train_learning_rate", "Learning rate of the last optimizer step"
+        )
+        self.grad_norm = first_set("sftjob_train_grad_norm", "Gradient norm before clipping, last step")
         self.step = gauge("sftjob_train_step", "Optimizer steps done")
         self.total_steps = gauge("sftjob_train_total_steps", "Optimizer steps the job will run")
         self.epoch = gauge("sftjob_train_epoch", "Fractional epoch")
@@ -87,11 +105,8 @@ class TrainerMetrics:
         self.tokens_per_second = gauge("sftjob_train_tokens_per_second", "Real tokens/s, last window")
         self.samples_per_second = gauge("sftjob_train_samples_per_second", "Samples/s, last window")
         # From the first logging window on: during setup there is no estimate (not an ETA of 0).
-        self._eta_seconds = Gauge(
-            "sftjob_train_eta_seconds",
-            "Estimated time to the last step at the last window's step rate",
-            names,
-            registry=self.registry,
+        self._eta_seconds = first_set(
+            "sftjob_train_eta_seconds", "Estimated time to the last step at the last window's step rate"
         )
         self.step_duration = histogram(
             "sftjob_train_step_duration_seconds",
@@ -139,15 +154,11 @@ class TrainerMetrics:
             "Bytes of the job's hub repos in the Hugging Face cache, as of the last download heartbeat",
         )
         # Exported from the first evaluation on: a job without spec.evaluation shows no eval loss of 0.
-        self._eval_loss = Gauge(
+        self._eval_loss = first_set(
             "sftjob_train_eval_loss",
             "Mean loss per target token on the held-out examples (spec.evaluation), last evaluation",
-            names,
-            registry=self.registry,
         )
-        self._eval_step = Gauge(
-            "sftjob_train_eval_step", "Optimizer step of the last evaluation", names, registry=self.registry
-        )
+        self._eval_step = first_set("sftjob_train_eval_step", "Optimizer step of the last evaluation")
         self._eval_duration = Histogram(
             "sftjob_train_eval_duration_seconds",
             "Time one evaluation took",
@@ -214,7 +225,7 @@ class TrainerMetrics:
         self.dataloader_wait.inc(dataloader_wait)
 
     def record_window(self, rates: WindowRates, device: torch.device, eta_seconds: float) -> None:
-        self._eta_seconds.labels(**self._labels).set(eta_seconds)
+        self._eta_seconds.set(eta_seconds)
         self.tokens_per_second.set(rates.tokens_per_second)
         self.samples_per_second.set(rates.samples_per_second)
         self.mfu.set(rates.mfu)
@@ -227,8 +238,8 @@ class TrainerMetrics:
     def record_eval(self, step: int, loss: float, seconds: float | None) -> None:
         """An evaluation that took ``seconds``; or (``seconds`` None) the one of the checkpoint a run
         resumed from."""
-        self._eval_loss.labels(**self._labels).set(loss)
-        self._eval_step.labels(**self._labels).set(step)
+        self._eval_loss.set(loss)
+        self._eval_step.set(step)
         if seconds is not None:
             self._eval_duration.labels(**self._labels).observe(seconds)
 

@@ -1,0 +1,167 @@
+"""The training alerts (SFTJobCheckpointTooOld, SFTJobTrainingStalled) over made-up series of one job's
+rank-0 trainer: when they fire and when they stay quiet (a resume, a setup, an evaluation, early stopping)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import promrules
+from promrules import quiet
+
+JOB_LABELS = 'sftjob="j",namespace="n",pod="j-2-0",gpu="a800"'
+
+
+def run(tmp_path: Path, series: dict[str, str], checks: list[dict[str, Any]]) -> None:
+    promrules.promtool_test(tmp_path, series, JOB_LABELS, checks)
+
+
+def fires(minute: int, alert: str, description: str) -> dict[str, Any]:
+    """``alert`` fires at ``minute`` for the job's series, saying ``description``."""
+    labels = {"sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800"}
+    return promrules.fires(minute, alert, labels, description)
+
+
+CHECKPOINT = "SFTJobCheckpointTooOld"
+STALLED = "SFTJobTrainingStalled"
+
+
+def trained_without_checkpoint(duration: str) -> str:
+    return (
+        f"n/j has trained for {duration} without completing a checkpoint; a restart now would lose that work."
+    )
+
+
+def test_a_resumed_attempt_is_not_paged_for_the_age_of_the_checkpoint_it_resumed_from(tmp_path: Path) -> None:
+    # Attempt 2's pod comes up at 100m, resumed from a checkpoint saved at 5m (an hour-long outage);
+    # its training loop starts at 110m and, at 90-minute threshold, saves nothing until 215m.
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "_x100 300x120",
+        "sftjob_train_attempt_start_timestamp_seconds": "_x100 0x9 6600x110",
+        "sftjob_train_checkpoint_interval_seconds": "_x100 1800x120",
+    }
+    checks = [
+        quiet(105, CHECKPOINT),
+        quiet(130, CHECKPOINT),
+        quiet(199, CHECKPOINT),
+        fires(215, CHECKPOINT, trained_without_checkpoint("1h 45m 0s")),
+    ]
+    run(tmp_path, series, checks)
+
+
+def test_an_attempt_that_never_completes_a_checkpoint_is_alerted(tmp_path: Path) -> None:
+    # Step-based checkpoints whose interval is not measured yet (0): the threshold alone applies.
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "0x300",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x300",
+        "sftjob_train_checkpoint_interval_seconds": "0x300",
+    }
+    run(
+        tmp_path,
+        series,
+        [quiet(60, CHECKPOINT), fires(300, CHECKPOINT, trained_without_checkpoint("4h 59m 0s"))],
+    )
+
+
+def test_an_attempt_still_setting_up_is_not_alerted_for_its_checkpoint_age(tmp_path: Path) -> None:
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "300x300",
+        "sftjob_train_attempt_start_timestamp_seconds": "0x300",
+        "sftjob_train_checkpoint_interval_seconds": "1800x300",
+    }
+    run(tmp_path, series, [quiet(300, CHECKPOINT)])
+
+
+def test_a_sparse_checkpoint_interval_is_alerted_after_twice_the_interval_not_the_threshold(
+    tmp_path: Path,
+) -> None:
+    # everyMinutes: 180, checkpoint and training start at 1m: overdue past 361m, fired 5 minutes on.
+    series = {
+        "sftjob_train_last_checkpoint_timestamp_seconds": "60x400",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x400",
+        "sftjob_train_checkpoint_interval_seconds": "10800x400",
+    }
+    run(
+        tmp_path,
+        series,
+        [
+            quiet(180, CHECKPOINT),
+            quiet(360, CHECKPOINT),
+            fires(370, CHECKPOINT, trained_without_checkpoint("6h 9m 0s")),
+        ],
+    )
+
+
+def test_a_stalled_job_is_alerted_once_it_has_made_no_step_for_stalled_minutes(tmp_path: Path) -> None:
+    # Training since 1m, the last step (40) at 40m: 15 minutes without a step at 55m.
+    series = {
+        "sftjob_train_step": "0+1x40 40x60",
+        "sftjob_train_total_steps": "1000x100",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
+    }
+    checks = [quiet(54, STALLED), fires(56, STALLED, "n/j has been at step 40 for 15 minutes.")]
+    run(tmp_path, series, checks)
+
+
+def test_a_long_evaluation_is_not_alerted_as_stalled_but_a_hang_after_it_is(tmp_path: Path) -> None:
+    # The last step (40) at 40m, then an evaluation from 41m to 71m (spec.evaluation), then nothing: a
+    # stall from its end on, alerted stalledMinutes later.
+    series = {
+        "sftjob_train_step": "0+1x40 40x60",
+        "sftjob_train_total_steps": "1000x100",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
+        'sftjob_train_phase{phase="evaluating"}': "0x40 1x30 0x30",
+    }
+    checks = [
+        quiet(56, STALLED),
+        quiet(71, STALLED),
+        quiet(80, STALLED),
+        quiet(86, STALLED),
+        fires(87, STALLED, "n/j has been at step 40 for 15 minutes."),
+    ]
+    run(tmp_path, series, checks)
+
+
+def test_the_checkpoint_saved_right_after_a_long_evaluation_is_not_alerted_as_stalled(tmp_path: Path) -> None:
+    # The last step (40) at 40m, an evaluation from 41m to 71m, the checkpoint that follows it saved from
+    # 71m to 74m, the next step at 75m: more than stalledMinutes without a step, none of it a stall.
+    series = {
+        "sftjob_train_step": "0+1x40 40x34 41+1x30",
+        "sftjob_train_total_steps": "1000x110",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x110",
+        'sftjob_train_phase{phase="evaluating"}': "0x40 1x30 0x40",
+    }
+    run(tmp_path, series, [quiet(minute, STALLED) for minute in (72, 73, 74, 75, 90, 105)])
+
+
+def test_a_job_stopped_early_is_not_alerted_as_stalled_while_it_writes_its_output(tmp_path: Path) -> None:
+    # Step 40 at 40m, its evaluation (41m to 51m) finds no improvement: the checkpoint is saved until 60m,
+    # then early stopping makes step 40 the total and the output is written until 100m.
+    series = {
+        "sftjob_train_step": "0+1x40 40x60",
+        "sftjob_train_total_steps": "1000x60 40x40",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
+        'sftjob_train_phase{phase="evaluating"}': "0x40 1x10 0x50",
+    }
+    run(tmp_path, series, [quiet(minute, STALLED) for minute in (55, 60, 66, 67, 80, 100)])
+
+
+def test_a_resumed_attempt_loading_its_model_is_not_alerted_as_stalled(tmp_path: Path) -> None:
+    # Resumed at step 500: the step is known from the start, the loop starts at 61m, its first step
+    # (slow: compiling, warming up) ends at 70m.
+    series = {
+        "sftjob_train_step": "500x69 501+1x30",
+        "sftjob_train_total_steps": "1000x100",
+        "sftjob_train_attempt_start_timestamp_seconds": "0x60 3660x39",
+    }
+    checks = [quiet(minute, STALLED) for minute in (20, 40, 60, 68, 90)]
+    run(tmp_path, series, checks)
+
+
+def test_a_job_hung_before_its_first_step_is_alerted_as_stalled(tmp_path: Path) -> None:
+    series = {
+        "sftjob_train_step": "0x60",
+        "sftjob_train_total_steps": "1000x60",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x60",
+    }
+    run(tmp_path, series, [quiet(15, STALLED), fires(17, STALLED, "n/j has been at step 0 for 15 minutes.")])
