@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
 
 Method = Literal["lora", "qlora", "full"]
@@ -113,11 +113,18 @@ class EvaluationSettings(_Strict):
         return self
 
 
+ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
 class LoraSettings(_Strict):
+    """``spec.lora`` and the trainer's adapter settings; the list bounds are the CRD's."""
+
     r: int = Field(default=16, ge=1, le=1024)
     alpha: int = Field(default=32, ge=1, le=4096)
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    target_modules: (
+        Annotated[list[ModuleName], Field(min_length=1, max_length=64)] | Literal["all-linear"]
+    ) = "all-linear"
 
 
 class TrainingSettings(_Strict):

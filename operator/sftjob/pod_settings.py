@@ -1,13 +1,15 @@
 """The pod settings an SFTJob may add to its trainer pods, held to the rules the API server applies to a pod.
 
 ``spec.env`` (never the names the operator sets: a user's value would silently win, as the last
-duplicate of a pod's env does, and break progress reporting) and ``spec.tolerations`` (keys and values
-checked as label keys and values, the operator/value/effect combinations a pod accepts), so a job the
-spec admits never has its pods refused for them.
+duplicate of a pod's env does, and break progress reporting; nor those torchrun or the NVIDIA container
+runtime act on), ``spec.podAnnotations`` keys (none the operator writes or that set a security profile)
+and ``spec.tolerations`` (keys and values checked as label keys and values, the operator/value/effect
+combinations a pod accepts), so a job the spec admits never has its pods refused for them.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
@@ -21,10 +23,14 @@ from sftjob.kube_names import (
     valid_label_value,
 )
 
-RESERVED_ENV_PREFIX = "SFTJOB_"
+# SFTJOB_: the operator's contract with the trainer; PET_: torchrun takes every flag the operator leaves
+# unset from PET_<FLAG> (PET_NNODES, PET_MAX_RESTARTS...), so these would change how the trainer is run.
+RESERVED_ENV_PREFIXES = ("SFTJOB_", "PET_")
 # Set by the operator for the trainer (its pod's identity, writable HOME and caches) and by the NVIDIA
 # device plugin and runtime (the GPUs the pod was given): a user's value would silently win (the last
 # duplicate of a pod's env wins), break reporting, or hand the trainer GPUs the scheduler gave another pod.
+# The NVIDIA container toolkit also mounts host devices for NVIDIA_MOFED (/dev/infiniband), NVIDIA_NVSWITCH,
+# NVIDIA_GDS, NVIDIA_GDRCOPY and the MIG ones into a container whose environment names them.
 RESERVED_ENV_NAMES = frozenset(
     {
         "POD_NAME",
@@ -36,8 +42,36 @@ RESERVED_ENV_NAMES = frozenset(
         "CUDA_VISIBLE_DEVICES",
         "NVIDIA_VISIBLE_DEVICES",
         "NVIDIA_DRIVER_CAPABILITIES",
+        "NVIDIA_MOFED",
+        "NVIDIA_NVSWITCH",
+        "NVIDIA_GDS",
+        "NVIDIA_GDRCOPY",
+        "NVIDIA_MIG_CONFIG_DEVICES",
+        "NVIDIA_MIG_MONITOR_DEVICES",
     }
 )
+
+
+RESERVED_ANNOTATION = r"^([^/]*[.])?sftjob[.]io/"  # the progress and checkpoint reports on the pods
+# The AppArmor and seccomp annotations (container.apparmor.security.beta.kubernetes.io/<container>,
+# [container.]seccomp.security.alpha.kubernetes.io/...): the API server turns them into the pod's security
+# profile (an `unconfined` trainer), or Pod Security refuses every pod of the job. The pods' profile is the
+# operator's (RuntimeDefault).
+SECURITY_PROFILE_ANNOTATION = r"^([^/]*[.])?(apparmor|seccomp)[.]security[.](alpha|beta)[.]kubernetes[.]io/"
+
+
+def pod_annotation_key(key: str) -> str:
+    """``key`` of ``spec.podAnnotations`` when the pods may carry it; raises ValueError otherwise."""
+    if not valid_label_key(key):
+        raise ValueError(f"key {key!r} is not an annotation key: {LABEL_KEY_RULE}")
+    if re.match(RESERVED_ANNOTATION, key):
+        raise ValueError(f"key {key!r}: annotations under sftjob.io are the operator's and trainer's")
+    if re.match(SECURITY_PROFILE_ANNOTATION, key):
+        raise ValueError(
+            f"key {key!r}: AppArmor and seccomp annotations would set the pods' security profile,"
+            " which is the operator's (RuntimeDefault)"
+        )
+    return key
 
 
 class EnvVar(SpecModel):
@@ -47,10 +81,11 @@ class EnvVar(SpecModel):
     @field_validator("name")
     @classmethod
     def _not_reserved(cls, name: str) -> str:
-        if name.startswith(RESERVED_ENV_PREFIX) or name in RESERVED_ENV_NAMES:
+        if name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES:
             raise ValueError(
-                f"spec.env: {name} is set by the operator (reserved: {', '.join(sorted(RESERVED_ENV_NAMES))}"
-                f" and names starting with {RESERVED_ENV_PREFIX})"
+                f"spec.env: {name} is reserved: set by the operator, or read by torchrun or the NVIDIA"
+                f" container runtime (reserved are {', '.join(sorted(RESERVED_ENV_NAMES))}"
+                f" and names starting with {' or '.join(RESERVED_ENV_PREFIXES)})"
             )
         return name
 

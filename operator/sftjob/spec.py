@@ -17,7 +17,7 @@ same field names, enums, patterns and numeric bounds.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
@@ -44,7 +44,7 @@ from sftjob.kube_names import (
     valid_label_value,
 )
 from sftjob.network import NetworkSpec, inter_node_gbs
-from sftjob.pod_settings import EnvVar, Toleration
+from sftjob.pod_settings import EnvVar, Toleration, pod_annotation_key
 from sftjob.volumes import VolumeSource, relative_path, writable
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # with '-' or '.'. The CRD's CEL rule holds the same regex.
 HUB_ID = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 HUB_ID_RULE = "a Hugging Face hub id: [owner/]name of letters, digits, '-', '_' and '.', e.g. org/model-7B"
-RESERVED_ANNOTATION = r"^([^/]*[.])?sftjob[.]io/"  # the progress and checkpoint reports on the pods
+# Below this a memory quantity is a unit left out (`64` is 64 bytes), not a trainer pod's memory.
+MIN_POD_MEMORY = "1Gi"
 DEFAULT_CHECKPOINT_MINUTES = 30
 DEFAULT_CHECKPOINT_SIZE = "100Gi"
 
@@ -80,6 +81,14 @@ class SecretKeyRef(SpecModel):
     key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)] = "token"
 
 
+# Architecture's fields the CRD does not expose (the planner's label for a shape; a mixture of experts,
+# read from a model's config.json), and what a spec writes instead.
+NOT_IN_THE_API = {
+    "name": "the model is spec.model.name",
+    "experts": "size a mixture-of-experts model with spec.model.parameters (all experts counted)",
+}
+
+
 class ArchitectureSpec(Architecture):
     """``spec.model.architecture``: the shape, held to the CRD's bounds (far beyond any released model;
     the planner's own guesses from a parameter count are not), with ``family`` one the planner knows, and
@@ -92,7 +101,16 @@ class ArchitectureSpec(Architecture):
     intermediate_size: int = Field(ge=1, le=1048576)
     vocab_size: int = Field(ge=1, le=4194304)
     head_dim: int | None = Field(default=None, ge=1, le=4096)
+    sliding_window: int | None = Field(default=None, ge=1, le=1048576)
     family: ModelFamily | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_the_apis_fields(cls, data: Any) -> Any:
+        for key, why in NOT_IN_THE_API.items():
+            if isinstance(data, dict) and data.get(key) is not None:
+                raise ValueError(f"spec.model.architecture has no field {key}: {why}")
+        return data
 
     @model_validator(mode="after")
     def _heads_split_evenly(self) -> ArchitectureSpec:
@@ -240,6 +258,18 @@ class ResourceSpec(SpecModel):
     cpu: Quantity | None = None
     memory: Quantity | None = None
 
+    @field_validator("memory")
+    @classmethod
+    def _memory_has_a_unit(cls, memory: str | None) -> str | None:
+        from sftjob.storage import quantity_value  # storage plans from this module's spec
+
+        if memory is not None and quantity_value(memory) < quantity_value(MIN_POD_MEMORY):
+            raise ValueError(
+                f"spec.resources.memory {memory} is below {MIN_POD_MEMORY}, too little for a trainer pod"
+                " (a quantity without a unit is bytes: 64Gi, not 64)"
+            )
+        return memory
+
 
 class RestartPolicySpec(RestartPolicy):
     """``spec.restartPolicy``: :class:`~sftjob.attempts.RestartPolicy` with the acronym spelled ``onOOM``
@@ -289,10 +319,7 @@ class SFTJobSpec(SpecModel):
     @classmethod
     def _annotation_keys(cls, annotations: dict[str, str]) -> dict[str, str]:
         for key in annotations:
-            if not valid_label_key(key):
-                raise ValueError(f"key {key!r} is not an annotation key: {LABEL_KEY_RULE}")
-            if re.match(RESERVED_ANNOTATION, key):
-                raise ValueError(f"key {key!r}: annotations under sftjob.io are the operator's and trainer's")
+            pod_annotation_key(key)
         return annotations
 
     @model_validator(mode="after")
@@ -356,7 +383,9 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
         spec.model.architecture,
         spec.model.parameters,
     )
-    packing = spec.training.packing_length
+    # Without packing the trainer pads every row to maxSeqLength: a packingLength (refused with packing
+    # false at admission since; a job admitted before keeps running) must not shorten the planned rows.
+    packing = spec.training.packing_length if spec.training.packing is not False else None
     return PlanRequest(
         architecture=architecture,
         method=spec.method,

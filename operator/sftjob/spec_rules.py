@@ -10,10 +10,15 @@ from sftjob.spec import SFTJobSpec
 
 
 def packing_problem(spec: SFTJobSpec) -> str | None:
-    """Packed rows longer than the sequence length: refused at admission by the CRD's rule, and by the
-    CLI, but not by this model: a job admitted before the rule existed keeps running, its rows planned at
-    ``maxSeqLength`` (:func:`sftjob.spec.to_plan_request`), as they were then."""
+    """Packed rows longer than the sequence length, or a packed-row length with packing off: refused at
+    admission by the CRD's rules, and by the CLI, but not by this model: a job admitted before the rules
+    existed keeps running, its rows planned at ``maxSeqLength`` (:func:`sftjob.spec.to_plan_request`)."""
     length = spec.training.packing_length
+    if length is not None and spec.training.packing is False:
+        return (
+            f"spec.training.packingLength {length} needs packing: with spec.training.packing false every row"
+            " is padded to spec.dataset.maxSeqLength; remove packingLength or turn packing on"
+        )
     if length is not None and length > spec.dataset.max_seq_length:
         return (
             f"spec.training.packingLength {length} exceeds spec.dataset.maxSeqLength"

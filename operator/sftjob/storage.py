@@ -77,8 +77,8 @@ def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:
     claim = (
         f"spec.checkpoints.size {spec.checkpoints.size}"
         if "size" in spec.checkpoints.model_fields_set
-        else f"the default checkpoint claim ({spec.checkpoints.size} built in; the operator's flag or chart"
-        " value may differ, status.effective shows it)"
+        else f"the default checkpoint claim ({spec.checkpoints.size}, the operator's default:"
+        " status.effective shows it)"
     )
     return (
         f"{claim} cannot hold the run: it needs about"

@@ -10,6 +10,7 @@ new operator defaults (a chart upgrade) never change a job that already exists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from sftjob.job_status import EffectiveCheckpoints, EffectiveRestartPolicy, EffectiveSettings
 from sftjob.spec import CheckpointSpec, RestartPolicySpec, SFTJobSpec
@@ -17,6 +18,7 @@ from sftjob.spec import CheckpointSpec, RestartPolicySpec, SFTJobSpec
 # The fields the operator's defaults fill when the spec leaves them unset.
 CHECKPOINT_FIELDS = ("storage_class_name", "size")
 RESTART_FIELDS = ("max_restarts", "backoff_seconds", "on_oom")
+Block = TypeVar("Block", CheckpointSpec, RestartPolicySpec)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class JobDefaults:
 
     def fill(self, spec: SFTJobSpec) -> SFTJobSpec:
         """``spec`` with every defaulted field it leaves unset taken from these defaults. A default
-        backoff above the job's own ``maxBackoffSeconds`` is capped there."""
+        backoff above the job's own ``maxBackoffSeconds`` is capped there. A filled field still counts
+        as unset (``model_fields_set``), so messages call it the default, not the user's."""
         cp, rp = spec.checkpoints, spec.restart_policy
         cp_update = {
             f: getattr(self.checkpoints, f) for f in CHECKPOINT_FIELDS if f not in cp.model_fields_set
@@ -71,10 +74,16 @@ class JobDefaults:
             rp_update["backoff_seconds"] = min(rp_update["backoff_seconds"], rp.max_backoff_seconds)
         return spec.model_copy(
             update={
-                "checkpoints": cp.model_copy(update=cp_update),
-                "restart_policy": rp.model_copy(update=rp_update),
+                "checkpoints": _defaulted(cp, cp_update),
+                "restart_policy": _defaulted(rp, rp_update),
             }
         )
+
+
+def _defaulted(block: Block, defaults: dict[str, Any]) -> Block:
+    """``block`` with ``defaults`` filled in and its set fields what the user set (``model_copy`` would
+    count the defaults as set)."""
+    return type(block).model_construct(_fields_set=set(block.model_fields_set), **{**dict(block), **defaults})
 
 
 def effective(spec: SFTJobSpec) -> EffectiveSettings:

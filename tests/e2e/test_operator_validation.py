@@ -203,6 +203,34 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         spec_with(model={"name": "acme/model", "architecture": architecture(kvHeads=4, family="phi3")}),
         "spec.model.architecture.family",
     ),
+    "sliding window of zero": (
+        spec_with(model={"name": "acme/model", "architecture": architecture(slidingWindow=0)}),
+        "spec.model.architecture.slidingWindow",
+    ),
+    "an unconfined AppArmor profile in a pod annotation": (
+        spec_with(podAnnotations={"container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}),
+        "AppArmor and seccomp annotations would set the pods' security profile",
+    ),
+    "a seccomp profile in a pod annotation": (
+        spec_with(podAnnotations={"seccomp.security.alpha.kubernetes.io/pod": "unconfined"}),
+        "AppArmor and seccomp annotations would set the pods' security profile",
+    ),
+    "a host device the NVIDIA runtime mounts": (
+        spec_with(env=[{"name": "NVIDIA_MOFED", "value": "enabled"}]),
+        "spec.env[0].name",
+    ),
+    "a torchrun flag in the environment": (
+        spec_with(env=[{"name": "PET_MAX_RESTARTS", "value": "100"}]),
+        "spec.env[0].name",
+    ),
+    "a packed-row length with packing off": (
+        spec_with(training={"packing": False, "packingLength": 512}),
+        "training.packingLength needs packing",
+    ),
+    "the checkpoint volume's root as ./": (spec_with(output={"path": "./"}), "spec.output.path"),
+    "memory without a unit": (spec_with(resources={"memory": 64}), "must be at least 1Gi"),
+    "memory in mebibytes": (spec_with(resources={"memory": "512Mi"}), "spec.resources.memory"),
+    "no LoRA target modules": (spec_with(lora={"targetModules": []}), "spec.lora.targetModules"),
 }
 
 
@@ -224,6 +252,21 @@ def test_a_multi_node_job_with_rdma_devices_and_pod_annotations_is_admitted(jobs
     admitted = json.loads(result.stdout)["spec"]
     assert admitted["network"]["rdma"] == {"resourceName": "rdma/rdma_shared_device_a", "count": 1}
     assert admitted["podAnnotations"] == {"k8s.v1.cni.cncf.io/networks": "roce-a,roce-b"}
+
+
+def test_the_edges_of_the_output_memory_env_and_architecture_rules_are_admitted(jobs: Jobs) -> None:
+    manifest = spec_with(
+        model={"name": "acme/model", "architecture": architecture(slidingWindow=4096)},
+        output={"path": "./final"},
+        resources={"memory": "1Gi"},
+        env=[{"name": "PETNAME", "value": "rex"}, {"name": "NVIDIA_TF32_OVERRIDE", "value": "0"}],
+        podAnnotations={"example.com/apparmor": "notes"},
+        training={"packing": True, "packingLength": 512},
+    )
+    result = jobs.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(manifest))
+    admitted = json.loads(result.stdout)["spec"]
+    assert admitted["output"]["path"] == "./final" and admitted["resources"]["memory"] == "1Gi"
+    assert admitted["model"]["architecture"]["slidingWindow"] == 4096
 
 
 def test_a_name_too_long_for_its_pod_names_is_rejected(jobs: Jobs) -> None:

@@ -300,3 +300,30 @@ def test_other_accounts_and_other_pods_are_left_alone(
     other.patch_namespaced_pod("vision", ns, {"metadata": {"labels": {"stage": "done"}}})
     labels = cluster.kubectl_json("-n", ns, "get", "pod", "vision")["metadata"]["labels"]
     assert labels["stage"] == "done"
+
+
+def test_a_pod_created_by_someone_else_under_a_name_the_trainer_role_holds_is_refused(
+    cluster: Cluster, attempt: Attempt, tmp_path: Path
+) -> None:
+    """The Role names an attempt's pods before they exist: a bare pod that took such a name first
+    (without the sftjob.io/job label) is not the trainer's to change, not even its annotations."""
+    ns, squatted = attempt.namespace, "squat-1-1"
+    job = JobRef(namespace=ns, name="squat", uid=str(uuid.uuid4()), attempt=1)
+    unowned = [
+        builders.service_account(job),
+        builders.role(job, ["squat-1-0", squatted]),
+        builders.role_binding(job),
+    ]
+    for manifest in unowned:  # their owner does not exist: the garbage collector would remove them
+        del manifest["metadata"]["ownerReferences"]
+    apply(cluster, *unowned)
+    cluster.kubectl("-n", ns, "run", squatted, "--image=registry.example.com/db:1", "--restart=Never")
+    token = cluster.kubectl("-n", ns, "create", "token", builders.trainer_account_name(job.name)).stdout
+    api = api_as(cluster, token.strip(), tmp_path / "squat")
+    evil = {"spec": {"containers": [{"name": squatted, "image": "registry.example.com/evil:1"}]}}
+    for body in (evil, PROGRESS):
+        refused = refusal(api.patch_namespaced_pod, squatted, ns, body)
+        assert refused.status == 422
+        assert f"the trainer may only annotate its own pod: pod {squatted} is no SFTJob's" in message(refused)
+    found = cluster.kubectl_json("-n", ns, "get", "pod", squatted)
+    assert found["spec"]["containers"][0]["image"] == "registry.example.com/db:1"

@@ -365,3 +365,18 @@ def test_user_roles_aggregate_into_the_built_in_edit_and_view_roles() -> None:
 
 # ---------------------------------------------------------------------------------------------------
 # Monitoring: monitors, alerts, dashboards
+
+
+@pytest.mark.parametrize(("value", "label"), [("1", "1"), ("true", "true"), ("Training", "Training")])
+def test_the_dashboard_label_value_may_be_given_as_set_parses_it_and_is_rendered_as_a_string(
+    value: str, label: str
+) -> None:
+    """`--set dashboards.labelValue=1` hands the chart a number (the default is the string "1")."""
+    docs = render("default", (f"dashboards.labelValue={value}",))
+    dashboards = [d for d in docs if d["kind"] == "ConfigMap" and "-dashboard-" in d["metadata"]["name"]]
+    assert dashboards and all(d["metadata"]["labels"]["grafana_dashboard"] == label for d in dashboards)
+
+
+def test_a_dashboard_label_value_that_is_no_label_value_is_refused() -> None:
+    result = helm(*template_args(sets=("dashboards.labelValue=a b c",)), check=False)
+    assert result.returncode != 0 and "/dashboards/labelValue" in result.stderr

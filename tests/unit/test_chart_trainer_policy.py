@@ -66,9 +66,30 @@ def test_the_policy_applies_to_trainer_accounts_and_not_to_the_operator() -> Non
         assert not re.match(pattern.group(1), other)
 
 
-def test_the_policy_only_concerns_pods_of_sftjobs() -> None:
-    assert f"'{c.LABEL_JOB}' in oldObject.metadata.labels" in condition("on-an-sftjob-pod")
+POD_NAME_SUFFIX = "-[0-9]+-[0-9]+$"  # -<attempt>-<rank>
+
+
+def test_the_policy_concerns_sftjob_pods_and_every_pod_a_trainer_role_may_name() -> None:
+    """The Role holds pod names before the pods exist; one someone else created under such a name is
+    matched by its name: ``<job>-<attempt>-<rank>`` for the caller ``<job>-trainer``."""
+    expression = condition("on-an-sftjob-pod-or-one-its-role-may-name")
+    assert f"'{c.LABEL_JOB}' in oldObject.metadata.labels" in expression
     assert c.LABEL_JOB in builders.labels(JOB, attempt=1, rank=0)
+    assert expression.count(f"'{POD_NAME_SUFFIX}'") == 2
+    assert "'system:serviceaccount:' + request.namespace + ':'" in expression
+    name = builders.pod_name(JOB.name, 12, 3)
+    job = re.sub(POD_NAME_SUFFIX, "", name)
+    assert job != name and f"{job}-trainer" == builders.trainer_account_name(JOB.name)
+    assert re.search(POD_NAME_SUFFIX, builders.trainer_account_name(JOB.name)) is None
+
+
+def test_the_policy_refuses_a_pod_that_is_not_the_callers_jobs() -> None:
+    assert variable("podJob").split("?")[1].strip() == f"oldObject.metadata.labels['{c.LABEL_JOB}'] : ''"
+    assert any(
+        "'system:serviceaccount:' + request.namespace + ':' + variables.podJob + '-trainer'"
+        in v["expression"]
+        for v in policy()["spec"]["validations"]
+    )
 
 
 def test_the_annotations_the_trainer_may_write_are_the_ones_it_reports() -> None:

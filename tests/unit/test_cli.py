@@ -195,7 +195,8 @@ def test_a_checkpoint_claim_too_small_for_the_run_exits_1_with_the_size_to_ask_f
     job.write_text(full + " gpu: {type: A800, count: 8}}")
     code, out, err = run(capsys, "plan", "-f", str(job))
     assert code == 1 and "checkpoint GiB (one)" in out
-    assert "the default checkpoint claim (100Gi built in;" in err and "cannot hold the run" in err
+    assert "the default checkpoint claim (100Gi, the operator's default" in err
+    assert "cannot hold the run" in err
     assert "Gi or more" in err
     job.write_text(full + " gpu: {type: A800, count: 8}, checkpoints: {size: 200Gi}}")
     code, _, err = run(capsys, "plan", "-f", str(job))

@@ -31,7 +31,7 @@ from sftjob.spec import SFTJobSpec
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
 # Model fields the API does not expose: filled in by the operator, never by users.
-INTERNAL = {"spec.model.architecture": {"name", "slidingWindow"}}
+INTERNAL = {"spec.model.architecture": {"name", "experts"}}
 Schema = dict[str, Any]
 
 
@@ -288,9 +288,21 @@ def test_quantities_are_numbers_or_strings_checked_with_the_models_pattern_and_w
     for field in fields:
         assert field["x-kubernetes-int-or-string"] is True and "type" not in field
         assert field["maxLength"] == 32  # checks the strings; a number that long is no quantity anyway
-        (rule,) = field["x-kubernetes-validations"]
+        rule = field["x-kubernetes-validations"][0]
         assert rule["rule"] == f"string(self).matches(r'{POSITIVE_QUANTITY}')"
         assert rule["message"] == f"must be {QUANTITY_RULE}"
+
+
+def test_pod_memory_below_the_models_minimum_is_refused_by_a_rule_naming_the_unit(schema: Schema) -> None:
+    from sftjob.spec import MIN_POD_MEMORY
+
+    memory = schema["properties"]["spec"]["properties"]["resources"]["properties"]["memory"]
+    _, rule = memory["x-kubernetes-validations"]
+    assert f"quantity(string(self)).compareTo(quantity('{MIN_POD_MEMORY}')) >= 0" in rule["rule"]
+    assert (
+        rule["message"].startswith(f"must be at least {MIN_POD_MEMORY}")
+        and "without a unit" in rule["message"]
+    )
 
 
 def test_the_output_path_rule_holds_the_checkpoint_volumes_names(schema: Schema) -> None:
@@ -298,9 +310,20 @@ def test_the_output_path_rule_holds_the_checkpoint_volumes_names(schema: Schema)
     assert any(f"self.path.matches(r'{c.CHECKPOINT_VOLUME_NAMES}')" in r["rule"] for r in rules)
 
 
-def test_the_crd_reserves_every_env_name_the_spec_model_does(schema: Schema) -> None:
-    from sftjob.pod_settings import RESERVED_ENV_NAMES
+def test_the_crd_reserves_every_env_name_and_prefix_the_spec_model_does(schema: Schema) -> None:
+    from sftjob.pod_settings import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES
 
-    item = schema["properties"]["spec"]["properties"]["env"]["items"]
-    rules = " ".join(rule["rule"] for rule in item["x-kubernetes-validations"])
+    env = schema["properties"]["spec"]["properties"]["env"]
+    rules = " ".join(rule["rule"] for rule in env["items"]["x-kubernetes-validations"])
     assert all(f"'{name}'" in rules for name in RESERVED_ENV_NAMES), rules
+    assert all(f"!self.name.startsWith('{prefix}')" in rules for prefix in RESERVED_ENV_PREFIXES), rules
+    described = " ".join(env["description"].replace(",", " ").split())
+    assert all(name in described.split() for name in RESERVED_ENV_NAMES)
+
+
+def test_the_crd_refuses_the_pod_annotations_the_spec_model_does(schema: Schema) -> None:
+    from sftjob.pod_settings import RESERVED_ANNOTATION, SECURITY_PROFILE_ANNOTATION
+
+    rules = schema["properties"]["spec"]["properties"]["podAnnotations"]["x-kubernetes-validations"]
+    for pattern in (RESERVED_ANNOTATION, SECURITY_PROFILE_ANNOTATION):
+        assert any(f"self.all(k, !k.matches('{pattern}'))" == r["rule"] for r in rules), pattern

@@ -91,3 +91,24 @@ def test_a_job_selecting_a_card_its_plan_does_not_fit_fails_before_any_pod_inste
     actions = reconcile(observed(spec={**SPEC, "gpu": {"type": "A800"}, "nodeSelector": selector}), ctx)
     assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "DoesNotFit")
     assert condition(actions, "Planned") == ("False", "DoesNotFit") and not actions.children
+
+
+def test_a_described_sliding_window_model_is_planned_with_the_attention_of_the_built_in_one() -> None:
+    """Mistral 7B v0.1 attends within 4096 tokens: rows longer than that need eager attention (its
+    score matrix counted), whether the planner knows the model or the spec describes its shape."""
+    mistral = {"layers": 32, "hiddenSize": 4096, "heads": 32, "kvHeads": 8, "intermediateSize": 14336}
+    shape = {**mistral, "vocabSize": 32000, "family": "mistral", "slidingWindow": 4096}
+    dataset = {"name": "org/chats", "maxSeqLength": 8192}
+
+    def attention(model: dict[str, Any]) -> tuple[str, float]:
+        spec = SFTJobSpec.model_validate(
+            {**SPEC, "model": model, "dataset": dataset, "gpu": {"type": "A800"}}
+        )
+        plan = next(iter(plan_candidates(spec, PRODUCTS).plans.values()))
+        return plan.training.attention, plan.memory.total_gib
+
+    built_in = attention({"name": "mistralai/Mistral-7B-v0.1"})
+    described = attention({"name": "acme/mistral-7b-v0.1-chat", "architecture": shape})
+    assert built_in[0] == described[0] == "eager" and described[1] == pytest.approx(built_in[1], rel=0.01)
+    full_attention = {"name": "acme/mistral-7b-v0.1-chat", "architecture": {**shape, "slidingWindow": None}}
+    assert attention(full_attention)[0] == "sdpa"
