@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,3 +121,68 @@ def _lora_weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
     dcp_to_torch_save(checkpoint / checkpoints.TENSORS_DIR, scratch)
     model = torch.load(scratch, weights_only=True)["model"]
     return {name.replace(".default.", "."): tensor for name, tensor in model.items()}
+
+
+def _summary(config: Path) -> dict[str, Any]:
+    return dict(json.loads((Path(json.loads(config.read_text())["outputDir"]) / "summary.json").read_text()))
+
+
+def test_an_attempt_resumed_where_early_stopping_ended_the_run_trains_no_further(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    losses = iter([3.0, 1.0, 2.0, 2.5])  # stops at step 4; a resume must ask for no evaluation
+    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (next(losses), 0.01))
+    config = trainer_config(
+        "messages",
+        checkpoints={"everySteps": 1, "keep": 1},
+        evaluation={"fraction": 0.1, "finalModel": "Best", "earlyStopping": {"patience": 2}},
+    )
+    assert run(str(config)) == ExitCode.OK
+    (Path(json.loads(config.read_text())["outputDir"]) / "summary.json").unlink()  # as if writing it failed
+    assert run(str(config)) == ExitCode.OK
+    again = _summary(config)
+    assert (again["resumedFromStep"], again["steps"], again["totalSteps"]) == (4, 4, 12)
+    assert again["stoppedEarly"] and again["outputStep"] == 2
+
+
+def test_patience_running_out_at_the_last_step_is_no_early_stop_even_after_a_resume(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    losses = iter([1.0, 2.0, 3.0])  # evaluated at the checkpoints of steps 4, 8 and 12
+    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (next(losses), 0.01))
+    config = trainer_config("messages", evaluation={"fraction": 0.1, "earlyStopping": {"patience": 2}})
+    assert run(str(config)) == ExitCode.OK
+    assert not _summary(config)["stoppedEarly"]
+    (Path(json.loads(config.read_text())["outputDir"]) / "summary.json").unlink()
+    assert run(str(config)) == ExitCode.OK
+    again = _summary(config)
+    assert not again["stoppedEarly"] and (again["steps"], again["totalSteps"]) == (12, 12)
+
+
+def test_a_checkpoint_whose_evaluation_a_sigterm_stopped_is_evaluated_when_the_run_resumes(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (None, 0.01))  # stopped
+    config = trainer_config("messages", evaluation={"fraction": 0.1, "finalModel": "Best"})
+    assert run(str(config)) == ExitCode.PREEMPTED  # the checkpoint of step 4 saved without its evaluation
+    losses = iter([1.0, 7.0, 8.0])  # step 4 at the resume, then 8 and 12
+    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (next(losses), 0.01))
+    assert run(str(config)) == ExitCode.OK
+    summary = _summary(config)
+    assert summary["resumedFromStep"] == 4 and summary["outputStep"] == 4
+
+
+def test_a_short_run_without_one_finite_loss_still_ends_with_its_termination_message(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, termination_log: Path
+) -> None:
+    from dataclasses import replace
+
+    from sftjob_trainer import train
+
+    real = train.train_step
+    monkeypatch.setattr(
+        "sftjob_trainer.train.train_step",
+        lambda *args, **kwargs: replace(real(*args, **kwargs), loss=float("nan"), skipped="non-finite"),
+    )
+    assert run(str(trainer_config("messages", training={"maxSteps": 3}))) == ExitCode.OK
+    assert "completed 3 steps, final loss n/a" in termination_log.read_text()

@@ -39,9 +39,9 @@ def evaluated(state: TrainState, settings: EvaluationSettings) -> None:
         state.lowest_eval_loss = min(state.lowest_eval_loss, loss)
 
 
-def stops_early(state: TrainState, settings: EvaluationSettings) -> bool:
+def stops_early(state: TrainState, settings: EvaluationSettings | None) -> bool:
     """Whether the evaluations so far end training (``earlyStopping.patience`` without improvement)."""
-    early = settings.early_stopping
+    early = settings.early_stopping if settings is not None else None
     return early is not None and state.evals_without_improvement >= early.patience
 
 

@@ -86,7 +86,7 @@ def run(config_path: str) -> ExitCode:
             log.info("effective configuration (%s):\n%s", config_path, config.to_json())
         summary = Training(config, ctx, stop, metrics).run()
         write_termination_message(
-            f"completed {summary['steps']} steps, final loss {summary['finalLoss']:.4f},"
+            f"completed {summary['steps']} steps, final loss {_number(summary['finalLoss'])},"
             f" {summary['tokensPerSecond']:,.0f} tokens/s"
         )
         return ExitCode.OK
@@ -98,6 +98,11 @@ def run(config_path: str) -> ExitCode:
             metrics.close()
         if ctx is not None:
             ctx.close()
+
+
+def _number(loss: float | None) -> str:
+    """The final loss for the termination message: none when no step had a finite one."""
+    return "n/a" if loss is None else f"{loss:.4f}"
 
 
 class Training:
@@ -234,22 +239,27 @@ class Training:
         resumed_from = state.step if resumed else None
         course = continue_course(state, parts, self.t, planned)
         schedule = replace(schedule, offset=course.offset)
-        stopped = config.evaluation is not None and stops_early(state, config.evaluation)  # an attempt before
         if observer is not None:
             observer.follow(schedule, course.total)
             if resumed is not None:
                 observer.resumed_from(state, resumed)
             observer.phase("resumed" if resumed else "starting", state.step, state.loss)
-            if stopped:
-                observer.stopped_early(state)
-        course = replace(course, total=state.step) if stopped else course
+        settings = config.evaluation
+        unevaluated = resumed is not None and state.eval_step != state.step  # a SIGTERM's save: evaluate it
+        if evaluation is not None and unevaluated and self.evaluate(parts, evaluation, plan, state, observer):
+            selection.saving(state)
+        # Early stopping ended an earlier attempt here (it then failed writing the output): train no further.
+        stopped = state.step < course.total and stops_early(state, settings)
+        if stopped and observer is not None:
+            observer.stopped_early(state)
+        end = state.step if stopped else course.total
 
         seconds, tokens = self.loop(
             parts,
             plan,
-            StepBatches(units, schedule, layout, ctx.rank, state.step, course.total),
+            StepBatches(units, schedule, layout, ctx.rank, state.step, end),
             state,
-            course.total,
+            end,
             observer,
             flops,
             evaluation,
@@ -269,7 +279,7 @@ class Training:
             summary |= {"evalLoss": state.eval_loss, "evalStep": state.eval_step}
             with heartbeat.busy(observer, "loading the best checkpoint", self.io_seconds):
                 output_step = selection.load_output(self.config, parts, state, ctx)
-            summary |= {"stoppedEarly": stopped or state.step < course.total, "outputStep": output_step}
+            summary |= {"stoppedEarly": state.step < course.total, "outputStep": output_step}
         with heartbeat.busy(observer, "writing the output", self.io_seconds):
             output.write_model(self.config, self.ctx, model, tokenizer, summary)
         return summary
@@ -335,25 +345,15 @@ class Training:
             if evaluation is not None and not stopping and (save or scheduled or state.step == total):
                 # A SIGTERM during the evaluation stops it: the checkpoint is what the grace period is for.
                 stopping = not self.evaluate(parts, evaluation, plan, state, observer)
-                early = (
-                    not stopping
-                    and state.step < total
-                    and settings is not None
-                    and stops_early(state, settings)
-                )
+                early = not stopping and state.step < total and stops_early(state, settings)
                 save = save or stopping or (early and self.config.method != "full")  # as a last step
             if save:
                 saved = time.monotonic()
                 selection.saving(state)
                 with heartbeat.busy(observer, f"saving the checkpoint of step {state.step}", self.io_seconds):
+                    job = self.config.job
                     path = checkpoints.save(
-                        Path(every.dir),
-                        state,
-                        parts,
-                        ctx,
-                        keep=every.keep,
-                        job=self.config.job,
-                        keep_best=best,
+                        Path(every.dir), state, parts, ctx, keep=every.keep, job=job, keep_best=best
                     )
                 last_save = time.monotonic()
                 if observer is not None:
@@ -377,8 +377,6 @@ class Training:
                     observer.stopped_early(state)
                 break
             wait_started = time.monotonic()
-        if evaluation is not None and state.eval_step != state.step:  # resumed from a SIGTERM's last step
-            self.evaluate(parts, evaluation, plan, state, observer)
         return time.monotonic() - started, tokens_this_attempt
 
     def evaluate(
