@@ -23,6 +23,9 @@ OnOOM = Literal["Replan", "Retry", "Fail"]
 ATTEMPTS_MAX_ITEMS = 1200
 # The newest records stay whatever they say; older ones only when a restart decision reads them.
 ATTEMPTS_KEPT_NEWEST = 100
+# A GPU or driver fault class that ended attempts on this many distinct nodes follows the job, not a node.
+NODE_FAULTS_FOLLOW_THE_JOB = 2
+GPU_FAULT = frozenset({FailureClass.GPU_UNAVAILABLE, FailureClass.DRIVER_MISMATCH})
 
 
 class RestartPolicy(BaseModel):
@@ -46,7 +49,8 @@ class RestartPolicy(BaseModel):
         ge=0,
         le=1000,
         description="Restarts after preemption, node loss or a node's GPU or driver fault; they do not count"
-        " against maxRestarts.",
+        " against maxRestarts (once a GPU or driver fault is seen on two nodes it follows the job, and later"
+        " ones count).",
     )
     stall_timeout_seconds: int | None = Field(
         default=1800,
@@ -107,11 +111,34 @@ class AttemptRecord(BaseModel):
         """Ended by preemption or node loss: restarted at once."""
         return self.reason in FREE_RESTART
 
-    @property
-    def not_the_jobs_fault(self) -> bool:
-        """Ended by preemption, node loss, or a node whose GPUs or driver failed: counted against
-        ``maxInterruptions``, never against ``maxRestarts``."""
-        return self.reason in FREE_RESTART or self.reason in NODE_FAULT
+
+def not_the_jobs_fault(history: Sequence[AttemptRecord]) -> list[bool]:
+    """For each record: ended by preemption, node loss, or a node whose GPUs or driver failed, and so
+    counted against ``maxInterruptions``, never against ``maxRestarts``.
+
+    A GPU or driver fault follows the job rather than a node once its class has ended attempts on
+    :data:`NODE_FAULTS_FOLLOW_THE_JOB` distinct nodes: an image built for a newer CUDA than the drivers
+    have, a PyTorch without CUDA, a driver requirement no node meets. Every later failure of that class
+    is then the job's own. Derived from the history alone, so the verdict is the same on every pass.
+    """
+    seen: dict[FailureClass, set[str]] = {cls: set() for cls in GPU_FAULT}
+    verdicts = []
+    for record in history:
+        nodes = seen.get(record.reason) if record.reason else None
+        on_enough = nodes is not None and len(nodes) >= NODE_FAULTS_FOLLOW_THE_JOB
+        verdicts.append(record.reason in FREE_RESTART or (record.reason in NODE_FAULT and not on_enough))
+        if nodes is not None and record.node:
+            nodes.add(record.node)
+    return verdicts
+
+
+def follows_the_job(history: Sequence[AttemptRecord]) -> tuple[FailureClass, list[str]] | None:
+    """The GPU or driver fault class that ended the last attempt and the nodes it ended attempts on, when
+    it follows the job (:func:`not_the_jobs_fault`); None otherwise."""
+    cls = history[-1].reason if history else None
+    if cls is None or cls not in GPU_FAULT or not_the_jobs_fault(history)[-1]:
+        return None
+    return cls, sorted({r.node for r in history if r.reason is cls and r.node})
 
 
 def trimmed(records: Sequence[AttemptRecord]) -> list[AttemptRecord]:
@@ -122,13 +149,14 @@ def trimmed(records: Sequence[AttemptRecord]) -> list[AttemptRecord]:
     newest :data:`ATTEMPTS_KEPT_NEWEST`. Every failed record stays: each counts toward a budget, the OOM
     ladder, the memory raised or the nodes avoided, and the budgets bound how many there are
     (``maxRestarts`` + ``maxInterruptions`` + 2 and the ladders' rungs, fewer than
-    :data:`ATTEMPTS_MAX_ITEMS`). Should they leave too little room, suspended records among the newest
-    go as well, oldest first, but never the newest two: the last attempt and the one before it, which the
-    decisions read. Decisions on the trimmed history are the ones on the whole history.
+    :data:`ATTEMPTS_MAX_ITEMS`). Should they leave too little room (one below the limit: the attempt
+    started next appends its record), suspended records among the newest go as well, oldest first, but
+    never the newest two: the last attempt and the one before it, which the decisions read. Decisions on
+    the trimmed history are the ones on the whole history.
     """
     newest = len(records) - ATTEMPTS_KEPT_NEWEST
     droppable = [i for i, r in enumerate(records[:-2]) if i > 0 and r.ended and not r.failed]
     drop = {i for i in droppable if i < newest}
-    over = len(records) - len(drop) - ATTEMPTS_MAX_ITEMS
+    over = len(records) - len(drop) - (ATTEMPTS_MAX_ITEMS - 1)  # room for the resumed attempt's record
     drop.update([i for i in droppable if i >= newest][: max(0, over)])
     return [r for i, r in enumerate(records) if i not in drop]

@@ -20,7 +20,7 @@ from typing import Any
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
-from sftjob_operator.termination import gpu_runtime_failure, read_message
+from sftjob_operator.termination import MESSAGE_SIGNATURES, gpu_runtime_failure, read_message
 
 Obj = Mapping[str, Any]
 
@@ -57,9 +57,12 @@ CONFIG_MISSING_GIVE_UP_SECONDS = 180.0
 CONFIG_GIVE_UP_SECONDS = 600.0
 # The container runtime could not create or start the container: with the GPU runtime at fault, the node's
 # (termination.gpu_runtime_failure). The kubelet retries a failed create, so one that still fails this long
-# after it took the pod ends the attempt (the GPU runtime's classes, else Unknown).
+# after it took the pod ends the attempt (the GPU runtime's classes). The pod status has no clock for the
+# end of the pull, so another create error ("context deadline exceeded", a container name "reserved" by
+# the create that timed out) waits as long as a pull may take as well, then ends the attempt as Unknown.
 CREATE_WAITING = frozenset({"CreateContainerError", "RunContainerError"})
 CREATE_GIVE_UP_SECONDS = 300.0
+CREATE_OTHER_GIVE_UP_SECONDS = IMAGE_PULL_GIVE_UP_SECONDS + CREATE_GIVE_UP_SECONDS
 START_FAILURES = frozenset({"StartError", "ContainerCannotRun"})  # terminated before the process ran
 # Kubelet admission failures that mean the node advertised GPUs it could not hand out.
 GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/gpu"})
@@ -70,29 +73,6 @@ NODE_GONE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 # code the trainer tagged its message with (torchrun, the container's PID 1, exits 1 for any of them).
 TRAINER_FAILURE_CODES = frozenset(code for code in EXIT_CODE_CLASS if code != ExitCode.UNKNOWN)
 
-# When no code says more (an uncaught exception, a crash that wrote no message and left the log tail
-# instead), the message often still does. First match wins.
-MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
-    (re.compile(pattern, re.IGNORECASE), cls)
-    for pattern, cls in (
-        (
-            r"CUDA out of memory|CUDA error: out of memory|Cuda failure 'out of memory'|OutOfMemoryError"
-            r"|CUBLAS_STATUS_ALLOC_FAILED",
-            FailureClass.CUDA_OOM,
-        ),
-        (r"DataLoader worker .* killed by signal: Killed|Cannot allocate memory", FailureClass.HOST_OOM),
-        (
-            r"driver version is insufficient|CUDA driver .* too old|driver/library version mismatch",
-            FailureClass.DRIVER_MISMATCH,
-        ),
-        (
-            r"no CUDA-capable device|busy or unavailable|uncorrectable ECC|\bXid\b",
-            FailureClass.GPU_UNAVAILABLE,
-        ),
-        (r"NCCL|ProcessGroupGloo|DistNetworkError|rendezvous", FailureClass.COMMUNICATION_ERROR),
-        (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
-    )
-)
 # torchrun's rendezvous gave up on a peer that never came (rank 0: "Timed out after 600 seconds waiting for
 # clients. 1/2 clients joined."; the others: "The client socket has timed out after 600000ms while trying
 # to connect to (host, port)."): a CommunicationError, yet no sign of a broken link or a bad node.
@@ -331,9 +311,11 @@ def _waiting_failure(pod: Obj, now: datetime, node_name: str | None) -> Classifi
             missing = CONFIG_MISSING.search(message) is not None
             if waited > (CONFIG_MISSING_GIVE_UP_SECONDS if missing else CONFIG_GIVE_UP_SECONDS):
                 return _failed(FailureClass.CONFIG_ERROR, None, _still(said, waited), node_name)
-        if reason in CREATE_WAITING and waited > CREATE_GIVE_UP_SECONDS:
-            cls, what = gpu_runtime_failure(reason, message) or (FailureClass.UNKNOWN, said)
-            return _failed(cls, None, _still(what, waited), node_name)
+        if reason in CREATE_WAITING:
+            runtime = gpu_runtime_failure(reason, message)
+            if waited > (CREATE_GIVE_UP_SECONDS if runtime else CREATE_OTHER_GIVE_UP_SECONDS):
+                cls, what = runtime or (FailureClass.UNKNOWN, said)
+                return _failed(cls, None, _still(what, waited), node_name)
     return None
 
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, timedelta
 
-from sftjob.attempts import AttemptRecord
+from sftjob.attempts import AttemptRecord, trimmed
 from sftjob.config import JobRef
 from sftjob.failures import FailureClass
 from sftjob.job_status import GpuStatus, ProgressStatus
@@ -172,7 +172,7 @@ class _Pass(JobPass):
         )
         self.update(
             attempt=decision.attempt,
-            attempts=[*self.status.attempts, record],
+            attempts=[*trimmed(self.status.attempts), record],
             restarts=self.status.restarts + (1 if restarted else 0),
             start_time=self.status.start_time or self.now,
             plan=plan_status(decision.plans.first),

@@ -21,7 +21,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from sftjob.attempts import AttemptRecord, RestartPolicy
+from sftjob import constants as c
+from sftjob.attempts import AttemptRecord, RestartPolicy, follows_the_job, not_the_jobs_fault
 from sftjob.failures import NODE_FAULT, PERMANENT, FailureClass
 from sftjob.gpus import profile_for_key
 from sftjob.plan import Plan
@@ -36,10 +37,11 @@ NodeObj = Mapping[str, Any]
 # ``fits=False`` once no rung is left).
 Replanner = Callable[[Plan], Plan]
 
-# Each host OOM raises the pod's memory request (and limit) by this factor, up to this share of the node's
-# allocatable memory: the node's DaemonSet pods request some of it too, and a pod that asks for all of it
-# is never scheduled (Pending without end). When the cap leaves less than this fraction more than the
-# failed attempt had, the job fails with HostMemoryExhausted instead.
+# Each host OOM raises the pod's memory request (and limit) by this factor, up to this share of the
+# allocatable memory of the smallest node with the plan's GPU: the node's DaemonSet pods request some of it
+# too, and a pod that asks for all of it is never scheduled (Pending without end), nor is a rank that lands
+# on a smaller node of the same product. When the cap leaves less than this fraction more than the failed
+# attempt had, that card is skipped, and the job fails with HostMemoryExhausted once no card is left.
 HOST_OOM_MEMORY_FACTOR = 1.5
 HOST_OOM_MEMORY_CAP = 0.9
 HOST_OOM_MIN_RAISE = 0.1
@@ -60,7 +62,11 @@ ADVICE: dict[FailureClass, str] = {
     FailureClass.CUDA_OOM: "lower training.microBatchSize or dataset.maxSeqLength, or use a larger GPU",
     FailureClass.HOST_OOM: "lower dataloader memory (workers, in-memory data) or use bigger nodes",
     FailureClass.NETWORK_ERROR: "check the egress to the hub (HF_ENDPOINT), or put the model on a volume",
+    FailureClass.DRIVER_MISMATCH: "use a spec.image built for a CUDA the nodes' drivers support",
+    FailureClass.GPU_UNAVAILABLE: "use a spec.image with PyTorch built for CUDA and no NVIDIA driver files",
 }
+# How many nodes a give-up message names when a GPU or driver fault followed the job across them.
+NODES_NAMED = 5
 
 
 class GiveUpReason(StrEnum):
@@ -126,10 +132,12 @@ def backoff_seconds(policy: RestartPolicy, failures: int) -> float:
     return float(min(policy.backoff_seconds * 2 ** min(failures - 1, 32), policy.max_backoff_seconds))
 
 
-def counts_against_budget(policy: RestartPolicy, record: AttemptRecord) -> bool:
-    """Failures the job caused itself count against maxRestarts; interruptions, faulty nodes (bounded by
-    maxInterruptions) and OOM re-plans (bounded by the ladder) do not."""
-    return backs_off(policy, record) and not record.not_the_jobs_fault
+def counts_against_budget(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> list[bool]:
+    """For each record: a failure the job caused itself, counted against maxRestarts. Interruptions,
+    faulty nodes (bounded by maxInterruptions) and OOM re-plans (bounded by the ladder) are not; a GPU
+    or driver fault that followed the job across nodes is (:func:`sftjob.attempts.not_the_jobs_fault`)."""
+    blameless = not_the_jobs_fault(history)
+    return [backs_off(policy, r) and not b for r, b in zip(history, blameless, strict=True)]
 
 
 def backs_off(policy: RestartPolicy, record: AttemptRecord) -> bool:
@@ -161,21 +169,13 @@ def attempt_settings(
 
     host_ooms = [r for r in ended if r.reason is FailureClass.HOST_OOM]
     if host_ooms:
-        allocatable = _allocatable_memory(nodes.get(host_ooms[-1].node or ""))
-        for key, plan in adjusted.items():
-            memory = raised_memory(plan.resources.memory, len(host_ooms), allocatable)
-            if memory is None:
-                return GiveUp(
-                    GiveUpReason.HOST_MEMORY_EXHAUSTED,
-                    f"the trainer ran out of host memory {len(host_ooms)} time(s) and its memory request"
-                    f" cannot be raised {HOST_OOM_MIN_RAISE:.0%} more within {HOST_OOM_MEMORY_CAP:.0%} of the"
-                    f" node's allocatable {allocatable}; {ADVICE[FailureClass.HOST_OOM]}",
-                )
-            resources = plan.resources.model_copy(update={"memory": memory})
-            adjusted[key] = plan.model_copy(update={"resources": resources})
-        first = plans.first.resources.memory
-        changes.append(f"memory {first} -> {adjusted[plans.first.gpu].resources.memory} after host OOM")
+        exhausted = _raise_host_memory(adjusted, plans, host_ooms, nodes, changes)
+        if exhausted is not None:
+            return exhausted
 
+    follows = _follows_the_job(history)
+    if follows:
+        changes.append(follows)
     avoid = avoided_nodes(ended)
     if avoid:
         changes.append(f"preferring nodes other than {', '.join(avoid)}")
@@ -241,6 +241,60 @@ def avoided_nodes(ended: Sequence[AttemptRecord]) -> tuple[str, ...]:
     return tuple(sorted(bad))
 
 
+def _raise_host_memory(
+    adjusted: dict[str, Plan],
+    plans: CandidatePlans,
+    host_ooms: Sequence[AttemptRecord],
+    nodes: Mapping[str, NodeObj],
+    changes: list[str],
+) -> GiveUp | None:
+    """Raise every fitting card's memory request in ``adjusted`` once per host OOM; a card whose nodes
+    leave no room for a raise is skipped. The give-up once no card is left."""
+    caps: list[str] = []
+    for key, plan in adjusted.items():
+        if not plan.fits:
+            continue
+        allocatable = host_memory_cap(key, plans, nodes, host_ooms[-1])
+        memory = raised_memory(plan.resources.memory, len(host_ooms), allocatable)
+        if memory is None:
+            caps.append(f"{key}: {allocatable}")
+            adjusted[key] = plan.model_copy(update={"fits": False})
+            changes.append(f"{key}: skipped, no room to raise the memory request within {allocatable}")
+        else:
+            resources = plan.resources.model_copy(update={"memory": memory})
+            adjusted[key] = plan.model_copy(update={"resources": resources})
+    first = next((p for p in adjusted.values() if p.fits), None)
+    if first is None:
+        return GiveUp(
+            GiveUpReason.HOST_MEMORY_EXHAUSTED,
+            f"the trainer ran out of host memory {len(host_ooms)} time(s) and its memory request cannot be"
+            f" raised {HOST_OOM_MIN_RAISE:.0%} more within {HOST_OOM_MEMORY_CAP:.0%} of the smallest"
+            f" allocatable of the nodes with its GPU ({', '.join(caps)}); {ADVICE[FailureClass.HOST_OOM]}",
+        )
+    changes.append(
+        f"memory {plans.plans[first.gpu].resources.memory} -> {first.resources.memory} after host OOM"
+    )
+    return None
+
+
+def host_memory_cap(
+    key: str, plans: CandidatePlans, nodes: Mapping[str, NodeObj], oom: AttemptRecord
+) -> str | None:
+    """The allocatable memory a raised request for card ``key`` must fit in: the smallest among the nodes
+    labelled with one of its GPU products (every rank must fit on whichever of them it lands), else the
+    allocatable of the node that ran out (``oom``) when it had this card; None when neither is known."""
+    products = {product for product, card in plans.profile_by_product.items() if card == key}
+    sizes = [
+        memory
+        for node in nodes.values()
+        if ((node.get("metadata") or {}).get("labels") or {}).get(c.GFD_PRODUCT) in products
+        and (memory := _allocatable_memory(node)) is not None
+    ]
+    if sizes:
+        return min(sizes, key=parse_quantity)
+    return _allocatable_memory(nodes.get(oom.node or "")) if oom.gpu in (key, None) else None
+
+
 def raised_memory(base: str, host_ooms: int, allocatable: str | None) -> str | None:
     """``base`` raised once per host OOM, capped at :data:`HOST_OOM_MEMORY_CAP` of ``allocatable``; None
     when that is not :data:`HOST_OOM_MIN_RAISE` more than the failed attempt (the ``host_ooms``-th) ran
@@ -279,8 +333,10 @@ def _stop(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> GiveUp | N
         return GiveUp(cls.value, f"{what}; {ADVICE[cls]}")
     if cls is FailureClass.CUDA_OOM and policy.on_oom == "Fail":
         return GiveUp(cls.value, f"{what}; restartPolicy.onOOM is Fail: {ADVICE[cls]}")
-    if last.not_the_jobs_fault:
-        used = sum(1 for r in history if r.not_the_jobs_fault)
+    blameless = not_the_jobs_fault(history)
+    counted = counts_against_budget(policy, history)
+    if blameless[-1]:
+        used = sum(blameless)
         if used > policy.max_interruptions:
             avoided = avoided_nodes([r for r in history if r.failed])
             nodes = f" (nodes at fault: {', '.join(avoided)})" if avoided else ""
@@ -289,15 +345,32 @@ def _stop(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> GiveUp | N
                 f"{what}; {used} preemptions, node losses or GPU and driver faults exceed"
                 f" restartPolicy.maxInterruptions {policy.max_interruptions}{nodes}",
             )
-    elif counts_against_budget(policy, last):
-        used = sum(1 for r in history if counts_against_budget(policy, r))
+    elif counted[-1]:
+        used = sum(counted)
         if used > policy.max_restarts:
+            follows = _follows_the_job(history)
+            why = f"{what}; {follows}" if follows else what
             advice = f"; {ADVICE[cls]}" if cls in ADVICE else ""
             return GiveUp(
                 GiveUpReason.RESTART_LIMIT_EXCEEDED,
-                f"{what}; {used} failures exceed restartPolicy.maxRestarts {policy.max_restarts}{advice}",
+                f"{why}; {used} failures exceed restartPolicy.maxRestarts {policy.max_restarts}{advice}",
             )
     return None
+
+
+def _follows_the_job(history: Sequence[AttemptRecord]) -> str | None:
+    """Says so when the GPU or driver fault that ended ``history`` followed the job across nodes."""
+    follows = follows_the_job(history)
+    if follows is None:
+        return None
+    cls, nodes = follows
+    named = ", ".join(nodes[:NODES_NAMED]) + (
+        f" and {len(nodes) - NODES_NAMED} more" if len(nodes) > NODES_NAMED else ""
+    )
+    return (
+        f"{cls} on {len(nodes)} nodes ({named}) follows the job (its image's CUDA or PyTorch, or its"
+        " driver requirement), not a node: counted against restartPolicy.maxRestarts"
+    )
 
 
 def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord], replan: Replanner) -> Plan:

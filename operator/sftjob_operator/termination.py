@@ -29,13 +29,16 @@ bytes of the log instead, and those end with torchrun's own traceback and its re
     ============================================================
 
 Such a tail is summed up as the root cause's rank and how it ended, then the last line the ranks wrote
-before torchrun took over: ``rank 1 killed by SIGABRT: <last line>``.
+before torchrun took over: ``rank 1 killed by SIGABRT: <last line>``. When no code says how it failed,
+the words often do (:data:`MESSAGE_SIGNATURES`: a CUDA OOM, an NCCL error, a full disk).
 
 A container that never ran (terminated as ``StartError``, or waiting in ``CreateContainerError``) has the
 container runtime's message instead. When it is the node's GPU runtime that failed (NVIDIA's container
 hook, ``nvidia-container-cli: initialization error: nvml error: driver/library version mismatch``, or a CDI
-device that does not resolve), the node is broken, not the job: :func:`gpu_runtime_failure` says so.
-Pure functions, no I/O.
+device that does not resolve), the node is usually broken, not the job: :func:`gpu_runtime_failure` says
+so. An image that asks for a newer CUDA than the driver has (a requirement error) is a DriverMismatch,
+which the restart policy blames on the job once it has happened on two nodes; an image that holds driver
+files of its own fails on every node, a ConfigError at once. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -53,15 +56,46 @@ _REPORT_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
 # torchrun's own log lines: they name its modules, and even cut short end in glog's "<file>.py:<line>] ".
 _TORCHRUN_LOG = re.compile(r"torch/distributed/elastic/|\.py:\d+\] ")
 _ALPHANUMERIC = re.compile(r"[A-Za-z0-9]")
-# What the GPU runtime says when it cannot hand a container its GPUs. First match wins.
+# The toolkit mounts the node's driver files (nvidia-smi, libnvidia-ml.so.1...) into every GPU container;
+# one the image has of its own is in the way, on every node: "mount error: file creation failed:
+# <rootfs>/usr/bin/nvidia-smi: file exists". (Other file creation failures, such as the persistenced
+# socket's "no such device or address", are the node's.)
+IMAGE_DRIVER_FILE = re.compile(r"mount error: file creation failed: (\S+?): file exists", re.IGNORECASE)
+_CONTAINER_ROOT = re.compile(r"^.*/(?:rootfs|merged)(?=/)")  # containerd's and CRI-O's container root
+# What the GPU runtime says when it cannot hand a container its GPUs. First match wins. The image's
+# NVIDIA_REQUIRE_CUDA (or cuda>= in NVIDIA_REQUIRE_*) unmet by the node's driver is a requirement error.
 GPU_RUNTIME_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), cls)
     for pattern, cls in (
         (r"driver/library version mismatch", FailureClass.DRIVER_MISMATCH),
+        (r"requirement error|unsatisfied condition", FailureClass.DRIVER_MISMATCH),
         (
             r"nvidia-container-cli|nvidia-container-runtime|nvml error|CDI devices?\b|libnvidia-ml",
             FailureClass.GPU_UNAVAILABLE,
         ),
+    )
+)
+# When no code says more (an uncaught exception, a crash that wrote no message and left the log tail
+# instead), the message often still does. First match wins.
+MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), cls)
+    for pattern, cls in (
+        (
+            r"CUDA out of memory|CUDA error: out of memory|Cuda failure 'out of memory'|OutOfMemoryError"
+            r"|CUBLAS_STATUS_ALLOC_FAILED",
+            FailureClass.CUDA_OOM,
+        ),
+        (r"DataLoader worker .* killed by signal: Killed|Cannot allocate memory", FailureClass.HOST_OOM),
+        (
+            r"driver version is insufficient|CUDA driver .* too old|driver/library version mismatch",
+            FailureClass.DRIVER_MISMATCH,
+        ),
+        (
+            r"no CUDA-capable device|busy or unavailable|uncorrectable ECC|\bXid\b",
+            FailureClass.GPU_UNAVAILABLE,
+        ),
+        (r"NCCL|ProcessGroupGloo|DistNetworkError|rendezvous", FailureClass.COMMUNICATION_ERROR),
+        (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
     )
 )
 
@@ -100,7 +134,16 @@ def gpu_runtime_failure(reason: str, message: str) -> tuple[FailureClass, str] |
     """The class of a container the node's GPU runtime could not create or start (``reason``: the
     container's, such as ``StartError``), with a message that keeps the runtime's own words
     (``StartError: nvidia-container-cli: initialization error: ...``) rather than the preamble before
-    them; None when the GPU runtime is not what failed."""
+    them; None when the GPU runtime is not what failed. Driver files baked into the image stop the
+    runtime too, on every node: that is a ConfigError, with what to change."""
+    baked = IMAGE_DRIVER_FILE.search(message)
+    if baked is not None:
+        path = _CONTAINER_ROOT.sub("", baked[1])
+        return FailureClass.CONFIG_ERROR, (
+            f"{reason}: spec.image holds {path}, a driver file the node's NVIDIA runtime mounts into GPU"
+            " containers (nvidia-container-cli: file creation failed: file exists); build the image without"
+            " NVIDIA driver files"
+        )
     for pattern, cls in GPU_RUNTIME_SIGNATURES:
         match = pattern.search(message)
         if match is not None:

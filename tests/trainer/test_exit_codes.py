@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sftjob.config import ModelSource
+from sftjob.config import GpuExpectation, ModelSource
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import preflight
 from sftjob_trainer.failures import classify
-from sftjob_trainer.preflight import DriverInfo, check_driver, check_model_files
+from sftjob_trainer.preflight import DriverInfo, check_driver, check_gpu, check_model_files
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig
 
@@ -153,6 +154,17 @@ def test_an_old_driver_or_a_driver_older_than_the_cuda_runtime_is_a_driver_misma
         check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "13.0")
     assert behind.value.code == ExitCode.DRIVER_MISMATCH and "CUDA up to 12.2" in behind.value.reason
     check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "12.8")  # minor-version compatible
+
+
+def test_an_image_whose_pytorch_has_no_cuda_is_a_config_error_not_a_node_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.version, "cuda", None)  # a CPU-only wheel in the user's spec.image
+    monkeypatch.setattr(preflight, "read_driver_info", lambda: DriverInfo("550.54.15", (12, 4)))
+    with pytest.raises(TrainerError) as cpu_only:
+        check_gpu(GpuExpectation(), local_rank=0, local_world_size=1)
+    assert cpu_only.value.code == ExitCode.CONFIG_ERROR
+    assert "PyTorch" in cpu_only.value.reason and "no CUDA support" in cpu_only.value.reason
 
 
 def test_a_run_whose_loss_stays_nan_exits_diverged_before_saving_a_checkpoint_of_it(

@@ -103,6 +103,21 @@ NO_NVML = (
     f"{_RUNC}\nnvidia-container-cli: initialization error: load library failed: libnvidia-ml.so.1: cannot"
     " open shared object file: no such file or directory: unknown"
 )
+# The image's NVIDIA_REQUIRE_CUDA asks for a newer CUDA than the node's driver has.
+REQUIRE_CUDA = (
+    f"{_RUNC}\nnvidia-container-cli: requirement error: unsatisfied condition: cuda>=12.9, please update your"
+    " driver to a newer version, or use an earlier cuda container: unknown"
+)
+# The image holds a driver file the toolkit mounts from the node (the image's fault, on every node) ...
+DRIVER_FILE_IN_IMAGE = (
+    f"{_RUNC}\nnvidia-container-cli: mount error: file creation failed: /run/containerd/io.containerd.runtime"
+    ".v2.task/k8s.io/4f2a/rootfs/usr/bin/nvidia-smi: file exists: unknown"
+)
+# ... but a host socket the toolkit cannot create is the node's.
+PERSISTENCED_SOCKET = (
+    f"{_RUNC}\nnvidia-container-cli: mount error: file creation failed: /run/containerd/io.containerd.runtime"
+    ".v2.task/k8s.io/4f2a/rootfs/run/nvidia-persistenced/socket: no such device or address: unknown"
+)
 CDI_UNRESOLVABLE = (
     'failed to generate container "4f2a" spec: failed to inject CDI devices: unresolvable CDI devices'
     " nvidia.com/gpu=GPU-3b1c2d4e-5f60-7182-93a4-b5c6d7e8f901"

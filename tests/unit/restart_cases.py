@@ -8,6 +8,7 @@ from typing import Any
 
 from sftjob.attempts import AttemptRecord, RestartPolicy
 from sftjob.config import DistributedSettings, TrainingSettings
+from sftjob.constants import GFD_PRODUCT
 from sftjob.failures import FailureClass
 from sftjob.plan import MemoryEstimate, Plan, PodResources
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
@@ -72,8 +73,10 @@ def history_of(*reasons: FailureClass, node: str = "gpu-0", gpu: str = A800) -> 
     return [failed(i, r, node=node, gpu=gpu) for i, r in enumerate(reasons, start=1)]
 
 
-def node(name: str, memory: str) -> dict[str, Any]:
-    return {"metadata": {"name": name}, "status": {"allocatable": {"memory": memory}}}
+def node(name: str, memory: str, product: str | None = None) -> dict[str, Any]:
+    """A node as the operator's index holds it: ``product`` is its GPU product label."""
+    labels = {} if product is None else {GFD_PRODUCT: product}
+    return {"metadata": {"name": name, "labels": labels}, "status": {"allocatable": {"memory": memory}}}
 
 
 def policy_decision(

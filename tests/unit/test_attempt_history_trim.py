@@ -61,6 +61,17 @@ def test_with_the_largest_budgets_spent_every_failure_is_kept_within_max_items()
     assert {r.attempt for r in history if r.failed} <= {r.attempt for r in kept}
 
 
+def test_a_trimmed_history_leaves_room_for_the_record_of_the_attempt_resumed_next() -> None:
+    # maxRestarts 100 and maxInterruptions 1000 spent, then 200 suspends: the trim must leave one slot
+    history = [
+        failed(n, FailureClass.UNKNOWN if n <= 100 else FailureClass.PREEMPTED) for n in range(1, 1102)
+    ]
+    history += [suspended(n) for n in range(1102, 1302)]
+    kept = trimmed(history)
+    assert len(kept) == ATTEMPTS_MAX_ITEMS - 1 and kept[-2:] == history[-2:]
+    assert len([*kept, AttemptRecord(attempt=1302, start_time=T0)]) == ATTEMPTS_MAX_ITEMS
+
+
 def cycle(actions: Actions, n: int, after: timedelta, *, fail: bool) -> Actions:
     """Attempt ``n`` runs, then is suspended and resumed (or fails, and is restarted after the backoff)."""
     obs = observed(now=NOW + after)

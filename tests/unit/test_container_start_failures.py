@@ -1,6 +1,8 @@
 """A container the node could not create or start: a broken GPU runtime (NVIDIA's container hook, a CDI
-device that does not resolve) is the node's fault, avoided by the next attempt and free of maxRestarts;
-anything else is Unknown. A create that keeps failing ends the attempt after its give-up time."""
+device that does not resolve) is the node's fault, avoided by the next attempt and free of maxRestarts; an
+image that asks for a newer CUDA than the driver has is a DriverMismatch, one that holds driver files of
+its own a ConfigError; anything else is Unknown. A create that keeps failing ends the attempt after its
+give-up time, which for errors not the GPU runtime's leaves room for a long image pull."""
 
 from __future__ import annotations
 
@@ -8,22 +10,32 @@ import pytest
 
 from sftjob.attempts import RestartPolicy
 from sftjob.failures import FailureClass
-from sftjob_operator.classify import CREATE_GIVE_UP_SECONDS, Outcome, end_record
+from sftjob_operator.classify import (
+    CREATE_GIVE_UP_SECONDS,
+    CREATE_OTHER_GIVE_UP_SECONDS,
+    IMAGE_PULL_GIVE_UP_SECONDS,
+    Outcome,
+    end_record,
+)
+from sftjob_operator.restarts import ADVICE
 from tests.unit.classify_cases import (
     CDI_UNRESOLVABLE,
+    DRIVER_FILE_IN_IMAGE,
     NO_NVML,
     NO_TORCHRUN,
     NODE,
     NOW,
     NVML_MISMATCH,
+    PERSISTENCED_SOCKET,
     RECORD,
+    REQUIRE_CUDA,
     UNKNOWN_DEVICE,
     classify,
     exited,
     pod,
     waiting,
 )
-from tests.unit.restart_cases import candidates, failed, policy_decision, restart
+from tests.unit.restart_cases import candidates, failed, give_up, policy_decision, restart
 
 
 @pytest.mark.parametrize(
@@ -32,6 +44,8 @@ from tests.unit.restart_cases import candidates, failed, policy_decision, restar
         (NVML_MISMATCH, FailureClass.DRIVER_MISMATCH, "StartError: nvidia-container-cli: initialization"),
         (UNKNOWN_DEVICE, FailureClass.GPU_UNAVAILABLE, "StartError: nvidia-container-cli: device error"),
         (NO_NVML, FailureClass.GPU_UNAVAILABLE, "StartError: nvidia-container-cli: initialization"),
+        (REQUIRE_CUDA, FailureClass.DRIVER_MISMATCH, "StartError: nvidia-container-cli: requirement error"),
+        (PERSISTENCED_SOCKET, FailureClass.GPU_UNAVAILABLE, "StartError: nvidia-container-cli: mount error"),
     ],
 )
 def test_a_container_the_gpu_runtime_could_not_start_fails_the_attempt_as_the_nodes_fault(
@@ -40,6 +54,17 @@ def test_a_container_the_gpu_runtime_could_not_start_fails_the_attempt_as_the_no
     result = classify(pod("Failed", state=exited(128, "StartError", message)))
     assert (result.outcome, result.failure_class, result.node) == (Outcome.FAILED, failure, NODE)
     assert result.message.startswith(said)  # the toolkit's words, not runc's preamble
+
+
+def test_driver_files_baked_into_the_image_fail_the_job_at_once_as_a_config_error_naming_the_file() -> None:
+    result = classify(pod("Failed", state=exited(128, "StartError", DRIVER_FILE_IN_IMAGE)))
+    assert result.failure_class is FailureClass.CONFIG_ERROR
+    assert result.message.startswith("StartError: spec.image holds /usr/bin/nvidia-smi, a driver file")
+    assert result.message.endswith("build the image without NVIDIA driver files")
+    ended = end_record(RECORD, result, end_time=NOW, progress_step=None, checkpoint_step=None)
+    failed_job = give_up(policy_decision([ended]))
+    assert failed_job.reason == FailureClass.CONFIG_ERROR.value
+    assert failed_job.message.endswith(ADVICE[FailureClass.CONFIG_ERROR])
 
 
 def test_a_start_error_the_gpu_runtime_did_not_cause_is_unknown() -> None:
@@ -72,11 +97,26 @@ def test_a_container_stuck_on_unresolvable_cdi_devices_ends_as_gpu_unavailable_a
     assert result.message.endswith("(the pod has not started in 5 min)")
 
 
-def test_a_container_create_that_keeps_failing_for_another_reason_ends_as_unknown() -> None:
-    message = 'failed to reserve container name "trainer_job-1-0": name is reserved'
-    assert classify(stuck("CreateContainerError", message, 60)).outcome is Outcome.RUNNING
-    result = classify(stuck("CreateContainerError", message, CREATE_GIVE_UP_SECONDS + 10))
-    assert result.failure_class is FailureClass.UNKNOWN and "name is reserved" in result.message
+@pytest.mark.parametrize(
+    "message",
+    [
+        "context deadline exceeded",
+        'failed to reserve container name "trainer_job-1-0_default_4f2a_0": name'
+        ' "trainer_job-1-0_default_4f2a_0" is reserved for "9c1d"',
+    ],
+)
+def test_a_create_error_after_a_long_image_pull_gets_the_kubelets_retry_before_it_ends_as_unknown(
+    message: str,
+) -> None:
+    twelve_minute_pull = 12 * 60
+    assert twelve_minute_pull > CREATE_GIVE_UP_SECONDS
+    assert classify(stuck("CreateContainerError", message, twelve_minute_pull)).outcome is Outcome.RUNNING
+    assert CREATE_OTHER_GIVE_UP_SECONDS == IMAGE_PULL_GIVE_UP_SECONDS + CREATE_GIVE_UP_SECONDS
+    late = classify(stuck("CreateContainerError", message, CREATE_OTHER_GIVE_UP_SECONDS - 10))
+    assert late.outcome is Outcome.RUNNING
+    result = classify(stuck("CreateContainerError", message, CREATE_OTHER_GIVE_UP_SECONDS + 10))
+    assert result.failure_class is FailureClass.UNKNOWN and message in result.message
+    assert result.message.endswith("(the pod has not started in 20 min)")
 
 
 def test_the_attempt_after_a_broken_gpu_runtime_avoids_its_node_without_consuming_max_restarts() -> None:

@@ -13,7 +13,7 @@ from sftjob.failures import PERMANENT, FailureClass
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
 from sftjob_operator.planning import plan_candidates
-from sftjob_operator.restarts import GiveUpReason, backoff_seconds, next_attempt, raised_memory
+from sftjob_operator.restarts import GiveUpReason, backoff_seconds, next_attempt
 from sftjob_operator.scheduling import default_products
 from tests.unit.restart_cases import (
     A800,
@@ -23,7 +23,6 @@ from tests.unit.restart_cases import (
     failed,
     give_up,
     history_of,
-    node,
     plan,
     policy_decision,
     restart,
@@ -145,42 +144,6 @@ def test_an_exhausted_ladder_rules_out_cards_with_no_more_memory() -> None:
     result = give_up(policy_decision(history, plans=plans))
     assert result.reason == GiveUpReason.OOM_LADDER_EXHAUSTED
     assert f"{A800}: exhausted" in result.message
-
-
-def test_the_host_oom_memory_bump_keeps_the_users_resources_through_re_plans() -> None:
-    history = [failed(1, FailureClass.CUDA_OOM), failed(2, FailureClass.HOST_OOM)]
-    decision = restart(policy_decision(history, plans=candidates(plan(memory="100Gi"))))
-    assert decision.plans.first.resources.memory == "153600Mi"  # 100Gi x 1.5, re-plan or not
-
-
-def test_host_oom_raises_the_memory_request_up_to_nine_tenths_of_node_allocatable_then_fails() -> None:
-    nodes = {"gpu-0": node("gpu-0", "134217728Ki")}  # 128 GiB
-
-    def memory_after(n: int) -> str:
-        decision = policy_decision(history_of(*[FailureClass.HOST_OOM] * n), nodes=nodes)
-        return restart(decision).plans.first.resources.memory
-
-    assert memory_after(1) == "98304Mi"  # 64Gi x 1.5
-    assert memory_after(2) == "117964Mi"  # 144Gi capped at 90% of the node's 128Gi: DaemonSets need room
-    result = give_up(policy_decision(history_of(*[FailureClass.HOST_OOM] * 3), nodes=nodes))
-    assert result.reason == GiveUpReason.HOST_MEMORY_EXHAUSTED
-    assert "cannot be raised 10% more within 90% of the node's allocatable 134217728Ki" in result.message
-
-
-def test_host_oom_gives_up_when_the_cap_leaves_less_than_a_tenth_more_memory() -> None:
-    nodes = {"gpu-0": node("gpu-0", "100Gi")}
-    assert raised_memory("64Gi", 1, "100Gi") == "92160Mi"  # 96Gi wanted, 90Gi allowed
-    assert raised_memory("64Gi", 2, "100Gi") is None  # the attempt that failed already had the 90Gi
-    assert raised_memory("88Gi", 1, "100Gi") is None  # 90Gi would be 2% more: no raise worth a restart
-    assert raised_memory("100Gi", 1, "100Gi") is None  # the user asked for all of it
-    history = history_of(FailureClass.HOST_OOM, FailureClass.HOST_OOM)
-    assert give_up(policy_decision(history, nodes=nodes)).reason == GiveUpReason.HOST_MEMORY_EXHAUSTED
-
-
-def test_host_oom_on_a_node_that_is_gone_still_raises_memory() -> None:
-    decision = restart(policy_decision(history_of(FailureClass.HOST_OOM)))
-    assert decision.plans.first.resources.memory == "98304Mi"
-    assert "memory 64Gi -> 98304Mi after host OOM" in decision.message
 
 
 def test_faulty_gpu_nodes_do_not_consume_max_restarts_however_long_the_job_runs() -> None:

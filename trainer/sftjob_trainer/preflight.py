@@ -122,6 +122,12 @@ def check_safetensors_file(path: Path) -> None:
 
 
 def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) -> None:
+    if torch.version.cuda is None:  # a CPU-only build: no node's driver can help, whatever it is
+        raise TrainerError(
+            ExitCode.CONFIG_ERROR,
+            f"the image's PyTorch {torch.__version__} has no CUDA support (a CPU-only build): set spec.image"
+            " to an image with a CUDA build of PyTorch",
+        )
     driver = read_driver_info()
     if driver is None and not torch.cuda.is_available():
         raise TrainerError(ExitCode.GPU_UNAVAILABLE, "no NVIDIA GPU or driver is visible in the container")
