@@ -293,11 +293,34 @@ def llama_shaped(parameters: int) -> Architecture:
     )
 
 
+# How far a shape's own parameter count and ``spec.model.parameters`` may differ (a share of the larger)
+# and still be one model (Gemma 2 "2B" has 2.6B). Further apart they are two: typically a mixture of
+# experts (46.7B) whose layers and one expert's width make a dense 7B shape.
+PARAMETERS_TOLERANCE = 0.25
+
+
+def parameters_problem(architecture: Architecture | None, parameters: int | None) -> str | None:
+    """Why ``spec.model.architecture`` and ``spec.model.parameters`` cannot both hold, or None (also
+    when either is unset)."""
+    if architecture is None or parameters is None:
+        return None
+    counted = architecture.parameters
+    if abs(counted - parameters) <= PARAMETERS_TOLERANCE * max(counted, parameters):
+        return None
+    return (
+        f"spec.model.architecture has {counted / 1e9:.2f}B parameters but"
+        f" spec.model.parameters says {parameters / 1e9:.2f}B: spec.model.architecture cannot describe a"
+        " mixture-of-experts model (its experts are not part of it), so for one give spec.model.parameters"
+        " alone (every expert counted); otherwise correct the one that is wrong"
+    )
+
+
 def resolve_architecture(
     model_name: str | None, architecture: Architecture | None = None, parameters: int | None = None
 ) -> Architecture:
-    """The shape to plan with: the explicit block, else the built-in table (over ``parameters``, which
-    the shape's name then says were ignored), else a guess from size."""
+    """The shape to plan with: the explicit block (which the spec model holds to ``parameters``:
+    :func:`parameters_problem`), else the built-in table (over ``parameters``, which the shape's name then
+    says were ignored), else a guess from size."""
     if architecture is not None:
         return (
             architecture

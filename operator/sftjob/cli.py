@@ -62,6 +62,11 @@ UNNAMED_MODEL = "unnamed-model"
 
 
 GENERATED_SUFFIX = 5  # characters the API server appends to metadata.generateName
+# `sftjob plan` knows the built-in default of an unset spec.checkpoints.size, not the operator's.
+BUILT_IN_DEFAULT_CLAIM = (
+    "the built-in default checkpoint claim {size} (the operator's may differ: its --checkpoint-size flag,"
+    " the Helm value defaults.checkpoints.size)"
+)
 
 
 class InputError(Exception):
@@ -295,7 +300,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     for warning in [memory_problem(spec, profiles[0]), *_warnings(spec, request.architecture)]:
         if warning:
             print(f"sftjob: warning: {warning}", file=sys.stderr)
-    volume = too_small(spec, plans[0]) if args.file else None
+    volume = too_small(spec, plans[0], BUILT_IN_DEFAULT_CLAIM) if args.file else None
     if volume is not None:  # the operator would fail the job at admission for it
         print(f"sftjob: {volume}", file=sys.stderr)
         return EXIT_NOTHING_FITS

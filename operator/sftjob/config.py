@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 Method = Literal["lora", "qlora", "full"]
@@ -114,10 +114,15 @@ class EvaluationSettings(_Strict):
 
 
 ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+ALL_LINEAR = "all-linear"  # peft's shorthand for every linear layer but the output head
 
 
 class LoraSettings(_Strict):
-    """``spec.lora`` and the trainer's adapter settings; the list bounds are the CRD's."""
+    """``spec.lora`` and the trainer's adapter settings; the list bounds are the CRD's.
+
+    peft expands only the string ``all-linear`` to every linear layer; in a list it is a module name no
+    model has. The CRD takes a list, so ``[all-linear]`` is read as the string, and ``all-linear`` beside
+    other names is refused (as the CRD's rule refuses it): it already names them all."""
 
     r: int = Field(default=16, ge=1, le=1024)
     alpha: int = Field(default=32, ge=1, le=4096)
@@ -125,6 +130,18 @@ class LoraSettings(_Strict):
     target_modules: (
         Annotated[list[ModuleName], Field(min_length=1, max_length=64)] | Literal["all-linear"]
     ) = "all-linear"
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear_alone(cls, modules: Any) -> Any:
+        if not isinstance(modules, list) or ALL_LINEAR not in modules:
+            return modules
+        if len(modules) > 1:
+            raise ValueError(
+                "all-linear already adapts every linear layer: give it alone ([all-linear]) or name"
+                " the modules without it"
+            )
+        return ALL_LINEAR
 
 
 class TrainingSettings(_Strict):

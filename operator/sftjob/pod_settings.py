@@ -30,7 +30,9 @@ RESERVED_ENV_PREFIXES = ("SFTJOB_", "PET_")
 # device plugin and runtime (the GPUs the pod was given): a user's value would silently win (the last
 # duplicate of a pod's env wins), break reporting, or hand the trainer GPUs the scheduler gave another pod.
 # The NVIDIA container toolkit also mounts host devices for NVIDIA_MOFED (/dev/infiniband), NVIDIA_NVSWITCH,
-# NVIDIA_GDS, NVIDIA_GDRCOPY and the MIG ones into a container whose environment names them.
+# NVIDIA_GDS, NVIDIA_GDRCOPY, NVIDIA_IMEX_CHANNELS (/dev/nvidia-caps-imex-channels/channelN: the GPU memory
+# other workloads export over multi-node NVLink) and the MIG ones into a container whose environment names
+# them. (The job's image may still set any of them in its own ENV: spec.image is the user's choice.)
 RESERVED_ENV_NAMES = frozenset(
     {
         "POD_NAME",
@@ -46,6 +48,7 @@ RESERVED_ENV_NAMES = frozenset(
         "NVIDIA_NVSWITCH",
         "NVIDIA_GDS",
         "NVIDIA_GDRCOPY",
+        "NVIDIA_IMEX_CHANNELS",
         "NVIDIA_MIG_CONFIG_DEVICES",
         "NVIDIA_MIG_MONITOR_DEVICES",
     }

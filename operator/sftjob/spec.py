@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from sftjob.architectures import Architecture, ModelFamily
+from sftjob.architectures import Architecture, ModelFamily, parameters_problem
 from sftjob.attempts import OnOOM, RestartPolicy
 from sftjob.config import (
     DEFAULT_MAX_BAD_ROW_FRACTION,
@@ -152,6 +152,8 @@ class ModelSpec(SpecModel):
             raise ValueError("spec.model needs exactly one of name (a hub id) or path (inside volume)")
         if (self.path is None) != (self.volume is None):
             raise ValueError("spec.model.path and spec.model.volume go together")
+        if problem := parameters_problem(self.architecture, self.parameters):  # CEL lacks the formula
+            raise ValueError(problem)
         return self
 
 
@@ -352,9 +354,8 @@ class SFTJobSpec(SpecModel):
 
     @property
     def target_modules(self) -> list[str] | Literal["all-linear"]:
-        """``spec.lora.targetModules``; a list holding only ``all-linear`` means the peft shorthand."""
-        modules = self.lora.target_modules
-        return "all-linear" if modules == ["all-linear"] else modules
+        """``spec.lora.targetModules``, ``[all-linear]`` read as peft's shorthand (:class:`LoraSettings`)."""
+        return self.lora.target_modules
 
     @property
     def checkpoint_every_minutes(self) -> int | None:

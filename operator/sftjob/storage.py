@@ -12,8 +12,10 @@ trainer writes); the dataset's cache is not counted, so the figure is a floor.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
+from sftjob.kube_names import POSITIVE_QUANTITY, QUANTITY_RULE
 from sftjob.memory import BF16_BYTES, FULL_STATE_BYTES, GIB
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec, to_plan_request
@@ -23,6 +25,10 @@ QUANTITY_SCALE = {
     "": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
 }  # fmt: skip
+# How an unset spec.checkpoints.size is named: the operator filled it with its own default ({size}).
+OPERATOR_DEFAULT_CLAIM = (
+    "the default checkpoint claim ({size}, the operator's default: status.effective shows it)"
+)
 
 
 @dataclass(frozen=True)
@@ -64,9 +70,10 @@ def volume_need(spec: SFTJobSpec, plan: Plan) -> VolumeNeed:
     return VolumeNeed(count, count * plan.checkpoint_gib, final, download)
 
 
-def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:
+def too_small(spec: SFTJobSpec, plan: Plan, default_claim: str = OPERATOR_DEFAULT_CLAIM) -> str | None:
     """Why the claim the operator will make (``spec.checkpoints.size``) cannot hold the run, or None
-    (also when the spec brings its own volume, whose size the operator cannot know)."""
+    (also when the spec brings its own volume, whose size the operator cannot know). ``default_claim``
+    names a size the spec leaves unset ({size}: the default it was filled with) as the asker knows it."""
     if spec.checkpoints.volume is not None:
         return None
     need = volume_need(spec, plan)
@@ -77,8 +84,7 @@ def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:
     claim = (
         f"spec.checkpoints.size {spec.checkpoints.size}"
         if "size" in spec.checkpoints.model_fields_set
-        else f"the default checkpoint claim ({spec.checkpoints.size}, the operator's default:"
-        " status.effective shows it)"
+        else default_claim.format(size=spec.checkpoints.size)
     )
     return (
         f"{claim} cannot hold the run: it needs about"
@@ -88,10 +94,13 @@ def too_small(spec: SFTJobSpec, plan: Plan) -> str | None:
 
 
 def quantity_value(quantity: str) -> float:
-    """A quantity the spec's pattern admits (``8``, ``500m``, ``100Gi``, ``1.5Ti``) as a number of units:
-    cores for a CPU, bytes for memory."""
-    number = quantity.rstrip("mkMGTPi")
-    return float(number) * QUANTITY_SCALE[quantity[len(number) :]]
+    """A quantity the spec's pattern admits (``8``, ``500m``, ``100Gi``, ``1.5Ti``, ``67108864Ki``) as a
+    number of units: cores for a CPU, bytes for memory. Raises ValueError for any other text."""
+    match = re.match(POSITIVE_QUANTITY, quantity)  # the pattern the CRD and the spec model check
+    if match is None:
+        raise ValueError(f"{quantity!r} is not {QUANTITY_RULE}")
+    number, *_, suffix = match.groups()
+    return float(number) * QUANTITY_SCALE[suffix or ""]
 
 
 def quantity_gib(quantity: str) -> float:

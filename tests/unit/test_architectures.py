@@ -6,6 +6,7 @@ from sftjob.architectures import (
     Architecture,
     architecture_from_hf_config,
     known_architecture,
+    parameters_problem,
     resolve_architecture,
 )
 
@@ -40,6 +41,24 @@ def test_names_match_case_insensitively_and_do_not_confuse_sizes():
 def test_explicit_architecture_wins_over_the_table():
     mine = Architecture(layers=2, hidden_size=64, heads=4, kv_heads=2, intermediate_size=128, vocab_size=300)
     assert resolve_architecture("meta-llama/Llama-3.1-8B", mine, 8_000_000_000).layers == 2
+
+
+def test_a_shape_and_a_parameter_count_more_than_a_quarter_apart_are_a_problem_naming_both():
+    mixtral_layers = Architecture(
+        layers=32, hidden_size=4096, heads=32, kv_heads=8, intermediate_size=14336, vocab_size=32000
+    )
+    problem = parameters_problem(mixtral_layers, 46_700_000_000)
+    assert problem is not None and problem.startswith(
+        "spec.model.architecture has 7.24B parameters but spec.model.parameters says 46.70B"
+    )
+    assert parameters_problem(mixtral_layers, 5_000_000_000) is not None  # 31% below
+    assert parameters_problem(mixtral_layers, 9_000_000_000) is None  # 20% above
+    assert parameters_problem(mixtral_layers, None) is None and parameters_problem(None, 10**9) is None
+
+
+def test_gemma_2_2b_described_with_the_2b_of_its_name_is_one_model():
+    gemma = resolve_architecture("google/gemma-2-2b")  # 2.61B
+    assert parameters_problem(gemma, 2_000_000_000) is None
 
 
 def test_unknown_model_with_a_size_gets_a_llama_shaped_guess_close_to_that_size():

@@ -195,7 +195,9 @@ def test_a_checkpoint_claim_too_small_for_the_run_exits_1_with_the_size_to_ask_f
     job.write_text(full + " gpu: {type: A800, count: 8}}")
     code, out, err = run(capsys, "plan", "-f", str(job))
     assert code == 1 and "checkpoint GiB (one)" in out
-    assert "the default checkpoint claim (100Gi, the operator's default" in err
+    assert "the built-in default checkpoint claim 100Gi (the operator's may differ: its" in err
+    assert "--checkpoint-size flag, the Helm value defaults.checkpoints.size)" in err
+    assert "status.effective" not in err  # there is no status before the job exists
     assert "cannot hold the run" in err
     assert "Gi or more" in err
     job.write_text(full + " gpu: {type: A800, count: 8}, checkpoints: {size: 200Gi}}")
@@ -413,3 +415,23 @@ def test_a_node_selector_on_one_card_plans_that_card_alone(tmp_path, capsys):
     )
     code, out, _ = run(capsys, "plan", "-f", str(job), "-o", "json")
     assert code == 0 and [p["gpu"] for p in json.loads(out)] == ["A800-PCIE-40GB"]
+
+
+def test_a_mixture_of_experts_described_by_its_dense_layers_is_refused_naming_the_architecture(
+    tmp_path, capsys
+):
+    mixtral = (
+        "{layers: 32, hiddenSize: 4096, heads: 32, kvHeads: 8, intermediateSize: 14336, vocabSize: 32000}"
+    )
+    model = f"model: {{name: org/mixtral-ft, parameters: 46700000000, architecture: {mixtral}}}"
+    code, out, err = _plan_file(
+        tmp_path, capsys, JOB.replace("model: {name: meta-llama/Llama-3.1-8B-Instruct}", model)
+    )
+    assert code == 2 and out == ""
+    assert "spec.model.architecture cannot describe a mixture-of-experts model" in err
+
+
+def test_memory_and_checkpoint_sizes_in_kibibytes_are_planned_not_a_traceback(tmp_path, capsys):
+    sizes = "  resources: {memory: 67108864Ki}\n  checkpoints: {size: 104857600Ki}\n"
+    code, out, err = _plan_file(tmp_path, capsys, JOB + sizes)
+    assert code == 0 and json.loads(out) and "error" not in err

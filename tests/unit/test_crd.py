@@ -327,3 +327,30 @@ def test_the_crd_refuses_the_pod_annotations_the_spec_model_does(schema: Schema)
     rules = schema["properties"]["spec"]["properties"]["podAnnotations"]["x-kubernetes-validations"]
     for pattern in (RESERVED_ANNOTATION, SECURITY_PROFILE_ANNOTATION):
         assert any(f"self.all(k, !k.matches('{pattern}'))" == r["rule"] for r in rules), pattern
+
+
+def test_the_crd_refuses_all_linear_beside_other_target_modules_with_the_models_words(schema: Schema) -> None:
+    targets = schema["properties"]["spec"]["properties"]["lora"]["properties"]["targetModules"]
+    (rule,) = targets["x-kubernetes-validations"]
+    assert rule["rule"] == "!self.exists(m, m == 'all-linear') || self.size() == 1"
+    with pytest.raises(ValidationError, match=re.escape(rule["message"])):
+        SFTJobSpec.model_validate(
+            {
+                "model": {"name": "a/b"},
+                "dataset": {"name": "c/d"},
+                "lora": {"targetModules": ["all-linear", "q"]},
+            }
+        )
+    assert "[all-linear]" in targets["description"]
+
+
+def test_the_architecture_description_says_a_mixture_of_experts_is_sized_by_parameters_alone(
+    schema: Schema,
+) -> None:
+    from sftjob.architectures import PARAMETERS_TOLERANCE
+
+    model = schema["properties"]["spec"]["properties"]["model"]["properties"]
+    described = " ".join(model["architecture"]["description"].split())
+    assert "cannot describe a mixture-of-experts model" in described and "give parameters alone" in described
+    assert f"must agree within {PARAMETERS_TOLERANCE:.0%}" in described
+    assert "counts every expert" in " ".join(model["parameters"]["description"].split())

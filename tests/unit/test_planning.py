@@ -12,7 +12,7 @@ from sftjob import constants as c
 from sftjob.gpu_products import cards_for_job
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.conditions import Reason
-from sftjob_operator.planning import PlanningError, plan_candidates
+from sftjob_operator.planning import PlanningError, check_checkpoint_volume, plan_candidates
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.scheduling import default_products
 from tests.unit.reconcile_cases import CTX, condition, fake_plan, observed
@@ -112,3 +112,18 @@ def test_a_described_sliding_window_model_is_planned_with_the_attention_of_the_b
     assert built_in[0] == described[0] == "eager" and described[1] == pytest.approx(built_in[1], rel=0.01)
     full_attention = {"name": "acme/mistral-7b-v0.1-chat", "architecture": {**shape, "slidingWindow": None}}
     assert attention(full_attention)[0] == "sdpa"
+
+
+def test_a_checkpoint_claim_sized_in_kibibytes_too_small_for_the_run_fails_planning() -> None:
+    """Not skipped as unreadable: ``104857600Ki`` (100Gi) is a quantity the CRD admits."""
+    full = {
+        **SPEC,
+        "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+        "method": "full",
+        "gpu": {"type": "A800", "count": 8},
+    }
+    spec = SFTJobSpec.model_validate({**full, "checkpoints": {"size": "104857600Ki"}})
+    with pytest.raises(PlanningError) as raised:
+        check_checkpoint_volume(spec, plan_candidates(spec, PRODUCTS))
+    assert raised.value.reason == Reason.CHECKPOINT_VOLUME_TOO_SMALL
+    assert raised.value.message.startswith("spec.checkpoints.size 104857600Ki cannot hold the run")
