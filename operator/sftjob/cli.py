@@ -198,7 +198,7 @@ def _warnings(spec: SFTJobSpec, architecture: Architecture) -> list[str]:
     found: list[str] = []
     if spec.method == "full" and "lora" in spec.model_fields_set:
         found.append("spec.lora is ignored: method full trains every weight of the model, with no adapters")
-    targets = spec.target_modules
+    targets = spec.lora.target_modules
     # peft matches a name against the end of each module's path: self_attn.q_proj, q_proj.
     named = [t.rsplit(".", 1)[-1] for t in targets] if targets != "all-linear" else []
     family = architecture.family  # a shape the planner knows the layer names of (not a guess from size)

@@ -353,11 +353,6 @@ class SFTJobSpec(SpecModel):
         return self
 
     @property
-    def target_modules(self) -> list[str] | Literal["all-linear"]:
-        """``spec.lora.targetModules``, ``[all-linear]`` read as peft's shorthand (:class:`LoraSettings`)."""
-        return self.lora.target_modules
-
-    @property
     def checkpoint_every_minutes(self) -> int | None:
         """Time-based checkpoints every 30 minutes unless the spec chose steps or minutes."""
         if self.checkpoints.every_steps is not None:

@@ -149,7 +149,7 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
             r=spec.lora.r,
             alpha=spec.lora.alpha,
             dropout=spec.lora.dropout,
-            target_modules=spec.target_modules,
+            target_modules=spec.lora.target_modules,
         ),
         training=plan.training,
         distributed=plan.distributed,

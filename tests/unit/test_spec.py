@@ -32,7 +32,7 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
     assert s.dataset.max_bad_row_fraction == 0.01
     assert s.checkpoints.size == "100Gi" and s.checkpoints.keep == 3 and not s.checkpoints.keep_on_delete
     assert s.restart_policy.on_oom == "Replan" and not s.suspend
-    assert s.checkpoint_every_minutes == 30 and s.target_modules == "all-linear"
+    assert s.checkpoint_every_minutes == 30 and s.lora.target_modules == "all-linear"
 
 
 @pytest.mark.parametrize(

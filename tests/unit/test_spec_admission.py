@@ -123,7 +123,7 @@ def test_lora_target_modules_are_held_to_the_crds_bounds(modules: list[str]) -> 
 
 def test_lora_target_modules_within_the_bounds_are_admitted() -> None:
     modules = [f"m{i}" for i in range(64)]
-    assert spec(lora={"targetModules": modules}).target_modules == modules
+    assert spec(lora={"targetModules": modules}).lora.target_modules == modules
 
 
 def test_all_linear_written_as_a_list_reaches_the_trainer_as_peft_s_string_shorthand() -> None:
