@@ -325,6 +325,26 @@ for case, broken in {"one": [4], "all": [4, 2]}.items():
         result = {"code": int(exc.code)}
     (root / f"rank{ctx.rank}.json").write_text(json.dumps(result))
 
+# Rank 1 may not read its RNG file while rank 0's storage fails: both stop, on the permission.
+denied = Path(sys.argv[1]) / "denied"
+ownership.take_over(denied, job, ctx)
+checkpoints.save(denied, TrainState(step=2), parts(), ctx, keep=2, job=job)
+load = torch.load
+def failing_load(path, *args, **kwargs):
+    if Path(path).name == rng_file(1):
+        raise PermissionError(13, "Permission denied", str(path))
+    if Path(path).name == rng_file(0):
+        raise OSError(116, "Stale file handle")
+    return load(path, *args, **kwargs)
+torch.load = failing_load
+try:
+    resume.load_latest(denied, parts(), ctx)
+    result = {"step": 2}
+except TrainerError as exc:
+    result = {"code": int(exc.code), "reason": exc.reason}
+torch.load = load
+(denied / f"rank{ctx.rank}.json").write_text(json.dumps(result))
+
 unshared = Path(sys.argv[1]) / "unshared"
 node = unshared / f"node{ctx.rank}"
 ownership.take_over(node, job, ctx)
@@ -371,6 +391,19 @@ def test_checkpoints_a_rank_cannot_read_are_skipped_by_all_ranks_together_and_st
     # No checkpoint loads on every rank: both stop (rather than start afresh), neither waits for the other.
     assert results("all") == [{"code": ExitCode.STORAGE_ERROR}] * 2
     assert [step for step, _ in checkpoint_dirs(tmp_path / "all")] == [4, 2]
+
+
+def test_a_rank_denied_permission_to_read_a_checkpoint_stops_every_rank_with_a_config_error(
+    two_ranks: tuple[Path, str],
+) -> None:
+    denied = two_ranks[0] / "denied"
+    results = _results(denied)
+    assert [result["code"] for result in results] == [ExitCode.CONFIG_ERROR] * 2
+    # Rank 0's own storage failure gives way: it names the folder's owner as rank 1 does its file's.
+    assert "1 other rank(s) may not read checkpoint" in str(results[0]["reason"])
+    assert "Permission denied" in str(results[1]["reason"])
+    assert all("chown -R" in str(result["reason"]) for result in results)
+    assert [step for step, _ in checkpoint_dirs(denied)] == [2] and _bad(denied) == []
 
 
 def test_a_save_into_a_folder_the_nodes_do_not_share_fails_as_a_storage_error_and_is_never_marked_complete(

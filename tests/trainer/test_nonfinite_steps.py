@@ -1,5 +1,6 @@
 """A step whose loss or gradients are not finite leaves the weights as they were; five in a row end the run
-as diverged. fp16 overflows hold the schedule back, and FSDP's bf16 inputs never round the loss divisor."""
+as diverged. fp16 overflows hold the schedule back, and count too once the loss scale is spent; FSDP's bf16
+inputs never round the loss divisor."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from sftjob_trainer.data import IGNORE_INDEX, Example
 from sftjob_trainer.distributed import DistContext, _fully_shard
 from sftjob_trainer.loop import (
     MAX_NONFINITE_STEPS,
+    MIN_LOSS_SCALE,
     NonFiniteSteps,
     StepResult,
     build_optimizer,
@@ -109,6 +111,30 @@ def test_an_fp16_overflow_lowers_the_loss_scale_and_holds_the_schedule_back() ->
 
     assert result.skipped == "overflow" and not math.isfinite(result.grad_norm)
     assert parts.scaler.get_scale() < scale and parts.scheduler.last_epoch == steps
+    assert all(torch.equal(b, a) for b, a in zip(before, parts.model.parameters(), strict=True))
+
+
+def test_gradients_that_overflow_at_every_loss_scale_end_the_run_as_diverged_weights_untouched() -> None:
+    parts, plan = _trainables("fp16")
+    assert parts.scaler is not None
+    first, _ = _batches()
+    before = _weights(parts.model)
+    # The loss stays finite; the embedding's gradient is infinite whatever the scale.
+    _embedding(parts.model).register_hook(lambda grad: grad * float("inf"))
+    watch, kinds = NonFiniteSteps(), []
+    # The scale halves from 2**16 on every overflow: 16 overflows take it to MIN_LOSS_SCALE (1).
+    allowed = int(math.log2(parts.scaler.get_scale() / MIN_LOSS_SCALE)) + MAX_NONFINITE_STEPS
+
+    with pytest.raises(TrainerError) as raised:
+        for step in range(1, 10 * allowed):
+            result = train_step(parts, first, plan, 1.0, CPU)
+            kinds.append(result.skipped)
+            watch.count(result, step)
+
+    assert raised.value.code == ExitCode.DIVERGED and len(kinds) == allowed
+    assert kinds == ["overflow"] * (allowed - MAX_NONFINITE_STEPS) + ["non-finite"] * MAX_NONFINITE_STEPS
+    assert parts.scaler.get_scale() < MIN_LOSS_SCALE and parts.scheduler.last_epoch == 0
+    assert parts.optimizer.state == {}
     assert all(torch.equal(b, a) for b, a in zip(before, parts.model.parameters(), strict=True))
 
 

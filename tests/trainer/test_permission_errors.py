@@ -1,6 +1,7 @@
 """A folder the trainer's user may not write is the job's configuration, not the storage failing: it ends
 the attempt with CONFIG_ERROR (no restart fixes it, where a StorageError would be retried three times),
-naming the folder, whose it is, whom the trainer runs as and how to hand it over."""
+naming the folder, whose it is, whom the trainer runs as and how to hand it over. The same holds for
+reading the checkpoints on a resume (files a root process left 0600, nfs root_squash)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from sftjob.config import JobRef
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, ownership
-from sftjob_trainer.checkpoints import Trainables, TrainState
+from sftjob_trainer import checkpoints, ownership, resume
+from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.failures import classify, load_failure
 from sftjob_trainer.preflight import check_writable
@@ -91,3 +93,39 @@ def test_a_model_the_trainer_may_not_read_is_not_retried_as_a_storage_error(tmp_
     assert (
         load_failure(_denied(tmp_path / "model.safetensors"), "the model") is None
     )  # the loader's own error
+
+
+def _parts() -> Trainables:
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    return Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
+
+
+@pytest.mark.parametrize("where", ["folder", "listing", "small files", "tensors"])
+def test_checkpoints_the_trainer_may_not_read_stop_the_resume_with_a_config_error_and_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    job = JobRef(name="job", uid="uid-1", attempt=1)
+    ownership.take_over(tmp_path, job, ONE_PROCESS)
+    for step in (2, 4):
+        checkpoints.save(tmp_path, TrainState(step=step), _parts(), ONE_PROCESS, keep=2, job=job)
+    saved = checkpoint_dirs(tmp_path)
+
+    def denied(*args: Any, **kwargs: Any) -> Any:
+        raise _denied(tmp_path / "checkpoint-4" / "file")
+
+    target = {
+        "folder": (os, "listdir"),  # pathlib's glob would have listed no checkpoint: a fresh start
+        "listing": (FileSystemReader, "read_metadata"),
+        "small files": (torch, "load"),
+        "tensors": (FileSystemReader, "read_data"),
+    }[where]
+    monkeypatch.setattr(*target, denied)
+    with pytest.raises(TrainerError) as refused:
+        resume.load_latest(tmp_path, _parts(), ONE_PROCESS)
+    monkeypatch.undo()
+
+    assert refused.value.code == ExitCode.CONFIG_ERROR
+    assert "Permission denied" in refused.value.reason and "restart" not in refused.value.reason
+    _names_owner_and_remedy(refused.value.reason, tmp_path / "checkpoint-4")  # the file's folder
+    assert checkpoint_dirs(tmp_path) == saved and not list(tmp_path.glob(".bad-*"))

@@ -93,12 +93,17 @@ def rng_file(rank: int) -> str:
 
 
 def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
-    """``checkpoint-N`` folders, newest first."""
+    """``checkpoint-N`` folders, newest first; none before ``root`` exists. A folder that cannot be listed
+    raises its OSError (``Path.glob`` would take a permission denied for an empty folder: a fresh start)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
     found = []
-    for path in root.glob(f"{CHECKPOINT_PREFIX}*"):
-        suffix = path.name[len(CHECKPOINT_PREFIX) :]
-        if suffix.isdigit() and path.is_dir():
-            found.append((int(suffix), path))
+    for name in names:
+        suffix = name.removeprefix(CHECKPOINT_PREFIX)
+        if name.startswith(CHECKPOINT_PREFIX) and suffix.isdigit() and (root / name).is_dir():
+            found.append((int(suffix), root / name))
     return sorted(found, reverse=True)
 
 

@@ -120,12 +120,17 @@ def storage_failure(exc: OSError, doing: str, folder: str | Path | None = None) 
     return TrainerError(ExitCode.STORAGE_ERROR, f"{doing}: {exc}")
 
 
-def permission_advice(exc: OSError, folder: str | Path | None = None) -> str:
+def permission_denied(exc: BaseException) -> OSError | None:
+    """The permission error (EACCES, EPERM) anywhere in ``exc``'s chain of causes, or None."""
+    return next((c for c in causes(exc) if isinstance(c, OSError) and c.errno in _PERMISSION_ERRNOS), None)
+
+
+def permission_advice(exc: OSError | None, folder: str | Path | None = None) -> str:
     """Whose the path of ``exc`` (else ``folder``) is, whom the trainer runs as, and how to give it the
     folder. The operator runs the trainer as uid 1000 with fsGroup 1000, which the kubelet applies to most
     claims but not to ``nfs`` or ``hostPath`` volumes (docs/install.md)."""
     uid, gid = os.getuid(), os.getgid()
-    owner = _owner(exc.filename if exc.filename is not None else folder)
+    owner = _owner(exc.filename if exc is not None and exc.filename is not None else folder)
     return (
         f"{owner}the trainer runs as uid {uid}, gid {gid}: make the folder writable by uid"
         f" {uid} or gid {gid}, e.g. chown -R {uid}:{gid} it on the nfs server or the node of a hostPath"

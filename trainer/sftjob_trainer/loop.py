@@ -7,7 +7,9 @@ so gradient accumulation and data parallelism give the same gradient as one big 
 A step whose loss or gradients are not finite leaves the weights, the optimizer and the schedule as they
 were (in bf16/fp32 one inf gradient would otherwise turn every weight into NaN through the clipping
 factor); it still counts as a step, its batch consumed, so a resume replays the same data in the same
-order. ``MAX_NONFINITE_STEPS`` of them in a row end the run as diverged (:class:`NonFiniteSteps`).
+order. ``MAX_NONFINITE_STEPS`` of them in a row end the run as diverged (:class:`NonFiniteSteps`). Under
+fp16 an overflow the loss scaler can still cure by lowering its scale does not count; one at a scale under
+``MIN_LOSS_SCALE`` does, so gradients that overflow whatever the scale end the run too.
 """
 
 from __future__ import annotations
@@ -38,9 +40,14 @@ MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
 # is the weights' doing, and a restart from the last checkpoint with the same data would get there again.
 # Megatron fails at the first NaN; five ride out an isolated bad batch and cost a job a few of its steps.
 MAX_NONFINITE_STEPS = 5
+# fp16's loss scale below which an overflow is the gradients' own, not the scale's: DeepSpeed's
+# min_loss_scale default. Below 1 the scaler shrinks the gradients instead of magnifying them, and its
+# halving after every overflow would otherwise go on to 0, every update skipped, none counted.
+MIN_LOSS_SCALE = 1.0
 
-# Why a step left the weights as they were: "overflow", fp16's loss scale was too high for the gradients
-# (the scaler lowered it: expected now and then); "non-finite", the loss or the gradients were inf/NaN.
+# Why a step left the weights as they were: "overflow", fp16's gradients overflowed at a loss scale the
+# scaler could still lower (it halved it: expected now and then); "non-finite", the loss was inf/NaN, or
+# the gradients were and no loss scale is left to cure them (none, or under ``MIN_LOSS_SCALE``).
 Skip = Literal["overflow", "non-finite"]
 
 
@@ -268,26 +275,29 @@ def train_step(
 
 
 def _update(parts: Trainables, loss: float, grad_norm: float) -> Skip | None:
-    """Step the optimizer and the schedule with the clipped gradients, or say why not.
+    """Step the optimizer and the schedule with the clipped gradients, or say why not (neither steps then).
 
-    ``loss`` and ``grad_norm`` are global (every rank decides alike). Without a loss scaler a non-finite
-    norm means inf/NaN gradients, which clipping would spread to every weight (its factor is NaN). With
-    fp16's scaler an inf norm is an overflow the scaler handles (it skips the update and lowers the
-    scale; the schedule waits too, as in HF's Trainer); a non-finite loss is no overflow, the scale
-    cannot cure a forward pass that overflows.
+    ``loss`` and ``grad_norm`` are global (every rank decides alike); with fp16's scaler ``grad_norm`` is
+    of the unscaled gradients. Without a scaler a non-finite norm means inf/NaN gradients, which clipping
+    would spread to every weight (its factor is NaN). With one it is an overflow, which the scaler answers
+    by halving its scale (the schedule waits too, as in HF's Trainer): "overflow" while that leaves a scale
+    of at least ``MIN_LOSS_SCALE``, else the gradients are at fault. A non-finite loss is no overflow: the
+    scale cannot cure a forward pass that overflows.
     """
     optimizer, scaler = parts.optimizer, parts.scaler
-    non_finite = not math.isfinite(loss) or (scaler is None and not math.isfinite(grad_norm))
-    if scaler is not None:
+    finite_loss, finite_grads = math.isfinite(loss), math.isfinite(grad_norm)
+    if scaler is None:
+        if finite_loss and finite_grads:
+            optimizer.step()
+    else:
         scale = scaler.get_scale()
-        if not non_finite:
-            scaler.step(optimizer)  # skipped by the scaler when a gradient is inf/NaN
-        scaler.update()  # lowers the scale after inf/NaN gradients
-        if not non_finite and scaler.get_scale() < scale:
-            return "overflow"
-    elif not non_finite:
-        optimizer.step()
-    if non_finite:
+        if finite_loss and finite_grads:
+            scaler.step(optimizer)
+        scaler.update()  # halves the scale after inf/NaN gradients
+    if not finite_loss:
         return "non-finite"
+    if not finite_grads:
+        lowered = scaler is not None and MIN_LOSS_SCALE <= scaler.get_scale() < scale
+        return "overflow" if lowered else "non-finite"
     parts.scheduler.step()
     return None

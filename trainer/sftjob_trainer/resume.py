@@ -5,7 +5,9 @@ with a file missing or shorter than its index says, or whose files do not load i
 warning and the next older one is tried. Those newer than the one resumed from are then set aside as
 ``.bad-checkpoint-N`` (kept for inspection, never resumed from or deleted): a save of this run must not
 rank below them, nor rotation delete the run's own progress to keep them. A storage failure while
-reading (EIO, a stale handle) stops the run with the checkpoints kept as they are for the restart.
+reading (EIO, a stale handle) stops the run with the checkpoints kept as they are for the restart; so does
+a permission denied (files a root process left 0600, nfs root_squash), but as a configuration error
+naming the owner, which no restart changes.
 
 The data order follows from the step (batching.py) as long as the layout it depends on is the same: a
 checkpoint records that layout (:func:`fingerprint`), and a resume with another one says so.
@@ -49,7 +51,7 @@ from sftjob_trainer.checkpoints import (
 )
 from sftjob_trainer.distributed import DistContext, load_rank0_weights, loads_on_rank0
 from sftjob_trainer.durable import fsync_dir
-from sftjob_trainer.failures import causes
+from sftjob_trainer.failures import causes, permission_advice, permission_denied, storage_failure
 from sftjob_trainer.metrics import Phase, TrainerMetrics
 from sftjob_trainer.model import pretrained_weights
 from sftjob_trainer.observer import Observer
@@ -138,21 +140,17 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
     from the pretrained weights as if the checkpoints were not there. Once one has loaded (or on a fresh
     start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
     """
-    candidates: list[Path] | str = ctx.broadcast(_listing(root) if ctx.is_main else None)
-    if isinstance(candidates, str):
-        raise _storage_error(candidates)
+    candidates: list[Path] | tuple[ExitCode, str] = ctx.broadcast(_listing(root) if ctx.is_main else None)
+    if isinstance(candidates, tuple):
+        raise TrainerError(*candidates)
     failed: dict[str, str] = {}  # checkpoint name: why it did not load (as rank 0 saw it)
     for path in candidates:
-        storage = None
+        failure = None
         try:
             small, why = _small_files(path, ctx.rank)
-        except OSError as exc:
-            small, why, storage = None, None, f"rank {ctx.rank} could not read {path}: {exc}"
-        unreadable, failing = (int(n) for n in ctx.sum([float(small is None), float(storage is not None)]))
-        if failing:  # all stop together, the checkpoint kept for the restart
-            raise _storage_error(
-                storage or f"{failing} other rank(s) could not read {path} (their log says why)"
-            )
+        except TrainerError as exc:
+            small, why, failure = None, None, exc
+        unreadable = _stop_together(path, small is None, failure, ctx)
         if unreadable:  # all skip together
             if why is None:
                 why = f"{unreadable} other rank(s) cannot read its files"
@@ -164,9 +162,10 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
             tensors = trainable_tensors(parts)
             with single_process_is_meant():
                 dcp.load(tensors, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active)
-        except CheckpointException as exc:
-            if any(_is_storage_failure(error) for error, _ in exc.failures.values()):
-                raise _storage_error(f"could not read {path}: {describe_failures(exc)}") from exc
+        except CheckpointException as exc:  # raised on every rank alike, with every rank's failures
+            stop = _tensors_failure(exc, path)
+            if stop is not None:
+                raise stop from exc
             failed[path.name] = f"its tensors do not load ({describe_failures(exc)})"
             log.warning("skipping checkpoint %s: %s", path, failed[path.name])
             continue
@@ -222,10 +221,11 @@ def _set_aside_newer(root: Path, resumed: int, failed: dict[str, str], ctx: Dist
                     os.rename(path, aside)
             fsync_dir(root)
         except OSError as exc:
-            error = f"could not set aside the unusable checkpoints in {root}: {exc}"
+            stop = storage_failure(exc, f"could not set aside the unusable checkpoints in {root}", root)
+            error = stop.code, stop.reason
     error = ctx.broadcast(error)
     if error is not None:
-        raise TrainerError(ExitCode.STORAGE_ERROR, error)
+        raise TrainerError(*error)
 
 
 def _aside(path: Path) -> Path:
@@ -236,6 +236,49 @@ def _aside(path: Path) -> Path:
         n += 1
         aside = path.with_name(f"{BAD_PREFIX}{path.name}-{n}")
     return aside
+
+
+def _stop_together(path: Path, missing: bool, failure: TrainerError | None, ctx: DistContext) -> int:
+    """Collective, once every rank has read the small files of ``path`` (``missing`` here, ``failure`` when
+    that stops the run): how many ranks cannot read them, for all to skip the checkpoint together; unless
+    a rank's failure stops the run, then on every rank with the same code: CONFIG_ERROR when some rank was
+    denied permission (no restart changes that), else STORAGE_ERROR, the checkpoint kept for the restart."""
+    denied_here = failure is not None and failure.code == ExitCode.CONFIG_ERROR
+    counts = ctx.sum([float(missing), float(denied_here), float(failure is not None)])
+    unreadable, denied, failing = (int(n) for n in counts)
+    if denied_here and failure is not None:
+        raise failure
+    if denied:
+        raise TrainerError(
+            ExitCode.CONFIG_ERROR,
+            f"{denied} other rank(s) may not read checkpoint {path} (their log names the file):"
+            f" {permission_advice(None, path)}",
+        )
+    if failing:
+        raise failure or _storage_error(f"{failing} other rank(s) could not read {path} (their log says why)")
+    return unreadable
+
+
+def _read_failure(exc: BaseException, doing: str, folder: Path) -> TrainerError | None:
+    """The error to stop on when ``doing`` failed with ``exc``: CONFIG_ERROR naming the owner when permission
+    was denied anywhere in its causes, STORAGE_ERROR when the storage failed (:func:`_is_storage_failure`);
+    None when the checkpoint itself is at fault."""
+    denied = permission_denied(exc)
+    if denied is not None:
+        return storage_failure(denied, doing, folder)
+    return _storage_error(f"{doing}: {exc}") if _is_storage_failure(exc) else None
+
+
+def _tensors_failure(exc: CheckpointException, path: Path) -> TrainerError | None:
+    """What to stop on when the tensors of ``path`` did not load on some rank (``exc`` holds every rank's
+    failure): a permission denied on any of them first, then a storage failure; None to skip it."""
+    errors = [error for error, _ in exc.failures.values()]
+    denied = next((d for d in map(permission_denied, errors) if d is not None), None)
+    if denied is not None:
+        return storage_failure(denied, f"could not read checkpoint {path}", path)
+    if any(_is_storage_failure(error) for error in errors):
+        return _storage_error(f"could not read {path}: {describe_failures(exc)}")
+    return None
 
 
 def _is_storage_failure(exc: BaseException) -> bool:
@@ -253,12 +296,16 @@ def _storage_error(detail: str) -> TrainerError:
     )
 
 
-def _listing(root: Path) -> list[Path] | str:
-    """The checkpoints that look complete (rank 0's view), or what kept rank 0 from reading them."""
+def _listing(root: Path) -> list[Path] | tuple[ExitCode, str]:
+    """The checkpoints that look complete (rank 0's view), or the code and reason to stop on when rank 0
+    cannot read them (a pair: a TrainerError does not survive the broadcast's pickling)."""
     try:
         return _complete(root)
     except OSError as exc:
-        return f"could not list {root}: {exc}"
+        stop = _read_failure(exc, f"could not list the checkpoints in {root}", root) or _storage_error(
+            f"could not list {root}: {exc}"
+        )
+        return stop.code, stop.reason
 
 
 def _complete(root: Path) -> list[Path]:
@@ -275,15 +322,17 @@ def _complete(root: Path) -> list[Path]:
 def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | None]:
     """Everything but the tensors, as this rank needs it; or None and why (with a warning) when a file
     does not load, or this rank cannot see the checkpoint (a node's copy of a folder not shared). Raises
-    the OSError of a storage failure (:func:`_is_storage_failure`)."""
-    names = [SCHEDULER_FILE, *(name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())]
+    the TrainerError to stop on when permission is denied or the storage fails (:func:`_read_failure`)."""
     try:
+        optional = (name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())
+        names = [SCHEDULER_FILE, *optional]
         files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
         for name in names:
             files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated pickle can raise nearly anything
-        if _is_storage_failure(exc):
-            raise  # the caller stops the run: a restart may read it
+        stop = _read_failure(exc, f"rank {rank} could not read checkpoint {path}", path)
+        if stop is not None:
+            raise stop from exc  # the caller stops the run: a restart may read it, or the owner fix it
         why = f"its files do not load on rank {rank} ({type(exc).__name__}: {exc})"
         log.warning("skipping checkpoint %s: %s", path, why)
         return None, why
