@@ -18,6 +18,13 @@ LABEL_CONTROLLER_UID = "sftjob.io/controller-uid"
 ANNOTATION_PROGRESS = "sftjob.io/progress"
 ANNOTATION_CHECKPOINT = "sftjob.io/last-checkpoint"
 
+# Kueue's pod integration (spec.queueName): the LocalQueue, and each attempt's pods as one pod group that
+# Kueue admits whole (gang admission) and finishes when one of them fails (the operator starts the next).
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+KUEUE_RETRIABLE_IN_GROUP = "kueue.x-k8s.io/retriable-in-group"
+
 # NVIDIA GPU Feature Discovery labels and the device plugin's resource name.
 GPU_RESOURCE = "nvidia.com/gpu"
 GFD_PRODUCT = "nvidia.com/gpu.product"

@@ -38,6 +38,8 @@ LABEL_VALUE_RULE = (
 )
 
 ObjectName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+# A Kueue LocalQueue's name, which the pods carry as a label value (at most 63 characters).
+QueueName = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=DNS_SUBDOMAIN)]
 QUANTITY_RULE = "a quantity above zero such as 16, 500m, 128Gi or 1.5Ti"
 
 

@@ -39,6 +39,7 @@ from sftjob.kube_names import (
     SECRET_KEY,
     ObjectName,
     Quantity,
+    QueueName,
     SpecModel,
     valid_label_key,
     valid_label_value,
@@ -303,6 +304,7 @@ class SFTJobSpec(SpecModel):
     ] = Field(default_factory=dict)
     network: NetworkSpec = NetworkSpec()
     priority_class_name: ObjectName | None = None
+    queue_name: QueueName | None = None  # a Kueue LocalQueue of the job's namespace (pods.py)
     suspend: bool = False
     active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)

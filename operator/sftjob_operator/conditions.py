@@ -36,6 +36,7 @@ class Reason(StrEnum):
     PODS_CREATED = "PodsCreated"
     WAITING_FOR_PODS = "WaitingForPods"
     UNSCHEDULABLE = "Unschedulable"
+    QUEUED = "Queued"  # held by scheduling gates: Kueue has not admitted the pods yet (spec.queueName)
     BOUND = "PodsBound"
     STARTING = "ContainersStarting"
     TRAINING = "Training"

@@ -25,6 +25,8 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # The pod conditions the reconcile and the failure classifier read, and the fields they read of them.
 POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget"})
 CONDITION_FIELDS = ("type", "status", "reason", "message")
+# PodScheduled's reason while a pod still has scheduling gates (e.g. Kueue's, until admission).
+SCHEDULING_GATED = "SchedulingGated"
 # The taint an admin puts on a node that is shut down (non-graceful node shutdown).
 OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 
@@ -200,12 +202,32 @@ def product_of(node: Obj | None) -> str | None:
 
 
 def unschedulable_message(pods: Sequence[Obj]) -> str | None:
-    """The scheduler's explanation when a pod cannot be placed (PodScheduled=False, Unschedulable)."""
+    """The scheduler's explanation when a pod cannot be placed (PodScheduled=False, Unschedulable); a pod
+    held by scheduling gates (:func:`gated_message`) is not looked at yet."""
     for pod in pods:
         for cond in (pod.get("status") or {}).get("conditions") or []:
-            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            waiting = cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+            if waiting and cond.get("reason") != SCHEDULING_GATED:
                 return str(cond.get("message") or cond.get("reason") or "unschedulable")
     return None
+
+
+def gated_message(pods: Sequence[Obj]) -> str | None:
+    """Why pods wait before the scheduler: scheduling gates (Kueue's admission gate while the job's queue
+    has no quota for it: spec.queueName), or None when no pod is held by one."""
+    gated = [p for p in pods if _pod_scheduled_reason(p) == SCHEDULING_GATED]
+    if not gated:
+        return None
+    queue = next(
+        (q for p in gated if (q := (p["metadata"].get("labels") or {}).get(c.KUEUE_QUEUE_LABEL))), None
+    )
+    waits = f"admission by Kueue's queue {queue}" if queue else "their gates are removed"
+    return f"queued: {len(gated)} of {len(pods)} pod(s) held by scheduling gates until {waits}"
+
+
+def _pod_scheduled_reason(pod: Obj) -> str | None:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return next((x.get("reason") for x in conditions if x.get("type") == "PodScheduled"), None)
 
 
 def progress_of(pods: Sequence[Obj]) -> ProgressStatus | None:

@@ -263,4 +263,19 @@ def trainer_pod(
     metadata = builders.metadata(job, name, attempt=job.attempt, rank=rank)
     if spec.pod_annotations:
         metadata["annotations"] = dict(spec.pod_annotations)
+    if spec.queue_name:
+        metadata["labels"] |= queue_labels(job, spec.queue_name)
+        metadata["annotations"] = metadata.get("annotations", {}) | queue_annotations(spec)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def queue_labels(job: JobRef, queue: str) -> dict[str, str]:
+    """Kueue's pod integration: the LocalQueue, and the attempt's pods as one pod group (its name is the
+    job's and the attempt's: every attempt is a new group, admitted again)."""
+    return {c.KUEUE_QUEUE_LABEL: queue, c.KUEUE_POD_GROUP_LABEL: f"{job.name}-{job.attempt}"}
+
+
+def queue_annotations(spec: SFTJobSpec) -> dict[str, str]:
+    """The group's size (all its pods admitted together), and no retry inside it: a failed pod ends the
+    group's workload, releasing its quota, and the operator's next attempt is a new group."""
+    return {c.KUEUE_POD_GROUP_COUNT: str(spec.gpu.nodes), c.KUEUE_RETRIABLE_IN_GROUP: "false"}

@@ -302,13 +302,15 @@ class _Pass(JobPass):
         self.update(gpu=gpu, plan=plan_status(plan) if plan is not None else self.status.plan)
         self.replace_record(record.model_copy(update={"node": nodes[0] if nodes else None}))
         everyone = len(pods) == spec.gpu.nodes
-        unschedulable = observe.unschedulable_message(pods)
+        unschedulable, queued = observe.unschedulable_message(pods), observe.gated_message(pods)
         if everyone and len(nodes) == len(pods):
             self.cond(T.SCHEDULED, True, Reason.BOUND, f"on {', '.join(nodes)}")
         elif not everyone and self.failed_create():
             pass  # the refused create's message stays until a create succeeds
         elif unschedulable is not None:
             self.cond(T.SCHEDULED, False, Reason.UNSCHEDULABLE, unschedulable)
+        elif queued is not None:
+            self.cond(T.SCHEDULED, False, Reason.QUEUED, queued)
         else:
             self.cond(T.SCHEDULED, False, Reason.WAITING_FOR_PODS, "waiting for the scheduler")
         if everyone and all(observe.phase_of(p) == "Running" for p in pods):
@@ -317,12 +319,12 @@ class _Pass(JobPass):
                 "Running", Reason.TRAINING, f"training on {self.status.gpu.summary} ({', '.join(nodes)})"
             )
         else:
-            reason = Reason.UNSCHEDULABLE if unschedulable else Reason.STARTING
+            reason = Reason.UNSCHEDULABLE if unschedulable else Reason.QUEUED if queued else Reason.STARTING
             # Why a bound pod waits: ContainerCreating for long is often a claim still attached elsewhere.
             waiting = pod_lifecycle.waiting_reasons([p for p in pods if observe.phase_of(p) != "Running"])
             starting = "waiting for the trainer containers" + (f": {waiting}" if waiting else "")
-            self.cond(T.RUNNING, False, reason, unschedulable or starting)
-            self.set_phase("Pending", reason, unschedulable or "waiting for the pods to start")
+            self.cond(T.RUNNING, False, reason, unschedulable or queued or starting)
+            self.set_phase("Pending", reason, unschedulable or queued or "waiting for the pods to start")
         self.cond(T.SUCCEEDED, False, Reason.NOT_FINISHED, "")
         self.cond(T.FAILED, False, Reason.NOT_FINISHED, "")
         if record.start_time is not None and len(pods) < spec.gpu.nodes:

@@ -219,6 +219,11 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         spec_with(env=[{"name": "NVIDIA_MOFED", "value": "enabled"}]),
         "spec.env[0].name",
     ),
+    "Kueue's pod-group annotation by hand": (
+        spec_with(podAnnotations={"kueue.x-k8s.io/pod-group-total-count": "2"}),
+        "Kueue's annotations are the operator's: set spec.queueName",
+    ),
+    "a queue name that is no label value": (spec_with(queueName="q" * 64), "spec.queueName"),
     "a torchrun flag in the environment": (
         spec_with(env=[{"name": "PET_MAX_RESTARTS", "value": "100"}]),
         "spec.env[0].name",
@@ -290,6 +295,7 @@ def test_the_spec_is_immutable_except_suspend_deadline_and_ttl(jobs: Jobs) -> No
         ('{"spec":{"network":{"bandwidthGbps":100}}}', "spec.network"),
         ('{"spec":{"podAnnotations":{"a":"b"}}}', "spec.podAnnotations"),
         ('{"spec":{"evaluation":{"fraction":0.1}}}', "spec.evaluation"),
+        ('{"spec":{"queueName":"team-a"}}', "spec.queueName"),
     ):
         result = jobs.kubectl("patch", "sft", "settled", "--type=merge", "-p", patch, check=False)
         assert result.returncode != 0 and field in result.stderr and "immutable" in result.stderr
