@@ -91,13 +91,8 @@ def test_rotation_spares_the_best_checkpoint_and_its_weights_load_back_into_the_
 def test_a_run_that_stops_early_writes_the_best_checkpoint_as_its_output(
     trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    losses = iter([3.0, 1.0, 2.0, 2.5, 0.5])  # the held-out losses at steps 1, 2, 3, 4 (and 5: never reached)
-    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (next(losses), 0.01))
-    config = trainer_config(
-        "messages",
-        checkpoints={"everySteps": 1, "keep": 1},
-        evaluation={"fraction": 0.1, "finalModel": "Best", "earlyStopping": {"patience": 2}},
-    )
+    # The held-out losses at steps 1, 2, 3, 4 (and 5: never reached).
+    config = _stopping_early(trainer_config, monkeypatch, [3.0, 1.0, 2.0, 2.5, 0.5])
     assert run(str(config)) == ExitCode.OK
     settings = json.loads(config.read_text())
     output, root = Path(settings["outputDir"]), Path(settings["checkpoints"]["dir"])
@@ -116,6 +111,17 @@ def test_a_run_that_stops_early_writes_the_best_checkpoint_as_its_output(
     assert not all(torch.equal(adapter[name], last[name]) for name in adapter)
 
 
+def _stopping_early(trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, losses: list[float]) -> Path:
+    """A run checkpointed every step, patience 2, finalModel Best, whose evaluations give ``losses``."""
+    scripted = iter(losses)
+    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (next(scripted), 0.01))
+    return trainer_config(
+        "messages",
+        checkpoints={"everySteps": 1, "keep": 1},
+        evaluation={"fraction": 0.1, "finalModel": "Best", "earlyStopping": {"patience": 2}},
+    )
+
+
 def _lora_weights(checkpoint: Path, scratch: Path) -> dict[str, torch.Tensor]:
     """A checkpoint's adapter weights under the names PEFT saves them with."""
     dcp_to_torch_save(checkpoint / checkpoints.TENSORS_DIR, scratch)
@@ -130,13 +136,7 @@ def _summary(config: Path) -> dict[str, Any]:
 def test_an_attempt_resumed_where_early_stopping_ended_the_run_trains_no_further(
     trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    losses = iter([3.0, 1.0, 2.0, 2.5])  # stops at step 4; a resume must ask for no evaluation
-    monkeypatch.setattr("sftjob_trainer.train.evaluate", lambda *args, **kwargs: (next(losses), 0.01))
-    config = trainer_config(
-        "messages",
-        checkpoints={"everySteps": 1, "keep": 1},
-        evaluation={"fraction": 0.1, "finalModel": "Best", "earlyStopping": {"patience": 2}},
-    )
+    config = _stopping_early(trainer_config, monkeypatch, [3.0, 1.0, 2.0, 2.5])  # a resume evaluates nothing
     assert run(str(config)) == ExitCode.OK
     (Path(json.loads(config.read_text())["outputDir"]) / "summary.json").unlink()  # as if writing it failed
     assert run(str(config)) == ExitCode.OK
