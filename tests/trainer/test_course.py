@@ -132,3 +132,27 @@ def test_a_job_recreated_with_more_steps_over_its_kept_checkpoints_runs_them_all
     assert "another run length (maxSteps 12, was maxSteps 8)" in caplog.text
     summary = json.loads((Path(settings["outputDir"]) / "summary.json").read_text())
     assert summary["resumedFromStep"] == 4 and summary["totalSteps"] == summary["steps"] == 12
+
+
+def test_a_job_recreated_with_a_lower_learning_rate_resumes_at_it_not_at_the_checkpoints() -> None:
+    from sftjob_trainer.loop import build_optimizer, rebase
+
+    model = torch.nn.Linear(4, 2)
+    first = build_optimizer(model, SETTINGS, torch.device("cpu"))
+    before = Trainables(model, first, build_scheduler(first, SETTINGS, 100), None)
+    _stepped(before, 50)
+    saved = before.optimizer.state_dict(), before.scheduler.state_dict()
+
+    lower = SETTINGS.model_copy(update={"learning_rate": 2e-5, "weight_decay": 0.1})
+    again = build_optimizer(model, lower, torch.device("cpu"))
+    after = Trainables(model, again, build_scheduler(again, lower, 100), None)
+    after.optimizer.load_state_dict(saved[0])  # what a resume restores: the old rate and decay with it
+    after.scheduler.load_state_dict(saved[1])
+    rebase(after, lower)
+
+    factor = after.scheduler.lr_lambdas[0](50)
+    assert after.scheduler.base_lrs == [2e-5, 2e-5]
+    assert [g["lr"] for g in after.optimizer.param_groups] == pytest.approx([2e-5 * factor] * 2)
+    assert [g["weight_decay"] for g in after.optimizer.param_groups] == [0.1, 0.0]
+    after.scheduler.step()
+    assert after.optimizer.param_groups[0]["lr"] == pytest.approx(2e-5 * after.scheduler.lr_lambdas[0](51))

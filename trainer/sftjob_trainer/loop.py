@@ -199,7 +199,32 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
         )
     if course.replanned:
         follow_course(parts, training, course)
+    rebase(parts, training)
     return course
+
+
+def rebase(parts: Trainables, training: TrainingSettings) -> None:
+    """A job recreated over its kept checkpoints with another learningRate or weightDecay: restoring the
+    optimizer and the schedule brought back the old ones (torch keeps them in both states), so the new
+    values are put back, the learning rate at the schedule's restored position."""
+    scheduler, groups = parts.scheduler, parts.optimizer.param_groups
+    decays = [training.weight_decay, 0.0][: len(groups)]  # build_optimizer: matrices decay, the rest not
+    rate = training.learning_rate
+    if all(math.isclose(b, rate) for b in scheduler.base_lrs) and all(
+        math.isclose(g["weight_decay"], d) for g, d in zip(groups, decays, strict=False)
+    ):
+        return
+    log.warning(
+        "resuming with learning rate %g and weight decay %g (the checkpoint had %g and %g)",
+        rate,
+        training.weight_decay,
+        scheduler.base_lrs[0],
+        groups[0]["weight_decay"],
+    )
+    scheduler.base_lrs = [rate] * len(groups)
+    for group, decay, factor in zip(groups, decays, scheduler.lr_lambdas, strict=False):
+        group["initial_lr"], group["weight_decay"] = rate, decay
+        group["lr"] = rate * factor(scheduler.last_epoch)
 
 
 def make_scaler(
