@@ -56,7 +56,8 @@ RESERVED_ENV_NAMES = frozenset(
 
 
 RESERVED_ANNOTATION = r"^([^/]*[.])?sftjob[.]io/"  # the progress and checkpoint reports on the pods
-KUEUE_ANNOTATION = r"^kueue[.]x-k8s[.]io/"  # the pod group the operator declares with spec.queueName
+# The pod group the operator declares with spec.queueName (Kueue's topology annotations stay the user's).
+KUEUE_ANNOTATION = r"^kueue[.]x-k8s[.]io/(pod-group-|retriable-in-group$|role-hash$)"
 # The AppArmor and seccomp annotations (container.apparmor.security.beta.kubernetes.io/<container>,
 # [container.]seccomp.security.alpha.kubernetes.io/...): the API server turns them into the pod's security
 # profile (an `unconfined` trainer), or Pod Security refuses every pod of the job. The pods' profile is the
@@ -71,7 +72,7 @@ def pod_annotation_key(key: str) -> str:
     if re.match(RESERVED_ANNOTATION, key):
         raise ValueError(f"key {key!r}: annotations under sftjob.io are the operator's and trainer's")
     if re.match(KUEUE_ANNOTATION, key):
-        raise ValueError(f"key {key!r}: Kueue's annotations are the operator's: set spec.queueName")
+        raise ValueError(f"key {key!r}: Kueue's pod-group annotations are the operator's: set spec.queueName")
     if re.match(SECURITY_PROFILE_ANNOTATION, key):
         raise ValueError(
             f"key {key!r}: AppArmor and seccomp annotations would set the pods' security profile,"

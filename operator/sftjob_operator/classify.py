@@ -243,7 +243,8 @@ def _classify_ended(
 ) -> Classification:
     pod_reason = status.get("reason") or ""
     pod_message = status.get("message") or ""
-    disruption = _condition(status, "DisruptionTarget")
+    # Kueue marks the pods it stops (preemption, eviction) TerminationTarget, not DisruptionTarget.
+    disruption = _condition(status, "DisruptionTarget") or _condition(status, "TerminationTarget")
     disruption_reason = (
         disruption.get("reason", "") if disruption and disruption.get("status") == "True" else ""
     )

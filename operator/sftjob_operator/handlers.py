@@ -301,6 +301,8 @@ async def _apply(
             )
             Runtime.gone_pods.bury((namespace, name), uids[pod])
             Runtime.queue.add((namespace, name))  # decide again at once, without it
+    for pod in actions.release_pods:
+        await kube.run(kube.release_pod, namespace, pod, uids[pod])
     if actions.delete_job:
         await kube.run(kube.delete_job, namespace, name, job.uid)
     return actions.status, version

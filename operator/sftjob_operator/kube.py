@@ -199,6 +199,28 @@ class Kube:
             return False
         return True
 
+    def release_pod(self, namespace: str, name: str, uid: str) -> None:
+        """Take Kueue's finalizer off the pod ``name`` if it is still the one with ``uid`` (a JSON patch
+        that tests the uid); a pod gone or changed meanwhile is left to the next pass."""
+        pod = self.read_pod(namespace, name)
+        if pod is None or pod["metadata"].get("uid") != uid:
+            return
+        finalizers = pod["metadata"].get("finalizers") or []
+        kept = [f for f in finalizers if f != c.KUEUE_FINALIZER]
+        patch: list[dict[str, Any]] = [
+            {"op": "test", "path": "/metadata/uid", "value": uid},
+            {"op": "test", "path": "/metadata/finalizers", "value": finalizers},
+            {"op": "replace", "path": "/metadata/finalizers", "value": kept},
+        ]
+        try:
+            self.core.patch_namespaced_pod(name, namespace, patch, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as err:
+            if err.status not in (404, 409, 422):
+                raise
+            log.debug(
+                "pod %s/%s: Kueue's finalizer left for the next pass (HTTP %d)", namespace, name, err.status
+            )
+
     def delete_job(self, namespace: str, name: str, uid: str) -> None:
         """Delete the job with ``uid`` (its children go in the background); never a job created again
         under its name meanwhile."""

@@ -23,7 +23,7 @@ Obj = Mapping[str, Any]
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # The pod conditions the reconcile and the failure classifier read, and the fields they read of them.
-POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget"})
+POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget", "TerminationTarget"})
 CONDITION_FIELDS = ("type", "status", "reason", "message")
 # PodScheduled's reason while a pod still has scheduling gates (e.g. Kueue's, until admission).
 SCHEDULING_GATED = "SchedulingGated"
@@ -92,6 +92,7 @@ def trim_pod(body: Obj) -> dict[str, Any]:
             },
             "creationTimestamp": meta.get("creationTimestamp"),
             "deletionTimestamp": meta.get("deletionTimestamp"),
+            "finalizers": [f for f in meta.get("finalizers") or [] if f == c.KUEUE_FINALIZER],
         },
         "spec": {"nodeName": spec.get("nodeName")},
         "status": _trim_pod_status(body.get("status") or {}),

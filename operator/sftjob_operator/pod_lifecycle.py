@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from sftjob import constants as c
 from sftjob_operator import observe
 from sftjob_operator.classify import node_lost, parse_time
 
@@ -60,6 +61,20 @@ def on_gone_nodes(pods: Sequence[Obj], nodes: Mapping[str, Obj]) -> set[str]:
         for p in pods
         if (node := observe.node_of(p)) is not None and observe.out_of_service(nodes.get(node))
     }
+
+
+def held_by_kueue(pods: Sequence[Obj]) -> list[str]:
+    """The pods deleted before Kueue admitted them (spec.queueName). Kueue takes its finalizer off a pod
+    once the pod has stopped, and one never bound never stops: it and its group's Workload would stay for
+    good (kubernetes-sigs/kueue#5130), holding the pod names of the attempt. The operator takes the
+    finalizer off these itself."""
+    return sorted(
+        observe.name(p)
+        for p in pods
+        if p["metadata"].get("deletionTimestamp")
+        and observe.node_of(p) is None
+        and c.KUEUE_FINALIZER in (p["metadata"].get("finalizers") or [])
+    )
 
 
 def _may_still_run(pod: Obj, nodes: Mapping[str, Obj], now: datetime) -> bool:

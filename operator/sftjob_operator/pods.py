@@ -270,9 +270,10 @@ def trainer_pod(
 
 
 def queue_labels(job: JobRef, queue: str) -> dict[str, str]:
-    """Kueue's pod integration: the LocalQueue, and the attempt's pods as one pod group (its name is the
-    job's and the attempt's: every attempt is a new group, admitted again)."""
-    return {c.KUEUE_QUEUE_LABEL: queue, c.KUEUE_POD_GROUP_LABEL: f"{job.name}-{job.attempt}"}
+    """Kueue's pod integration: the LocalQueue, and the attempt's pods as one pod group, named for the job,
+    its uid (a job created again under the name is never taken for the old one's Workload) and the attempt
+    (every attempt is a new group, admitted again)."""
+    return {c.KUEUE_QUEUE_LABEL: queue, c.KUEUE_POD_GROUP_LABEL: f"{job.name}-{job.uid[:8]}-{job.attempt}"}
 
 
 def queue_annotations(spec: SFTJobSpec) -> dict[str, str]:

@@ -221,7 +221,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "Kueue's pod-group annotation by hand": (
         spec_with(podAnnotations={"kueue.x-k8s.io/pod-group-total-count": "2"}),
-        "Kueue's annotations are the operator's: set spec.queueName",
+        "Kueue's pod-group annotations are the operator's: set spec.queueName",
     ),
     "a queue name that is no label value": (spec_with(queueName="q" * 64), "spec.queueName"),
     "a torchrun flag in the environment": (

@@ -7,8 +7,9 @@ import pytest
 from pydantic import ValidationError
 
 from sftjob import constants as c
+from sftjob_operator import observe
 from sftjob_operator.reconcile import reconcile
-from tests.unit.reconcile_cases import CTX, condition, pod, started, then
+from tests.unit.reconcile_cases import CTX, NOW, condition, pod, started, then
 from tests.unit.test_builders import JOB, spec
 from tests.unit.test_builders import pod as trainer_pod
 
@@ -19,7 +20,8 @@ def test_each_attempts_pods_are_one_kueue_pod_group_in_the_jobs_queue() -> None:
     for manifest in manifests:
         labels, annotations = manifest["metadata"]["labels"], manifest["metadata"]["annotations"]
         assert labels[c.KUEUE_QUEUE_LABEL] == "team-a"
-        assert labels[c.KUEUE_POD_GROUP_LABEL] == f"{JOB.name}-{JOB.attempt}"  # a new group per attempt
+        # A new group per attempt, and never the Workload of an earlier job of the same name.
+        assert labels[c.KUEUE_POD_GROUP_LABEL] == f"{JOB.name}-{JOB.uid[:8]}-{JOB.attempt}"
         assert (
             annotations[c.KUEUE_POD_GROUP_COUNT] == "2" and annotations[c.KUEUE_RETRIABLE_IN_GROUP] == "false"
         )
@@ -39,6 +41,7 @@ def test_without_a_queue_the_pods_carry_nothing_of_kueues() -> None:
         ({"queueName": "Team_A"}, "should match pattern"),
         ({"queueName": "q" * 64}, "at most 63 characters"),
         ({"podAnnotations": {c.KUEUE_POD_GROUP_COUNT: "1"}}, "set spec.queueName"),
+        ({"podAnnotations": {c.KUEUE_RETRIABLE_IN_GROUP: "true"}}, "set spec.queueName"),
     ],
 )
 def test_a_queue_name_kueue_could_not_use_and_kueues_own_annotations_are_refused(
@@ -65,3 +68,45 @@ def test_pods_waiting_for_kueues_admission_keep_the_job_queued_without_an_unsche
     message = next(x for x in actions.status.conditions if x.type == "Scheduled").message
     assert "admission by Kueue's queue team-a" in message
     assert "Unschedulable" not in [e.reason for e in actions.events]
+
+
+def test_kueues_topology_annotations_stay_the_users() -> None:
+    topology = {"kueue.x-k8s.io/podset-preferred-topology": "cloud.example.com/rack"}
+    assert spec(queueName="team-a", podAnnotations=topology).pod_annotations == topology
+
+
+def test_a_pod_kueue_stopped_ends_the_attempt_as_preempted_not_as_a_failure_of_the_job() -> None:
+    from sftjob.failures import FailureClass
+    from sftjob_operator.classify import classify_pod
+
+    evicted = {
+        "type": "TerminationTarget",
+        "status": "True",
+        "reason": "WorkloadEvictedDueToPodsReadyTimeout",
+    }
+    sigterm = {"name": "trainer", "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}
+    stopped = pod(phase="Failed", status={"conditions": [evicted], "containerStatuses": [sigterm]})
+    trimmed = observe.trim_pod(stopped)
+    verdict = classify_pod(trimmed, {"metadata": {"name": "l40s-0"}}, now=NOW)
+    assert verdict.failure_class == FailureClass.PREEMPTED
+    assert "WorkloadEvictedDueToPodsReadyTimeout" in verdict.message
+
+
+def test_pods_deleted_before_kueue_admitted_them_lose_kueues_finalizer_and_no_other_pod_does() -> None:
+    from sftjob_operator.pod_lifecycle import held_by_kueue
+
+    def deleted(name: str, node: str | None, finalizers: list[str]) -> dict[str, object]:
+        manifest = pod(phase="Pending", node=node)
+        manifest["metadata"] |= {
+            "name": name,
+            "deletionTimestamp": "2026-01-01T12:00:00Z",
+            "finalizers": finalizers,
+        }
+        return observe.trim_pod(manifest)
+
+    pods = [
+        deleted("gated", None, [c.KUEUE_FINALIZER]),
+        deleted("ran", "l40s-0", [c.KUEUE_FINALIZER]),  # Kueue takes its finalizer off once the pod stopped
+        deleted("unqueued", None, ["example.com/other"]),
+    ]
+    assert held_by_kueue(pods) == ["gated"]
