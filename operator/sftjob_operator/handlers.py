@@ -32,7 +32,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -247,7 +247,7 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         spec=job.spec(),
         status=job.status(),
         pods=observe.owned(_live_pods(key, pods), job.uid),  # not an earlier job's of this name
-        nodes=_NodeView(nodes),
+        nodes=observe.FirstOfEach(nodes),
         now=now,
     )
     actions = reconcile(observed, Runtime.context)
@@ -379,25 +379,6 @@ async def _look_up(job: JobView, names: list[str]) -> tuple[list[observe.Obj], f
     found = observe.owned((trim_pod(b) for b in bodies if b is not None), job.uid)
     there = {observe.name(p) for p in found}
     return found, frozenset(n for n in names if n not in there)
-
-
-class _NodeView(Mapping[str, Any]):
-    """The node index as name → trimmed node, read on demand: a pass looks up the one or two nodes
-    its pods are on, so it does not copy an entry per node of the cluster."""
-
-    def __init__(self, index: kopf.Index[Any, Any]) -> None:
-        self.index = index
-
-    def __getitem__(self, name: str) -> Any:
-        for node in self.index[name]:
-            return node
-        raise KeyError(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.index)
-
-    def __len__(self) -> int:
-        return len(self.index)
 
 
 def _now() -> datetime:

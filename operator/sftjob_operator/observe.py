@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -69,6 +69,26 @@ class JobView:
 
     def status(self) -> dict[str, Any]:
         return dict(json.loads(self.status_json))
+
+
+class FirstOfEach(Mapping[str, Any]):
+    """An index (key → the objects filed under it; the operator's node index holds one per name) as key →
+    its first object, read on demand: a pass looks up the one or two nodes its pods are on, so it does
+    not copy an entry per node of the cluster."""
+
+    def __init__(self, index: Mapping[str, Iterable[Any]]) -> None:
+        self.index = index
+
+    def __getitem__(self, name: str) -> Any:
+        for node in self.index[name]:
+            return node
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 def trim_pod(body: Obj) -> dict[str, Any]:
