@@ -98,7 +98,13 @@ class Observer:
         says what the run was planned for (``plannedSteps``)."""
         planned = self.total
         self.follow(self.schedule, state.step)
-        log.info("stopped early at step %d of %d planned", state.step, planned)
+        log.info(
+            "stopped early at step %d of %d planned: %d evaluations without improvement on %.4f",
+            state.step,
+            planned,
+            state.evals_without_improvement,
+            state.lowest_eval_loss or math.nan,
+        )
         record = {
             "step": state.step,
             "totalSteps": state.step,

@@ -85,8 +85,9 @@ def run(config_path: str) -> ExitCode:
         if ctx.is_main:
             log.info("effective configuration (%s):\n%s", config_path, config.to_json())
         summary = Training(config, ctx, stop, metrics).run()
+        loss = summary["finalLoss"]  # None when no step had a finite one
         write_termination_message(
-            f"completed {summary['steps']} steps, final loss {_number(summary['finalLoss'])},"
+            f"completed {summary['steps']} steps, final loss {'n/a' if loss is None else f'{loss:.4f}'},"
             f" {summary['tokensPerSecond']:,.0f} tokens/s"
         )
         return ExitCode.OK
@@ -98,11 +99,6 @@ def run(config_path: str) -> ExitCode:
             metrics.close()
         if ctx is not None:
             ctx.close()
-
-
-def _number(loss: float | None) -> str:
-    """The final loss for the termination message: none when no step had a finite one."""
-    return "n/a" if loss is None else f"{loss:.4f}"
 
 
 class Training:
@@ -368,11 +364,6 @@ class Training:
                     ExitCode.PREEMPTED, f"preempted (SIGTERM): checkpoint saved at step {state.step}"
                 )
             if early:
-                log.info(
-                    "%d evaluations without improvement on %.4f",
-                    state.evals_without_improvement,
-                    state.lowest_eval_loss,
-                )
                 if observer is not None:
                     observer.stopped_early(state)
                 break
