@@ -61,6 +61,9 @@ _ALPHANUMERIC = re.compile(r"[A-Za-z0-9]")
 # <rootfs>/usr/bin/nvidia-smi: file exists". (Other file creation failures, such as the persistenced
 # socket's "no such device or address", are the node's.)
 IMAGE_DRIVER_FILE = re.compile(r"mount error: file creation failed: (\S+?): file exists", re.IGNORECASE)
+# The image cannot run the trainer's command at all (a spec.image without torchrun, or built for another
+# CPU architecture): the same on every node and every attempt.
+IMAGE_CANNOT_RUN = re.compile(r"exec: \S+: executable file not found in \$PATH|exec format error")
 _CONTAINER_ROOT = re.compile(r"^.*/(?:rootfs|merged)(?=/)")  # containerd's and CRI-O's container root
 # What the GPU runtime says when it cannot hand a container its GPUs. First match wins. The image's
 # NVIDIA_REQUIRE_CUDA (or cuda>= in NVIDIA_REQUIRE_*) unmet by the node's driver is a requirement error.
@@ -135,7 +138,8 @@ def gpu_runtime_failure(reason: str, message: str) -> tuple[FailureClass, str] |
     container's, such as ``StartError``), with a message that keeps the runtime's own words
     (``StartError: nvidia-container-cli: initialization error: ...``) rather than the preamble before
     them; None when the GPU runtime is not what failed. Driver files baked into the image stop the
-    runtime too, on every node: that is a ConfigError, with what to change."""
+    runtime too, on every node, and so does an image that cannot run the trainer's command: those are
+    ConfigErrors, with what to change."""
     baked = IMAGE_DRIVER_FILE.search(message)
     if baked is not None:
         path = _CONTAINER_ROOT.sub("", baked[1])
@@ -143,6 +147,12 @@ def gpu_runtime_failure(reason: str, message: str) -> tuple[FailureClass, str] |
             f"{reason}: spec.image holds {path}, a driver file the node's NVIDIA runtime mounts into GPU"
             " containers (nvidia-container-cli: file creation failed: file exists); build the image without"
             " NVIDIA driver files"
+        )
+    cannot_run = IMAGE_CANNOT_RUN.search(message)
+    if cannot_run is not None:
+        return FailureClass.CONFIG_ERROR, (
+            f"{reason}: spec.image cannot run the trainer ({cannot_run[0]}); build it from the trainer image,"
+            " which has torchrun and the sftjob_trainer package, for the nodes' CPU architecture"
         )
     for pattern, cls in GPU_RUNTIME_SIGNATURES:
         match = pattern.search(message)

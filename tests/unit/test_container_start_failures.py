@@ -67,9 +67,22 @@ def test_driver_files_baked_into_the_image_fail_the_job_at_once_as_a_config_erro
     assert failed_job.message.endswith(ADVICE[FailureClass.CONFIG_ERROR])
 
 
-def test_a_start_error_the_gpu_runtime_did_not_cause_is_unknown() -> None:
+def test_an_image_that_cannot_run_the_trainers_command_is_a_config_error_not_a_node_fault() -> None:
     result = classify(pod("Failed", state=exited(128, "StartError", NO_TORCHRUN)))
-    assert result.failure_class is FailureClass.UNKNOWN and "torchrun" in result.message
+    assert result.failure_class is FailureClass.CONFIG_ERROR
+    assert "spec.image cannot run the trainer" in result.message and '"torchrun"' in result.message
+    wrong_cpu = NO_TORCHRUN.replace(
+        'exec: "torchrun": executable file not found in $PATH', "exec format error"
+    )
+    assert classify(pod("Failed", state=exited(128, "StartError", wrong_cpu))).failure_class is (
+        FailureClass.CONFIG_ERROR
+    )
+
+
+def test_a_start_error_neither_the_image_nor_the_gpu_runtime_explains_is_unknown() -> None:
+    other = NO_TORCHRUN.replace('exec: "torchrun": executable file not found in $PATH', "permission denied")
+    result = classify(pod("Failed", state=exited(128, "StartError", other)))
+    assert result.failure_class is FailureClass.UNKNOWN
 
 
 def test_a_trainer_that_finds_the_driver_and_its_library_mismatched_is_a_driver_mismatch() -> None:
