@@ -41,7 +41,7 @@ import kopf
 from sftjob import constants as c
 from sftjob.config import JobRef
 from sftjob.job_status import SFTJobStatus
-from sftjob_operator import builders, metrics, observe
+from sftjob_operator import builders, metrics, observe, pod_lifecycle
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.ghosts import Tombstones, is_gone
@@ -171,6 +171,8 @@ async def _reconcile(
 ) -> None:
     job = Runtime.gone.select(key, jobs.get(key, ()))
     if job is None:  # deleted: its children go by ownerReference; forget what this process kept
+        for pod in pod_lifecycle.held_by_kueue(_live_pods(key, pods)):  # but these would not go
+            await Runtime.kube.run(Runtime.kube.release_pod, key[0], observe.name(pod), observe.uid_of(pod))
         _forget(key)
         return
     queue = Runtime.queue

@@ -63,18 +63,18 @@ def on_gone_nodes(pods: Sequence[Obj], nodes: Mapping[str, Obj]) -> set[str]:
     }
 
 
-def held_by_kueue(pods: Sequence[Obj]) -> list[str]:
+def held_by_kueue(pods: Sequence[Obj]) -> list[Obj]:
     """The pods deleted before Kueue admitted them (spec.queueName). Kueue takes its finalizer off a pod
     once the pod has stopped, and one never bound never stops: it and its group's Workload would stay for
     good (kubernetes-sigs/kueue#5130), holding the pod names of the attempt. The operator takes the
     finalizer off these itself."""
-    return sorted(
-        observe.name(p)
+    return [
+        p
         for p in pods
         if p["metadata"].get("deletionTimestamp")
         and observe.node_of(p) is None
         and c.KUEUE_FINALIZER in (p["metadata"].get("finalizers") or [])
-    )
+    ]
 
 
 def _may_still_run(pod: Obj, nodes: Mapping[str, Obj], now: datetime) -> bool:

@@ -35,7 +35,7 @@ def test_a_pod_deleted_while_kueue_held_it_is_released_and_goes(cluster: Cluster
 
     kube.core.delete_namespaced_pod("job-1-0", namespace)
     terminating = _trimmed(kube, namespace)
-    assert terminating["metadata"]["deletionTimestamp"] and held_by_kueue([terminating]) == ["job-1-0"]
+    assert terminating["metadata"]["deletionTimestamp"] and held_by_kueue([terminating]) == [terminating]
     kube.release_pod(namespace, "job-1-0", "some-other-uid")  # a pod of that name, but not this one
     assert kube.read_pod(namespace, "job-1-0") is not None
     kube.release_pod(namespace, "job-1-0", uid)

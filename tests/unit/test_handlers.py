@@ -30,6 +30,7 @@ class FakeKube:
         self.events: list[tuple[str, str]] = []
         self.conflict = False
         self.unchanged = False  # a write that changes nothing keeps the job's resourceVersion
+        self.released: list[str] = []  # pods whose Kueue finalizer was taken off
 
     async def run(self, call: Callable[..., Any], *args: Any) -> Any:
         return call(*args)
@@ -54,6 +55,9 @@ class FakeKube:
 
     def post_event(self, manifest: dict[str, Any]) -> None:
         self.events.append((manifest["type"], manifest["reason"]))
+
+    def release_pod(self, namespace: str, name: str, uid: str) -> None:
+        self.released.append(name)
 
 
 @pytest.fixture
@@ -140,3 +144,17 @@ def test_a_status_write_answered_with_the_version_it_was_given_does_not_hold_bac
     api.unchanged = True  # the server already held this status: no newer version will come
     assert run_pass(api, [pod(phase="Failed", status=terminated(20, "Error", "preempted (SIGTERM)"))]) is None
     assert KEY not in handlers.Runtime.outdated
+
+
+def test_the_pods_of_a_deleted_job_that_kueue_still_held_are_released(kube: Callable[..., FakeKube]) -> None:
+    from sftjob import constants as c
+    from sftjob_operator.observe import trim_pod
+
+    api = kube()
+    queued = pod(phase="Pending", node=None)
+    queued["metadata"] |= {"deletionTimestamp": "2026-01-01T12:00:00Z", "finalizers": [c.KUEUE_FINALIZER]}
+    ran = pod(rank=1)  # a pod that ran: Kueue takes its finalizer off itself once it has stopped
+    ran["metadata"] |= {"deletionTimestamp": "2026-01-01T12:00:00Z", "finalizers": [c.KUEUE_FINALIZER]}
+    indexed = {KEY: [trim_pod(queued), trim_pod(ran)]}
+    asyncio.run(handlers._reconcile(KEY, {}, indexed, {}))  # type: ignore[arg-type]  # the job is gone
+    assert api.released == ["job-1-0"]

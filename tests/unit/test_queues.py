@@ -109,4 +109,4 @@ def test_pods_deleted_before_kueue_admitted_them_lose_kueues_finalizer_and_no_ot
         deleted("ran", "l40s-0", [c.KUEUE_FINALIZER]),  # Kueue takes its finalizer off once the pod stopped
         deleted("unqueued", None, ["example.com/other"]),
     ]
-    assert held_by_kueue(pods) == ["gated"]
+    assert [observe.name(p) for p in held_by_kueue(pods)] == ["gated"]
