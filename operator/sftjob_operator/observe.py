@@ -27,6 +27,7 @@ POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget", "TerminationTarg
 CONDITION_FIELDS = ("type", "status", "reason", "message")
 # PodScheduled's reason while a pod still has scheduling gates (e.g. Kueue's, until admission).
 SCHEDULING_GATED = "SchedulingGated"
+KUEUE_MANAGED = "kueue.x-k8s.io/managed"  # the label Kueue's webhook puts on the pods it manages
 # The taint an admin puts on a node that is shut down (non-graceful node shutdown).
 OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 
@@ -244,6 +245,14 @@ def gated_message(pods: Sequence[Obj]) -> str | None:
     )
     waits = f"admission by Kueue's queue {queue}" if queue else "their gates are removed"
     return f"queued: {len(gated)} of {len(pods)} pod(s) held by scheduling gates until {waits}"
+
+
+def queue_ignored(queue: str | None, pods: Sequence[Obj]) -> str:
+    """A note for pods bound with ``spec.queueName`` set that Kueue does not manage (its webhook labels
+    the pods it does): the namespace is outside Kueue's pod integration, so the queue has no effect."""
+    if not queue or any((p["metadata"].get("labels") or {}).get(KUEUE_MANAGED) == "true" for p in pods):
+        return ""
+    return f" (spec.queueName {queue} has no effect: Kueue's pod integration does not manage these pods)"
 
 
 def _pod_scheduled_reason(pod: Obj) -> str | None:

@@ -304,7 +304,12 @@ class _Pass(JobPass):
         everyone = len(pods) == spec.gpu.nodes
         unschedulable, queued = observe.unschedulable_message(pods), observe.gated_message(pods)
         if everyone and len(nodes) == len(pods):
-            self.cond(T.SCHEDULED, True, Reason.BOUND, f"on {', '.join(nodes)}")
+            self.cond(
+                T.SCHEDULED,
+                True,
+                Reason.BOUND,
+                f"on {', '.join(nodes)}{observe.queue_ignored(spec.queue_name, pods)}",
+            )
         elif not everyone and self.failed_create():
             pass  # the refused create's message stays until a create succeeds
         elif unschedulable is not None:

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from sftjob import constants as c
 from sftjob_operator import observe
 from sftjob_operator.reconcile import reconcile
-from tests.unit.reconcile_cases import CTX, NOW, condition, pod, started, then
+from tests.unit.reconcile_cases import CTX, NOW, SPEC, condition, observed, pod, started, then
 from tests.unit.test_builders import JOB, spec
 from tests.unit.test_builders import pod as trainer_pod
 
@@ -110,3 +110,15 @@ def test_pods_deleted_before_kueue_admitted_them_lose_kueues_finalizer_and_no_ot
         deleted("unqueued", None, ["example.com/other"]),
     ]
     assert [observe.name(p) for p in held_by_kueue(pods)] == ["gated"]
+
+
+def test_a_queue_kueue_does_not_manage_the_pods_of_is_said_to_have_no_effect() -> None:
+    obs = observed(spec={**SPEC, "queueName": "team-a"})
+    first = reconcile(obs, CTX)
+    unmanaged = reconcile(then(obs, first, pods=[pod()]), CTX)
+    bound = next(x for x in unmanaged.status.conditions if x.type == "Scheduled")
+    assert bound.status == "True" and "spec.queueName team-a has no effect" in bound.message
+    managed = pod()
+    managed["metadata"]["labels"][observe.KUEUE_MANAGED] = "true"  # type: ignore[index]
+    admitted = reconcile(then(obs, first, pods=[managed]), CTX)
+    assert "no effect" not in next(x for x in admitted.status.conditions if x.type == "Scheduled").message
