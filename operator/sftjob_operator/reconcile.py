@@ -174,7 +174,8 @@ class _Pass(JobPass):
             attempt=decision.attempt,
             attempts=[*trimmed(self.status.attempts), record],
             restarts=self.status.restarts + (1 if restarted else 0),
-            start_time=self.status.start_time or self.now,
+            # activeDeadlineSeconds counts from here; for a queued job from its admission (observe_running).
+            start_time=self.status.start_time or (None if spec.queue_name else self.now),
             plan=plan_status(decision.plans.first),
         )
         self.deletes += [observe.name(p) for p in self.obs.pods if observe.attempt_of(p) < decision.attempt]
@@ -303,6 +304,8 @@ class _Pass(JobPass):
         self.replace_record(record.model_copy(update={"node": nodes[0] if nodes else None}))
         everyone = len(pods) == spec.gpu.nodes
         unschedulable, queued = observe.unschedulable_message(pods), observe.gated_message(pods)
+        if self.status.start_time is None and pods and queued is None:  # admitted: the deadline starts
+            self.update(start_time=self.now)
         if everyone and len(nodes) == len(pods):
             self.cond(
                 T.SCHEDULED,

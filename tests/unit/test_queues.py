@@ -122,3 +122,19 @@ def test_a_queue_kueue_does_not_manage_the_pods_of_is_said_to_have_no_effect() -
     managed["metadata"]["labels"][observe.KUEUE_MANAGED] = "true"  # type: ignore[index]
     admitted = reconcile(then(obs, first, pods=[managed]), CTX)
     assert "no effect" not in next(x for x in admitted.status.conditions if x.type == "Scheduled").message
+
+
+def test_the_deadline_of_a_queued_job_counts_from_kueues_admission_not_from_its_wait() -> None:
+    from datetime import timedelta
+
+    obs = observed(spec={**SPEC, "queueName": "team-a", "activeDeadlineSeconds": 600})
+    first = reconcile(obs, CTX)
+    assert first.status.start_time is None  # pods created, not admitted
+    waited = reconcile(then(obs, first, pods=[_gated()], now=NOW + timedelta(hours=2)), CTX)
+    assert waited.status.phase == "Pending" and waited.status.start_time is None
+    running = {"name": "trainer", "state": {"running": {"startedAt": "2026-01-01T14:00:00Z"}}}
+    started_late = pod(status={"containerStatuses": [running]})  # admitted two hours in
+    admitted = reconcile(then(obs, waited, pods=[started_late], now=NOW + timedelta(hours=2)), CTX)
+    assert admitted.status.start_time == NOW + timedelta(hours=2) and admitted.status.phase == "Running"
+    later = reconcile(then(obs, admitted, pods=[started_late], now=NOW + timedelta(hours=2, minutes=11)), CTX)
+    assert later.status.phase == "Failed" and condition(later, "Failed") == ("True", "DeadlineExceeded")
