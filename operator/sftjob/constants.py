@@ -25,6 +25,7 @@ KUEUE_POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 KUEUE_RETRIABLE_IN_GROUP = "kueue.x-k8s.io/retriable-in-group"
 KUEUE_FINALIZER = "kueue.x-k8s.io/managed"  # Kueue's webhook puts it on every pod it manages
+KUEUE_POD_INDEX_LABEL = "kueue.x-k8s.io/pod-group-pod-index-label"  # names the label with a pod's index
 
 # NVIDIA GPU Feature Discovery labels and the device plugin's resource name.
 GPU_RESOURCE = "nvidia.com/gpu"

@@ -57,7 +57,9 @@ RESERVED_ENV_NAMES = frozenset(
 
 RESERVED_ANNOTATION = r"^([^/]*[.])?sftjob[.]io/"  # the progress and checkpoint reports on the pods
 # The pod group the operator declares with spec.queueName (Kueue's topology annotations stay the user's).
-KUEUE_ANNOTATION = r"^kueue[.]x-k8s[.]io/(pod-group-|retriable-in-group$|role-hash$)"
+KUEUE_ANNOTATION = (
+    r"^kueue[.]x-k8s[.]io/(pod-group-|retriable-in-group$|role-hash$|pod-suspending-parent$|queue-name$)"
+)
 # The AppArmor and seccomp annotations (container.apparmor.security.beta.kubernetes.io/<container>,
 # [container.]seccomp.security.alpha.kubernetes.io/...): the API server turns them into the pod's security
 # profile (an `unconfined` trainer), or Pod Security refuses every pod of the job. The pods' profile is the

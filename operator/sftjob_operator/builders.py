@@ -116,6 +116,21 @@ def metadata(job: JobRef, name: str, *, owned: bool = True, **label_args: int | 
     return meta
 
 
+# Children are created in batches, each once the one before it is there: first what the pods refer to
+# (ServiceAccount, Role, ConfigMap, claim, Service) at once, then the RoleBinding (the operator may bind
+# a Role only if the API server can check the Role's rules against its own, so the Role must exist),
+# then the pods (admission needs their ServiceAccount). Other kinds go in the first batch.
+CREATE_BATCH = {"RoleBinding": 1, "Pod": 2}
+
+
+def creation_batches(children: Sequence[Manifest]) -> list[list[Manifest]]:
+    """``children`` in creation batches (``CREATE_BATCH``), empty batches left out."""
+    batches: list[list[Manifest]] = [[] for _ in range(max(CREATE_BATCH.values()) + 1)]
+    for manifest in children:
+        batches[CREATE_BATCH.get(manifest["kind"], 0)].append(manifest)
+    return [batch for batch in batches if batch]
+
+
 # --- trainer configuration --------------------------------------------------------------------------
 
 

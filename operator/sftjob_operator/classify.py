@@ -244,7 +244,10 @@ def _classify_ended(
     pod_reason = status.get("reason") or ""
     pod_message = status.get("message") or ""
     # Kueue marks the pods it stops (preemption, eviction) TerminationTarget, not DisruptionTarget.
-    disruption = _condition(status, "DisruptionTarget") or _condition(status, "TerminationTarget")
+    disruption = _condition(status, "DisruptionTarget")
+    kueue = _condition(status, "TerminationTarget")
+    if (disruption is None or disruption.get("status") != "True") and kueue and kueue.get("status") == "True":
+        disruption = {**kueue, "reason": f"stopped by Kueue ({kueue.get('reason')}: {kueue.get('message')})"}
     disruption_reason = (
         disruption.get("reason", "") if disruption and disruption.get("status") == "True" else ""
     )

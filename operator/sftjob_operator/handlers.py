@@ -45,7 +45,7 @@ from sftjob_operator import builders, metrics, observe, pod_lifecycle
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.ghosts import Tombstones, is_gone
-from sftjob_operator.kube import Conflict, CreateFailed, Kube, Manifest, Rejected
+from sftjob_operator.kube import Conflict, CreateFailed, Kube, Rejected
 from sftjob_operator.observe import JobView, trim_node, trim_pod
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.reconcile_io import Actions, Context, Observed
@@ -162,6 +162,9 @@ async def _work(jobs: kopf.Index[Any, Any], pods: kopf.Index[Any, Any], nodes: k
         key = await queue.get()
         try:
             await _reconcile(key, jobs, pods, nodes)
+        except Exception:  # _reconcile backs off its own failures: this is a bug, and the worker goes on
+            log.exception("reconcile of %s/%s failed outside its pass", *key)
+            _back_off(key, result="error")
         finally:
             queue.done(key)
 
@@ -171,8 +174,12 @@ async def _reconcile(
 ) -> None:
     job = Runtime.gone.select(key, jobs.get(key, ()))
     if job is None:  # deleted: its children go by ownerReference; forget what this process kept
-        for pod in pod_lifecycle.held_by_kueue(_live_pods(key, pods)):  # but these would not go
-            await Runtime.kube.run(Runtime.kube.release_pod, key[0], observe.name(pod), observe.uid_of(pod))
+        try:
+            await _release_held(key, _live_pods(key, pods))  # but pods Kueue still held would not go
+        except Exception as err:
+            log.warning("releasing %s/%s's pods from Kueue failed: %s", *key, err)
+            _back_off(key, result="error")
+            return
         _forget(key)
         return
     queue = Runtime.queue
@@ -262,6 +269,8 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         job.namespace, job.name, job.resource_version, actions.status.attempt, actions.status.phase,
         len(actions.children), len(actions.delete_pods),
     )  # fmt: skip
+    # Every pod of the name, an earlier job's too (deleted, then created again while its pods went).
+    await _release_held(key, _live_pods(key, pods))
     if job.deleting:
         return Runtime.resync_seconds  # being deleted (another finalizer holds it): create nothing more
     written, version = await _apply(job, observed, actions, now=now)
@@ -271,6 +280,12 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         _wait_for_newer(key, job.resource_version)
     due = Runtime.resync_seconds if actions.requeue_after is None else actions.requeue_after
     return min(due, Runtime.resync_seconds)
+
+
+async def _release_held(key: JobKey, pods: Sequence[observe.Obj]) -> None:
+    """Take Kueue's finalizer off the pods deleted while it held them (pod_lifecycle.held_by_kueue)."""
+    for pod in pod_lifecycle.held_by_kueue(pods):
+        await Runtime.kube.run(Runtime.kube.release_pod, key[0], observe.name(pod), observe.uid_of(pod))
 
 
 def _live_pods(key: JobKey, pods: kopf.Index[Any, Any]) -> list[observe.Obj]:
@@ -303,18 +318,9 @@ async def _apply(
             )
             Runtime.gone_pods.bury((namespace, name), uids[pod])
             Runtime.queue.add((namespace, name))  # decide again at once, without it
-    for pod in actions.release_pods:
-        await kube.run(kube.release_pod, namespace, pod, uids[pod])
     if actions.delete_job:
         await kube.run(kube.delete_job, namespace, name, job.uid)
     return actions.status, version
-
-
-# Children are created in batches, each once the one before it is there: first what the pods refer to
-# (ServiceAccount, Role, ConfigMap, claim, Service) at once, then the RoleBinding (the operator may bind
-# a Role only if the API server can check the Role's rules against its own, so the Role must exist),
-# then the pods (admission needs their ServiceAccount). Other kinds go in the first batch.
-_CREATE_BATCH = {"RoleBinding": 1, "Pod": 2}
 
 
 async def _create(job: JobView, actions: Actions, version: str, *, now: datetime) -> SFTJobStatus | None:
@@ -325,7 +331,7 @@ async def _create(job: JobView, actions: Actions, version: str, *, now: datetime
     key, uid, attempt = (job.namespace, job.name), job.uid, actions.status.attempt
     kube, expected = Runtime.kube, Runtime.expectations
     children = [m for m in actions.children if not expected.pending(key, uid, attempt, m)]
-    for batch in _batches(children):
+    for batch in builders.creation_batches(children):
         results = await asyncio.gather(*(kube.run(kube.ensure, m) for m in batch), return_exceptions=True)
         for manifest, result in zip(batch, results, strict=True):
             if isinstance(result, bool):
@@ -347,14 +353,6 @@ async def _create(job: JobView, actions: Actions, version: str, *, now: datetime
         if error is not None:
             raise error
     return None
-
-
-def _batches(children: Sequence[Manifest]) -> list[list[Manifest]]:
-    """``children`` in creation batches (``_CREATE_BATCH``), empty batches left out."""
-    batches: list[list[Manifest]] = [[] for _ in range(max(_CREATE_BATCH.values()) + 1)]
-    for manifest in children:
-        batches[_CREATE_BATCH.get(manifest["kind"], 0)].append(manifest)
-    return [batch for batch in batches if batch]
 
 
 async def _announce(

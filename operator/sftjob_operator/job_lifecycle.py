@@ -165,7 +165,6 @@ class JobPass(StatusDraft):
             children=self.children,
             delete_pods=sorted(set(self.deletes) - deleting - force),
             force_delete_pods=sorted(force),
-            release_pods=sorted(observe.name(p) for p in pod_lifecycle.held_by_kueue(self.obs.pods)),
             delete_job=self.delete_job,
             events=self.transition_events(),
             requeue_after=min(self.requeue) if self.requeue else None,

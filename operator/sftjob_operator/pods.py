@@ -263,20 +263,26 @@ def trainer_pod(
     metadata = builders.metadata(job, name, attempt=job.attempt, rank=rank)
     if spec.pod_annotations:
         metadata["annotations"] = dict(spec.pod_annotations)
-    if spec.queue_name:
+    if spec.queue_name or spec.gpu.nodes > 1:  # a multi-node attempt is one group in any Kueue queue
         metadata["labels"] |= queue_labels(job, spec.queue_name)
         metadata["annotations"] = metadata.get("annotations", {}) | queue_annotations(spec)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
 
 
-def queue_labels(job: JobRef, queue: str) -> dict[str, str]:
+def queue_labels(job: JobRef, queue: str | None) -> dict[str, str]:
     """Kueue's pod integration: the LocalQueue, and the attempt's pods as one pod group, named for the job,
     its uid (a job created again under the name is never taken for the old one's Workload) and the attempt
-    (every attempt is a new group, admitted again)."""
-    return {c.KUEUE_QUEUE_LABEL: queue, c.KUEUE_POD_GROUP_LABEL: f"{job.name}-{job.uid[:8]}-{job.attempt}"}
+    (every attempt is a new group, admitted again). A multi-node job without a queue is a group too, for
+    a namespace whose Kueue queues pods by default (a LocalQueue named default)."""
+    group = {c.KUEUE_POD_GROUP_LABEL: f"{job.name}-{job.uid[:8]}-{job.attempt}"}
+    return group | ({c.KUEUE_QUEUE_LABEL: queue} if queue else {})
 
 
 def queue_annotations(spec: SFTJobSpec) -> dict[str, str]:
     """The group's size (all its pods admitted together), and no retry inside it: a failed pod ends the
     group's workload, releasing its quota, and the operator's next attempt is a new group."""
-    return {c.KUEUE_POD_GROUP_COUNT: str(spec.gpu.nodes), c.KUEUE_RETRIABLE_IN_GROUP: "false"}
+    return {
+        c.KUEUE_POD_GROUP_COUNT: str(spec.gpu.nodes),
+        c.KUEUE_RETRIABLE_IN_GROUP: "false",
+        c.KUEUE_POD_INDEX_LABEL: c.LABEL_RANK,  # the ranks in order, for topology-aware placement
+    }

@@ -64,8 +64,6 @@ class Actions:
     # Pods on a lost node, deleted with ``gracePeriodSeconds: 0``: their kubelet can never confirm a
     # graceful delete, so they would stay Terminating, holding the checkpoint claim, until deleted so.
     force_delete_pods: list[str] = field(default_factory=list)
-    # Pods deleted while Kueue still held them: their Kueue finalizer removed (pod_lifecycle.held_by_kueue).
-    release_pods: list[str] = field(default_factory=list)
     delete_job: bool = False
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None

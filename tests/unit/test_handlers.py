@@ -158,3 +158,31 @@ def test_the_pods_of_a_deleted_job_that_kueue_still_held_are_released(kube: Call
     indexed = {KEY: [trim_pod(queued), trim_pod(ran)]}
     asyncio.run(handlers._reconcile(KEY, {}, indexed, {}))  # type: ignore[arg-type]  # the job is gone
     assert api.released == ["job-1-0"]
+
+
+def _held(rank: int, owner: str = UID) -> dict[str, object]:
+    from sftjob import constants as c
+    from sftjob_operator.observe import trim_pod
+
+    queued = pod(rank=rank, phase="Pending", node=None, owner=owner)
+    queued["metadata"] |= {"deletionTimestamp": "2026-01-01T12:00:00Z", "finalizers": [c.KUEUE_FINALIZER]}
+    return trim_pod(queued)
+
+
+def test_an_earlier_jobs_queued_pods_are_released_when_a_job_of_its_name_exists_again(
+    kube: Callable[..., FakeKube],
+) -> None:
+    api = kube()
+    assert run_pass(api, [_held(0, owner="uid-of-the-deleted-job")]) is None
+    assert api.released == ["job-1-0"]
+
+
+def test_the_queued_pods_of_a_job_deleted_in_the_foreground_are_released(
+    kube: Callable[..., FakeKube],
+) -> None:
+    api = kube()
+    meta = {"namespace": "team", "name": "job", "uid": UID, "generation": 1, "resourceVersion": "1",
+            "deletionTimestamp": "2026-01-01T12:00:00Z", "finalizers": ["foregroundDeletion"]}  # fmt: skip
+    deleting = JobView.of({"metadata": meta, "spec": SPEC, "status": {}})
+    asyncio.run(handlers._pass(deleting, {KEY: [_held(0)]}, {}))  # type: ignore[arg-type]
+    assert api.released == ["job-1-0"]

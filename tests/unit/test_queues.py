@@ -22,17 +22,20 @@ def test_each_attempts_pods_are_one_kueue_pod_group_in_the_jobs_queue() -> None:
         assert labels[c.KUEUE_QUEUE_LABEL] == "team-a"
         # A new group per attempt, and never the Workload of an earlier job of the same name.
         assert labels[c.KUEUE_POD_GROUP_LABEL] == f"{JOB.name}-{JOB.uid[:8]}-{JOB.attempt}"
-        assert (
-            annotations[c.KUEUE_POD_GROUP_COUNT] == "2" and annotations[c.KUEUE_RETRIABLE_IN_GROUP] == "false"
-        )
+        assert annotations[c.KUEUE_POD_GROUP_COUNT] == "2"
+        assert annotations[c.KUEUE_RETRIABLE_IN_GROUP] == "false"
+        assert annotations[c.KUEUE_POD_INDEX_LABEL] == c.LABEL_RANK  # Kueue orders the ranks by it
         assert labels[c.LABEL_JOB] == JOB.name  # the operator's own labels stay
 
 
-def test_without_a_queue_the_pods_carry_nothing_of_kueues() -> None:
+def test_without_a_queue_a_single_pod_carries_nothing_of_kueues_and_a_multi_node_attempt_is_a_group() -> None:
     metadata = trainer_pod(spec())["metadata"]
     assert not [
         k for k in {**metadata["labels"], **metadata.get("annotations", {})} if k.startswith("kueue.")
     ]
+    two_nodes = trainer_pod(spec(gpu={"type": "A800", "count": 8, "nodes": 2}))["metadata"]
+    assert c.KUEUE_POD_GROUP_LABEL in two_nodes["labels"] and c.KUEUE_QUEUE_LABEL not in two_nodes["labels"]
+    assert two_nodes["annotations"][c.KUEUE_POD_GROUP_COUNT] == "2"  # in a namespace Kueue queues by default
 
 
 @pytest.mark.parametrize(
@@ -42,6 +45,8 @@ def test_without_a_queue_the_pods_carry_nothing_of_kueues() -> None:
         ({"queueName": "q" * 64}, "at most 63 characters"),
         ({"podAnnotations": {c.KUEUE_POD_GROUP_COUNT: "1"}}, "set spec.queueName"),
         ({"podAnnotations": {c.KUEUE_RETRIABLE_IN_GROUP: "true"}}, "set spec.queueName"),
+        ({"podAnnotations": {"kueue.x-k8s.io/pod-suspending-parent": "x"}}, "set spec.queueName"),
+        ({"podAnnotations": {c.KUEUE_QUEUE_LABEL: "team-b"}}, "set spec.queueName"),
     ],
 )
 def test_a_queue_name_kueue_could_not_use_and_kueues_own_annotations_are_refused(
@@ -82,14 +87,15 @@ def test_a_pod_kueue_stopped_ends_the_attempt_as_preempted_not_as_a_failure_of_t
     evicted = {
         "type": "TerminationTarget",
         "status": "True",
-        "reason": "WorkloadEvictedDueToPodsReadyTimeout",
+        "reason": "WorkloadEvicted",
+        "message": "Preempted to accommodate a workload due to prioritization",
     }
     sigterm = {"name": "trainer", "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}
     stopped = pod(phase="Failed", status={"conditions": [evicted], "containerStatuses": [sigterm]})
     trimmed = observe.trim_pod(stopped)
     verdict = classify_pod(trimmed, {"metadata": {"name": "l40s-0"}}, now=NOW)
     assert verdict.failure_class == FailureClass.PREEMPTED
-    assert "WorkloadEvictedDueToPodsReadyTimeout" in verdict.message
+    assert "stopped by Kueue (WorkloadEvicted: Preempted to accommodate a workload" in verdict.message
 
 
 def test_pods_deleted_before_kueue_admitted_them_lose_kueues_finalizer_and_no_other_pod_does() -> None:
