@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from sftjob.architectures import Architecture, known_architecture
+from sftjob.architectures import Architecture
 from sftjob.config import LoraSettings, Method
+from sftjob.model_shapes import known_architecture
 
 GLOBAL_BATCH = 32  # the seed guide's 4 x 8
 LORA = LoraSettings(r=16, alpha=32, dropout=0.05, target_modules="all-linear")

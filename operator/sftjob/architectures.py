@@ -1,15 +1,13 @@
-"""Model architectures the memory estimator and planner reason about.
+"""Model architectures the memory estimator and planner reason about: :class:`Architecture`, and the
+shape a HF config.json describes.
 
-The operator never reads the model's files. It plans with the SFTJob's ``spec.model.architecture`` block
-when the spec has one, else the built-in table of common models below (matched by hub id), else a
-Llama-shaped guess sized to ``spec.model.parameters`` (:func:`resolve_architecture`). Only the trainer,
-which loads the model, reads its config.json (:func:`architecture_from_hf_config`, for FLOPs accounting).
+The operator never reads the model's files: where a job's shape comes from is
+:mod:`sftjob.model_shapes`. Only the trainer, which loads the model, reads its config.json
+(:func:`architecture_from_hf_config`, for FLOPs accounting).
 """
 
 from __future__ import annotations
 
-import math
-import re
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -189,157 +187,6 @@ class Architecture(BaseModel):
     def lora_parameters(self, r: int, target_modules: list[str] | str = "all-linear") -> int:
         """Trainable LoRA parameters: r x (in + out) for every targeted projection in every layer."""
         return self.layers * r * sum(self.lora_widths(target_modules))
-
-
-def _arch(
-    family: str,
-    layers: int,
-    hidden: int,
-    heads: int,
-    kv: int,
-    inter: int,
-    vocab: int,
-    tied: bool,
-    head_dim: int | None = None,
-) -> Architecture:
-    return Architecture(
-        layers=layers,
-        hidden_size=hidden,
-        heads=heads,
-        kv_heads=kv,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        tied_embeddings=tied,
-        head_dim=head_dim,
-        attention_bias=family == "qwen2",
-        family=family,
-    )
-
-
-# Shapes from each model's published config.json. Patterns match the lower-cased hub id anywhere,
-# so "meta-llama/Llama-3.1-8B-Instruct" and "unsloth/llama-3.1-8b" both find the 8B row.
-KNOWN_ARCHITECTURES: tuple[tuple[str, str, Architecture], ...] = (
-    ("Llama 3.2 1B", r"llama-?3\.2-1b\b", _arch("llama", 16, 2048, 32, 8, 8192, 128256, True)),
-    ("Llama 3.2 3B", r"llama-?3\.2-3b\b", _arch("llama", 28, 3072, 24, 8, 8192, 128256, True)),
-    ("Llama 3.x 8B", r"llama-?3(\.1)?-8b\b", _arch("llama", 32, 4096, 32, 8, 14336, 128256, False)),
-    ("Llama 3.x 70B", r"llama-?3(\.[13])?-70b\b", _arch("llama", 80, 8192, 64, 8, 28672, 128256, False)),
-    ("Llama 2 7B", r"llama-?2-7b\b", _arch("llama", 32, 4096, 32, 32, 11008, 32000, False)),
-    ("Llama 2 13B", r"llama-?2-13b\b", _arch("llama", 40, 5120, 40, 40, 13824, 32000, False)),
-    ("Llama 2 70B", r"llama-?2-70b\b", _arch("llama", 80, 8192, 64, 8, 28672, 32000, False)),
-    ("TinyLlama 1.1B", r"tinyllama", _arch("llama", 22, 2048, 32, 4, 5632, 32000, False)),
-    ("Qwen2.5 0.5B", r"qwen2\.5-([a-z]+-)?0\.5b\b", _arch("qwen2", 24, 896, 14, 2, 4864, 151936, True)),
-    ("Qwen2.5 1.5B", r"qwen2\.5-([a-z]+-)?1\.5b\b", _arch("qwen2", 28, 1536, 12, 2, 8960, 151936, True)),
-    ("Qwen2.5 3B", r"qwen2\.5-([a-z]+-)?3b\b", _arch("qwen2", 36, 2048, 16, 2, 11008, 151936, True)),
-    ("Qwen2.5 7B", r"qwen2\.5-([a-z]+-)?7b\b", _arch("qwen2", 28, 3584, 28, 4, 18944, 152064, False)),
-    ("Qwen2.5 14B", r"qwen2\.5-([a-z]+-)?14b\b", _arch("qwen2", 48, 5120, 40, 8, 13824, 152064, False)),
-    ("Qwen2.5 32B", r"qwen2\.5-([a-z]+-)?32b\b", _arch("qwen2", 64, 5120, 40, 8, 27648, 152064, False)),
-    ("Qwen2.5 72B", r"qwen2\.5-([a-z]+-)?72b\b", _arch("qwen2", 80, 8192, 64, 8, 29568, 152064, False)),
-    (
-        "Mistral 7B v0.1",
-        r"mistral-7b(-instruct)?-v0\.1\b",
-        _arch("mistral", 32, 4096, 32, 8, 14336, 32000, False).model_copy(update={"sliding_window": 4096}),
-    ),
-    ("Mistral 7B", r"mistral-7b\b", _arch("mistral", 32, 4096, 32, 8, 14336, 32768, False)),
-    ("Gemma 2 2B", r"gemma-2-2b\b", _arch("gemma2", 26, 2304, 8, 4, 9216, 256000, True, 256)),
-    ("Gemma 2 9B", r"gemma-2-9b\b", _arch("gemma2", 42, 3584, 16, 8, 14336, 256000, True, 256)),
-    ("Gemma 2 27B", r"gemma-2-27b\b", _arch("gemma2", 46, 4608, 32, 16, 36864, 256000, True, 128)),
-)
-
-
-def known_architecture(model_name: str) -> Architecture | None:
-    """The built-in shape for a hub id (case-insensitive; -Instruct/-it/-chat variants included)."""
-    lowered = model_name.casefold()
-    for label, pattern, arch in KNOWN_ARCHITECTURES:
-        if re.search(pattern, lowered):
-            return arch.model_copy(update={"name": label})
-    return None
-
-
-MIN_GUESSED_LAYERS = 8
-
-
-def llama_shaped(parameters: int) -> Architecture:
-    """A Llama-3-style shape with about ``parameters`` weights (for sizing when nothing else is known).
-
-    Width follows the Llama 3 ladder (2048 wide at 1B ... 8192 at 70B; 896 and 1024 below 1B, as Qwen2.5
-    0.5B and SmolLM2), MLP 3.5x wide, head 128 (64 below 1B), 8 KV heads, the 128k vocabulary
-    (conservative for the logits buffer), tied to the embeddings below 4B as in Llama 3.2 1B/3B; depth
-    makes up the count, at least 8 layers (the vocabulary alone would leave a small model one layer).
-    """
-    if parameters < 1:
-        raise ValueError("spec.model.parameters must be a positive count of weights")
-    ladder = ((0.4e9, 896), (1e9, 1024), (2e9, 2048), (5e9, 3072), (11e9, 4096), (20e9, 5120), (45e9, 6656))
-    hidden = next((h for limit, h in ladder if parameters < limit), 8192)
-    heads = hidden // (64 if hidden < 2048 else 128)
-    kv = min(8, heads)
-    inter = 256 * math.ceil(3.5 * hidden / 256)
-    vocab = 128256
-    tied = parameters < 4e9
-    probe = Architecture(
-        layers=1,
-        hidden_size=hidden,
-        heads=heads,
-        kv_heads=kv,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        tied_embeddings=tied,
-    )
-    per_layer = probe.layer_parameters
-    embeddings = (1 if tied else 2) * vocab * hidden
-    layers = max(MIN_GUESSED_LAYERS, round((parameters - embeddings) / per_layer))
-    billions = parameters / 1e9
-    return probe.model_copy(
-        update={"layers": layers, "name": f"Llama-shaped guess for {billions:.1f}B parameters"}
-    )
-
-
-# How far a shape's own parameter count and ``spec.model.parameters`` may differ (a share of the larger)
-# and still be one model (Gemma 2 "2B" has 2.6B). Further apart they are two: typically a mixture of
-# experts (46.7B) whose layers and one expert's width make a dense 7B shape.
-PARAMETERS_TOLERANCE = 0.25
-
-
-def parameters_problem(architecture: Architecture | None, parameters: int | None) -> str | None:
-    """Why ``spec.model.architecture`` and ``spec.model.parameters`` cannot both hold, or None (also
-    when either is unset)."""
-    if architecture is None or parameters is None:
-        return None
-    counted = architecture.parameters
-    if abs(counted - parameters) <= PARAMETERS_TOLERANCE * max(counted, parameters):
-        return None
-    return (
-        f"spec.model.architecture has {counted / 1e9:.2f}B parameters but"
-        f" spec.model.parameters says {parameters / 1e9:.2f}B: spec.model.architecture cannot describe a"
-        " mixture-of-experts model (its experts are not part of it), so for one give spec.model.parameters"
-        " alone (every expert counted); otherwise correct the one that is wrong"
-    )
-
-
-def resolve_architecture(
-    model_name: str | None, architecture: Architecture | None = None, parameters: int | None = None
-) -> Architecture:
-    """The shape to plan with: the explicit block (which the spec model holds to ``parameters``:
-    :func:`parameters_problem`), else the built-in table (over ``parameters``, which the shape's name then
-    says were ignored), else a guess from size."""
-    if architecture is not None:
-        return (
-            architecture
-            if architecture.name
-            else architecture.model_copy(update={"name": "spec.model.architecture"})
-        )
-    if model_name:
-        known = known_architecture(model_name)
-        if known is not None and parameters is not None:  # said, so a user's number is not lost quietly
-            return known.model_copy(update={"name": f"{known.name}; spec.model.parameters ignored"})
-        if known is not None:
-            return known
-    if parameters is not None:
-        return llama_shaped(parameters)
-    what = f"model {model_name!r} is not in the built-in table" if model_name else "no model name is given"
-    raise ValueError(
-        f"cannot size the model: {what}; set spec.model.parameters (e.g. 7000000000) or"
-        " spec.model.architecture (layers, hiddenSize, heads, kvHeads, intermediateSize, vocabSize)"
-    )
 
 
 # Families whose config.json omits tie_word_embeddings because their class default ties them.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from sftjob.architectures import Architecture, ModelFamily, parameters_problem
+from sftjob.architectures import Architecture, ModelFamily
 from sftjob.attempts import OnOOM, RestartPolicy
 from sftjob.config import (
     DEFAULT_MAX_BAD_ROW_FRACTION,
@@ -44,6 +44,7 @@ from sftjob.kube_names import (
     valid_label_key,
     valid_label_value,
 )
+from sftjob.model_shapes import parameters_problem
 from sftjob.network import NetworkSpec, inter_node_gbs
 from sftjob.pod_settings import EnvVar, Toleration, pod_annotation_key
 from sftjob.volumes import VolumeSource, relative_path, writable
@@ -373,7 +374,7 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
     Raises ValueError when the model's size is unknown (no built-in family matches and the spec gives
     neither ``parameters`` nor ``architecture``).
     """
-    from sftjob.architectures import resolve_architecture
+    from sftjob.model_shapes import resolve_architecture
     from sftjob.planner import PlanRequest
 
     architecture = resolve_architecture(

@@ -2,13 +2,8 @@
 
 import pytest
 
-from sftjob.architectures import (
-    Architecture,
-    architecture_from_hf_config,
-    known_architecture,
-    parameters_problem,
-    resolve_architecture,
-)
+from sftjob.architectures import Architecture, architecture_from_hf_config
+from sftjob.model_shapes import known_architecture, parameters_problem, resolve_architecture
 
 
 @pytest.mark.parametrize(
@@ -43,7 +38,7 @@ def test_explicit_architecture_wins_over_the_table():
     assert resolve_architecture("meta-llama/Llama-3.1-8B", mine, 8_000_000_000).layers == 2
 
 
-def test_a_shape_and_a_parameter_count_more_than_a_quarter_apart_are_a_problem_naming_both():
+def test_a_shape_counting_more_than_a_quarter_fewer_parameters_than_given_is_a_problem_naming_both():
     mixtral_layers = Architecture(
         layers=32, hidden_size=4096, heads=32, kv_heads=8, intermediate_size=14336, vocab_size=32000
     )
@@ -51,9 +46,32 @@ def test_a_shape_and_a_parameter_count_more_than_a_quarter_apart_are_a_problem_n
     assert problem is not None and problem.startswith(
         "spec.model.architecture has 7.24B parameters but spec.model.parameters says 46.70B"
     )
-    assert parameters_problem(mixtral_layers, 5_000_000_000) is not None  # 31% below
-    assert parameters_problem(mixtral_layers, 9_000_000_000) is None  # 20% above
+    assert parameters_problem(mixtral_layers, 9_700_000_000) is not None  # 25.4% fewer
+    assert parameters_problem(mixtral_layers, 9_000_000_000) is None  # 20% fewer
     assert parameters_problem(mixtral_layers, None) is None and parameters_problem(None, 10**9) is None
+
+
+def test_a_plain_mlp_model_the_gated_shape_overcounts_is_not_refused():
+    # StarCoder2-15B: its MLP has two matrices (c_fc, c_proj), the shape counts three: 22.0B for 15.96B.
+    starcoder2 = Architecture(
+        layers=40, hidden_size=6144, heads=48, kv_heads=4, intermediate_size=24576, vocab_size=49152
+    )
+    assert starcoder2.parameters > 1.3 * 15_960_000_000
+    assert parameters_problem(starcoder2, 15_960_000_000) is None
+
+
+def test_the_common_mixtures_of_experts_are_in_the_table_with_every_expert_counted():
+    sizes = {
+        "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.70,
+        "mistralai/Mixtral-8x22B-v0.1": 140.63,
+        "Qwen/Qwen1.5-MoE-A2.7B": 14.32,
+        "Qwen/Qwen2-57B-A14B-Instruct": 57.41,
+        "Qwen/Qwen3-30B-A3B": 30.53,
+        "allenai/OLMoE-1B-7B-0924": 6.92,
+    }
+    for name, billions in sizes.items():
+        shape = resolve_architecture(name)
+        assert shape.experts is not None and round(shape.parameters / 1e9, 2) == billions, name
 
 
 def test_gemma_2_2b_described_with_the_2b_of_its_name_is_one_model():
@@ -158,7 +176,7 @@ def test_a_sliding_window_is_read_from_config_json_only_where_layers_use_it() ->
 
 
 def test_a_small_model_known_only_by_its_size_gets_a_narrow_tied_deep_enough_shape() -> None:
-    from sftjob.architectures import llama_shaped
+    from sftjob.model_shapes import llama_shaped
 
     guess = llama_shaped(360_000_000)  # SmolLM2-360M: 32 layers of 960, tied
     assert guess.tied_embeddings and guess.hidden_size <= 1024 and guess.layers >= 16

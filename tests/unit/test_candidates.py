@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sftjob.architectures import resolve_architecture
 from sftjob.candidates import PlanRequest, fixed_choices
 from sftjob.gpus import profile_for_type
+from sftjob.model_shapes import resolve_architecture
 
 LLAMA_8B = resolve_architecture("meta-llama/Llama-3.1-8B")
 

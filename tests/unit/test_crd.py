@@ -347,10 +347,10 @@ def test_the_crd_refuses_all_linear_beside_other_target_modules_with_the_models_
 def test_the_architecture_description_says_a_mixture_of_experts_is_sized_by_parameters_alone(
     schema: Schema,
 ) -> None:
-    from sftjob.architectures import PARAMETERS_TOLERANCE
+    from sftjob.model_shapes import PARAMETERS_TOLERANCE
 
     model = schema["properties"]["spec"]["properties"]["model"]["properties"]
     described = " ".join(model["architecture"]["description"].split())
     assert "cannot describe a mixture-of-experts model" in described and "give parameters alone" in described
-    assert f"must agree within {PARAMETERS_TOLERANCE:.0%}" in described
+    assert f"must not count more than {PARAMETERS_TOLERANCE:.0%} fewer weights" in described
     assert "counts every expert" in " ".join(model["parameters"]["description"].split())

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from sftjob.architectures import resolve_architecture
 from sftjob.candidates import PlanRequest, evaluate, fixed_choices, shardings
 from sftjob.config import LoraSettings, Sharding
 from sftjob.gpus import profile_for_type
 from sftjob.memory import MemoryInputs, estimate_memory
+from sftjob.model_shapes import resolve_architecture
 from sftjob.network import DEFAULT_RDMA_GBPS, DEFAULT_TCP_GBPS
 from sftjob.planner import plan
 

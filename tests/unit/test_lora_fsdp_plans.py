@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from sftjob.architectures import resolve_architecture
 from sftjob.candidates import PlanRequest, evaluate, fixed_choices, shardings
 from sftjob.config import LoraSettings, Method, Sharding
 from sftjob.gpus import profile_for_type
 from sftjob.memory import GIB, MemoryInputs, estimate_memory
+from sftjob.model_shapes import resolve_architecture
 from sftjob.planner import plan
 
 A800 = profile_for_type("A800")

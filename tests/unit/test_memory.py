@@ -2,9 +2,9 @@
 
 import pytest
 
-from sftjob.architectures import resolve_architecture
 from sftjob.config import LoraSettings
 from sftjob.memory import MemoryInputs, estimate_memory
+from sftjob.model_shapes import resolve_architecture
 
 TINY = resolve_architecture("TinyLlama/TinyLlama-1.1B")  # the anchors' 1.1B shape
 LLAMA2_7B = resolve_architecture("meta-llama/Llama-2-7b-hf")  # the anchors' 7B shape

@@ -3,9 +3,9 @@
 import pytest
 from pydantic import ValidationError
 
-from sftjob.architectures import resolve_architecture
 from sftjob.config import LoraSettings, TrainingOverrides
 from sftjob.gpus import GPU_TYPES, profile_for_type
+from sftjob.model_shapes import resolve_architecture
 from sftjob.planner import PlanRequest, plan, plan_all, replan_after_oom
 from sftjob.throughput import ThroughputInputs, predict
 

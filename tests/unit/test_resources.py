@@ -1,8 +1,8 @@
 """Host-side sizing of trainer pods: checkpoint size, and memory for loading and checkpointing."""
 
-from sftjob.architectures import resolve_architecture
 from sftjob.config import LoraSettings, Method
 from sftjob.memory import GIB
+from sftjob.model_shapes import resolve_architecture
 from sftjob.resources import (
     HOST_GIB_PER_PROCESS,
     HOST_MEMORY_FLOOR_GIB,
