@@ -62,8 +62,9 @@ from sftjob_trainer.checkpoints import Trainables
 from sftjob_trainer.data import Example
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.flops import flops_model
+from sftjob_trainer.liger import liger_kernels_in
 from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
-from sftjob_trainer.model import liger_kernels_in, precision_plan, prepare_for_training, resolve_attention
+from sftjob_trainer.model import precision_plan, prepare_for_training, resolve_attention
 
 GIB = 1024**3
 

@@ -174,12 +174,15 @@ class Architecture(BaseModel):
         """Summed (input, output) widths of the targeted projections: the per-token traffic of the
         adapter paths, and what LoRA dropout copies (the inputs)."""
         h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
-        # A mixture's gate/up/down linears are its shared expert's (none in Mixtral): the routed experts
-        # are fused tensors that LoRA's linear layers cannot wrap.
+        # A mixture's gate/up/down linears are its shared expert's (none in Mixtral), with the shared
+        # expert's one-output gate (Qwen2-MoE); the routed experts are fused tensors the trainer's
+        # adapters leave alone (model.linear_layer_names).
         i = self.intermediate_size if self.experts is None else self.experts.shared_intermediate_size
         shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         if i:
             shapes |= {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+            if self.experts is not None:
+                shapes["shared_expert_gate"] = (h, 1)
         everything = target_modules == "all-linear" or "all-linear" in target_modules
         names = list(shapes) if everything else [m for m in target_modules if m in shapes]
         return sum(shapes[m][0] for m in names), sum(shapes[m][1] for m in names)

@@ -235,3 +235,35 @@ def test_target_modules_that_fit_no_layer_end_the_job_with_a_config_error_naming
     # The operator fails the job at once instead of retrying it maxRestarts times.
     assert _operator_class(ExitCode.UNKNOWN, message) is FailureClass.CONFIG_ERROR
     assert FailureClass.CONFIG_ERROR in PERMANENT
+
+
+def test_target_modules_naming_a_mixtures_experts_end_the_job_with_a_config_error_not_restarts(
+    trainer_config: MakeConfig, termination_log: Path, tmp_path: Path
+) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from sftjob_trainer.tiny import make_tokenizer
+
+    folder, tokenizer = tmp_path / "tiny-moe", make_tokenizer()
+    shape = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    Qwen3MoeForCausalLM(shape).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # transformers 5 fuses the experts' gate_proj, up_proj and down_proj into 3-D tensors, which peft adapts
+    # only without dropout: the default 0.05 cannot work on any attempt.
+    targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    config = trainer_config(model={"path": str(folder)}, lora={"dropout": 0.05, "targetModules": targets})
+    assert run(str(config)) == ExitCode.CONFIG_ERROR
+    message = termination_log.read_text().strip()
+    assert message.startswith(f"[exit 10] spec.lora.targetModules {targets} reaches the experts")
+    assert _operator_class(ExitCode.UNKNOWN, message) is FailureClass.CONFIG_ERROR

@@ -82,6 +82,11 @@ _RETRYABLE_HTTP_STATUS = frozenset({408, 429})
 # What peft raises when the target modules name no module of the model (a typo: qproj), or only modules
 # LoRA cannot wrap (a norm, a whole decoder layer).
 _ADAPTER_TARGET_ERRORS = re.compile(r"Target modules? .*(not found in the base model|is not supported)", re.S)
+# What peft raises when the target modules name a mixture's experts or router (gate_proj, up_proj, down_proj
+# or gate in Qwen3-MoE and OLMoE, w1, w2, w3 in Mixtral; a shared expert's linears of those names in DeepSeek
+# and GLM mixtures too, even from all-linear), which transformers 5 fuses into 3-D tensors that peft adapts as
+# whole parameters (its ParamWrapper): never with dropout, and gate and up only together.
+_EXPERT_TARGET_ERRORS = re.compile(r"ParamWrapper does not work with lora_dropout|Cannot convert PEFT target")
 
 
 def one_line(text: str) -> str:
@@ -173,13 +178,20 @@ def load_failure(exc: BaseException, what: str) -> TrainerError | None:
 def adapter_target_error(exc: ValueError, targets: object) -> TrainerError | None:
     """The error to end with when peft cannot place the adapters where ``lora.targetModules`` says: the
     spec is wrong and a restart cannot fix it. None for any other ValueError."""
-    if _ADAPTER_TARGET_ERRORS.search(str(exc)) is None:
+    if _ADAPTER_TARGET_ERRORS.search(str(exc)) is not None:
+        problem = (
+            "names no layer of the model that LoRA can wrap (use the model's projection names, e.g. q_proj"
+            " and v_proj, or all-linear)"
+        )
+    elif _EXPERT_TARGET_ERRORS.search(str(exc)) is not None:
+        problem = (
+            "reaches the experts or the router of this mixture-of-experts model, fused tensors that peft"
+            " adapts only whole and without dropout, and that the planner does not count (name its attention"
+            " projections: q_proj, k_proj, v_proj and o_proj)"
+        )
+    else:
         return None
-    return TrainerError(
-        ExitCode.CONFIG_ERROR,
-        f"spec.lora.targetModules {targets} names no layer of the model that LoRA can wrap"
-        f" (use the model's projection names, e.g. q_proj and v_proj, or all-linear): {exc}",
-    )
+    return TrainerError(ExitCode.CONFIG_ERROR, f"spec.lora.targetModules {targets} {problem}: {exc}")
 
 
 def causes(exc: BaseException) -> Iterator[BaseException]:

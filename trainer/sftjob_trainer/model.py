@@ -15,7 +15,6 @@ import contextlib
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +24,7 @@ from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerC
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import attention
 from sftjob_trainer.failures import adapter_target_error, load_failure
+from sftjob_trainer.liger import apply_liger
 
 log = logging.getLogger(__name__)
 
@@ -306,11 +306,12 @@ def add_adapters(model: Any, lora: LoraSettings, seed: int, revision: str | None
     """
     from peft import LoraConfig, get_peft_model
 
+    all_linear = lora.target_modules == "all-linear"
     adapters = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=linear_layer_names(model) if all_linear else lora.target_modules,
         task_type="CAUSAL_LM",
     )
     # peft draws on the CPU; manual_seed reseeds the GPUs too, so their states are kept as well.
@@ -325,40 +326,19 @@ def add_adapters(model: Any, lora: LoraSettings, seed: int, revision: str | None
             raise
 
 
-def apply_liger(model: Any, device: torch.device) -> None:
-    if device.type != "cuda":
-        log.info("Liger kernels planned but this is a CPU run: continuing without them")
-        return
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-    except ImportError:
-        log.warning("Liger kernels planned but liger_kernel is not importable: continuing without them")
-        return
-    _apply_liger_kernel_to_instance(model=model)
-    applied = liger_kernels_in(model)
-    if applied:
-        log.info("Liger kernels applied: %s", ", ".join(applied))
-    else:
-        log.warning("Liger kernels planned but none applied to %s", type(model).__name__)
+def linear_layer_names(model: Any) -> list[str]:
+    """What ``all-linear`` adapts: the linear layers (``nn.Linear``, ``Linear4bit`` subclasses it, GPT-2's
+    ``Conv1D``) but the head, by name (by path where another module has the name), as peft's ``all-linear``
+    in a dense model. Of a mixture (Mixtral, Qwen3-MoE, OLMoE) peft's would also take the fused experts and
+    router, without dropout and far more than the planner counts (``Architecture.lora_widths``)."""
+    from transformers.pytorch_utils import Conv1D
 
-
-def liger_kernels_in(model: Any) -> list[str]:
-    """The Liger kernels a model really runs: its loss (fused linear cross-entropy: no logits while
-    training), RoPE (patched in the modeling module) and the norm/MLP modules it patched."""
-    found = ["fused linear cross-entropy"] if _from_liger(getattr(model, "forward", None)) else []
-    modeling = sys.modules.get(type(model).__module__)
-    if _from_liger(getattr(modeling, "apply_rotary_pos_emb", None)):
-        found.append("RoPE")
-    patched = {
-        m._get_name() if m._get_name().startswith("Liger") else f"Liger {type(m).__name__}"
-        for m in model.modules()
-        if type(m).__name__.startswith("Liger") or _from_liger(m.__dict__.get("forward"))
-    }
-    return found + sorted(patched)
-
-
-def _from_liger(function: Any) -> bool:
-    return str(getattr(function, "__module__", "")).startswith("liger_kernel")
+    head = model.get_output_embeddings()
+    modules = dict(model.named_modules())
+    linear = {n for n, m in modules.items() if isinstance(m, torch.nn.Linear | Conv1D) and m is not head}
+    leaf = {n: n.rpartition(".")[2] for n in modules}
+    elsewhere = {leaf[n] for n in modules if n not in linear}
+    return sorted({n if leaf[n] in elsewhere else leaf[n] for n in linear})
 
 
 @dataclass(frozen=True)
