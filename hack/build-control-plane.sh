@@ -2,6 +2,8 @@
 # Builds the local control plane's binaries from the Go module proxy into a cache folder
 # named by every version, so a second run (or a fresh clone on the same machine) skips the build.
 # Prints the folder on its last line. See docs/development.md for why each step exists.
+# `kueue` builds Kueue (only the e2e tests run it) into a folder of its own with its CRDs and webhook
+# manifests, and prints that folder instead.
 set -euo pipefail
 
 K8S=${SFTJOB_K8S_VERSION:-1.36.3}
@@ -9,23 +11,44 @@ STG=0.${K8S#1.}
 ETCD=${SFTJOB_ETCD_VERSION:-3.6.14}
 KWOK=${SFTJOB_KWOK_VERSION:-0.8.0}
 HELM=${SFTJOB_HELM_VERSION:-3.21.4}
-BIN="${SFTJOB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sftjob}/bin/k8s-v$K8S-etcd-v$ETCD-kwok-v$KWOK-helm-v$HELM"
+KUEUE=${SFTJOB_KUEUE_VERSION:-0.17.0}
+CACHE="${SFTJOB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/sftjob}/bin"
+KUEUE_DIR="$CACHE/kueue-v$KUEUE"
+BIN="$CACHE/k8s-v$K8S-etcd-v$ETCD-kwok-v$KWOK-helm-v$HELM"
 TOOLS=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm)
 
 have() { [ -x "$BIN/$1" ]; }
 all_built() { for t in "${TOOLS[@]}"; do have "$t" || return 1; done; }
 
+kueue_built() { [ -x "$KUEUE_DIR/kueue" ] && [ -f "$KUEUE_DIR/webhooks.yaml" ]; }
+need_go() {
+  command -v go >/dev/null || { echo "error: the Go toolchain (go) is not on PATH; install Go >= 1.26 to build the control plane" >&2; exit 3; }
+  export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-trimpath -buildvcs=false"
+}
+step() { echo "==> [$(date +%H:%M:%S)] $*" >&2; }
+
 case "${1:-}" in
   "") ;;
   --print-dir) echo "$BIN"; exit 0 ;;
-  *) echo "usage: $0 [--print-dir]" >&2; exit 2 ;;
+  --print-kueue-dir) echo "$KUEUE_DIR"; exit 0 ;;
+  kueue)
+    if ! kueue_built; then
+      need_go
+      step "building kueue v$KUEUE"
+      mkdir -p "$KUEUE_DIR/crds"
+      (cd "$KUEUE_DIR" && GOBIN="$KUEUE_DIR" go install -ldflags "-s -w" "sigs.k8s.io/kueue/cmd/kueue@v$KUEUE" >&2)
+      SRC=$(cd "$KUEUE_DIR" && go mod download -json "sigs.k8s.io/kueue@v$KUEUE" | sed -n 's/.*"Dir": "\([^"]*\)".*/\1/p')
+      cp "$SRC"/config/components/crd/bases/*.yaml "$KUEUE_DIR/crds/"
+      cp "$SRC/config/components/webhook/manifests.yaml" "$KUEUE_DIR/webhooks.yaml.tmp"
+      chmod -R u+w "$KUEUE_DIR" && mv "$KUEUE_DIR/webhooks.yaml.tmp" "$KUEUE_DIR/webhooks.yaml"
+    fi
+    echo "$KUEUE_DIR"; exit 0 ;;
+  *) echo "usage: $0 [--print-dir | --print-kueue-dir | kueue]" >&2; exit 2 ;;
 esac
 if all_built; then echo "$BIN"; exit 0; fi
 
-command -v go >/dev/null || { echo "error: the Go toolchain (go) is not on PATH; install Go >= 1.26 to build the control plane" >&2; exit 3; }
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-trimpath -buildvcs=false"
+need_go
 mkdir -p "$BIN"
-step() { echo "==> [$(date +%H:%M:%S)] $*" >&2; }
 
 if ! have etcd; then
   step "building etcd v$ETCD"

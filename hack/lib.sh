@@ -31,6 +31,12 @@ build_control_plane() {
   hack/build-control-plane.sh >/dev/null
 }
 
+# Kueue's manager, CRDs and webhook manifests, for the e2e tests that queue jobs under the real thing.
+build_kueue() {
+  step "building Kueue (cached by version after the first build)"
+  hack/build-control-plane.sh kueue >/dev/null
+}
+
 # prometheus and promtool from the Debian package (the metrics tests run a real Prometheus).
 install_prometheus() {
   if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then

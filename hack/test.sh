@@ -8,6 +8,7 @@ source hack/lib.sh
 
 install_python_deps
 build_control_plane
+build_kueue
 install_prometheus
 
 step "ruff"

@@ -1,0 +1,162 @@
+"""SFTJobs with a `queueName` under the real Kueue (its manager built from its Go module, with its own
+webhooks): the pods of an attempt form one pod group that waits in the queue, gated, until its quota is
+free; the whole group is admitted at once; a preempted attempt is retried in the queue, not failed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from kueue_harness import NAMESPACE_LABEL, Kueue
+from operator_harness import Jobs, sftjob, wait_for
+
+from sftjob_dev.cluster import Cluster
+
+pytestmark = pytest.mark.e2e
+
+QUEUE = "team-a"
+GPUS = 8  # the ClusterQueue's whole quota: one 8-GPU job fills it
+LOW, HIGH = "sftjob-e2e-low", "sftjob-e2e-high"
+
+
+@pytest.fixture(scope="module")
+def kueue(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kueue]:
+    manager = Kueue(cluster, tmp_path_factory.mktemp("kueue"))
+    manager.start()
+    classes = [{"name": LOW, "value": 100}, {"name": HIGH, "value": 1000}]
+    cluster.kubectl(
+        "apply", "-f", "-",
+        input=yaml.safe_dump_all(
+            {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": c["name"]},
+             "value": c["value"]} for c in classes
+        ),
+    )  # fmt: skip
+    yield manager
+    manager.stop()
+
+
+@pytest.fixture
+def queue(cluster: Cluster, kueue: Kueue, namespace: str) -> Iterator[str]:
+    """LocalQueue `team-a` in the test's namespace, feeding a ClusterQueue of its own with GPUS GPUs
+    that lets a higher-priority workload preempt a lower one."""
+    cluster.kubectl("label", "namespace", namespace, f"{NAMESPACE_LABEL}=true")
+    resources = [
+        {"name": "cpu", "nominalQuota": 1000},
+        {"name": "memory", "nominalQuota": "10Ti"},
+        {"name": "nvidia.com/gpu", "nominalQuota": GPUS},
+    ]
+    objects: list[dict[str, Any]] = [
+        {"kind": "ResourceFlavor", "metadata": {"name": "sftjob-e2e-gpu"}},
+        {
+            "kind": "ClusterQueue",
+            "metadata": {"name": namespace},
+            "spec": {
+                "namespaceSelector": {},
+                "preemption": {"withinClusterQueue": "LowerPriority"},
+                "resourceGroups": [
+                    {
+                        "coveredResources": [r["name"] for r in resources],
+                        "flavors": [{"name": "sftjob-e2e-gpu", "resources": resources}],
+                    }
+                ],
+            },
+        },
+        {
+            "kind": "LocalQueue",
+            "metadata": {"name": QUEUE, "namespace": namespace},
+            "spec": {"clusterQueue": namespace},
+        },
+    ]
+    docs = [{"apiVersion": "kueue.x-k8s.io/v1beta2", **o} for o in objects]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+    wait_for("the ClusterQueue to be active", lambda: _active(cluster, namespace))
+    yield QUEUE
+    cluster.kubectl("delete", "clusterqueue", namespace, "--wait=false", check=False)
+
+
+def test_a_queued_job_waits_gated_for_quota_and_its_pod_group_is_admitted_whole(
+    queue: str, jobs: Jobs
+) -> None:
+    jobs.apply(sftjob("first", gpu={"type": "A800", "count": GPUS}, queueName=queue))
+    (first,) = jobs.running_pods("first")
+    assert jobs.wait_phase("first", "Running")["startTime"]
+
+    jobs.apply(sftjob("second", gpu={"type": "A800", "count": 4, "nodes": 2}, queueName=queue))
+    gated = wait_for("both pods of second to be gated", lambda: _gated(jobs, "second", 2))
+    group = {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in gated}
+    assert len(group) == 1  # one attempt, one pod group, one Workload
+    scheduled = wait_for("second to say Queued", lambda: _reason(jobs, "second", "Scheduled", "Queued"))
+    assert f"Kueue's queue {queue}" in scheduled["message"]
+    assert jobs.status("second").get("startTime") is None  # the deadline has not started
+    workload = wait_for("second's Workload", lambda: _workload(jobs, group.pop()))
+    assert [s["count"] for s in workload["spec"]["podSets"]] == [2]
+    reserved = next(c for c in workload["status"]["conditions"] if c["type"] == "QuotaReserved")
+    assert (
+        reserved["status"] == "False"
+        and "insufficient unused quota for nvidia.com/gpu" in reserved["message"]
+    )
+
+    jobs.steer(first["metadata"]["name"], outcome="succeed")  # the first job ends: its quota is free
+    jobs.wait_phase("first", "Succeeded")
+    pods = jobs.running_pods("second", count=2, timeout=60)
+    assert len({p["spec"]["nodeName"] for p in pods}) == 2
+    assert jobs.wait_phase("second", "Running")["startTime"]
+
+
+def test_a_preempted_attempt_goes_back_to_the_queue_without_spending_a_restart(
+    queue: str, jobs: Jobs
+) -> None:
+    policy = {"maxRestarts": 0}  # a failure would end the job: preemption must not count as one
+    low = sftjob("low", gpu={"type": "A800", "count": GPUS}, queueName=queue, priorityClassName=LOW)
+    jobs.apply({**low, "spec": {**low["spec"], "restartPolicy": policy}})
+    jobs.running_pods("low")
+    jobs.wait_phase("low", "Running")
+
+    jobs.apply(sftjob("high", gpu={"type": "A800", "count": 4}, queueName=queue, priorityClassName=HIGH))
+    (high,) = jobs.running_pods("high", timeout=60)
+    first = wait_for("low's first attempt to end", lambda: _ended(jobs, "low", 1))
+    assert first["reason"] == "Preempted" and "stopped by Kueue" in first["message"], first
+    wait_for("low's second attempt to be gated", lambda: _gated(jobs, "low", 1))
+    assert _reason(jobs, "low", "Scheduled", "Queued")
+    assert jobs.status("low")["phase"] != "Failed"
+
+    jobs.steer(high["metadata"]["name"], outcome="succeed")
+    (pod,) = jobs.running_pods("low", timeout=60)
+    assert pod["metadata"]["labels"]["sftjob.io/attempt"] == "2"
+    assert jobs.wait_phase("low", "Running")["attempt"] == 2
+
+
+def _active(cluster: Cluster, name: str) -> bool:
+    found = json.loads(cluster.kubectl("get", "clusterqueue", name, "-o", "json").stdout)
+    return any(
+        c["type"] == "Active" and c["status"] == "True" for c in found.get("status", {}).get("conditions", [])
+    )
+
+
+def _gated(jobs: Jobs, job: str, count: int) -> list[dict[str, Any]] | None:
+    pods = [
+        p
+        for p in jobs.pods(job)
+        if p["spec"].get("schedulingGates") and not p["metadata"].get("deletionTimestamp")
+    ]
+    return pods if len(pods) == count else None
+
+
+def _reason(jobs: Jobs, job: str, type: str, reason: str) -> dict[str, Any] | None:
+    found = jobs.condition(job, type)
+    return found if found.get("reason") == reason else None
+
+
+def _workload(jobs: Jobs, name: str) -> dict[str, Any] | None:
+    found = jobs.kubectl("get", "workload", name, "-o", "json", check=False)
+    return json.loads(found.stdout) if found.returncode == 0 and '"conditions"' in found.stdout else None
+
+
+def _ended(jobs: Jobs, job: str, attempt: int) -> dict[str, Any] | None:
+    records = [
+        a for a in jobs.status(job).get("attempts", []) if a["attempt"] == attempt and a.get("endTime")
+    ]
+    return records[0] if records else None
