@@ -129,6 +129,34 @@ def test_a_preempted_attempt_goes_back_to_the_queue_without_spending_a_restart(
     assert jobs.wait_phase("low", "Running")["attempt"] == 2
 
 
+def test_a_failed_pod_ends_its_group_and_the_next_attempt_is_a_new_group_admitted_on_the_freed_quota(
+    queue: str, jobs: Jobs
+) -> None:
+    jobs.apply(sftjob("pair", gpu={"type": "A800", "count": 4, "nodes": 2}, queueName=queue))
+    pods = jobs.running_pods("pair", count=2, timeout=60)
+    first_group = _group(pods)
+    rank1 = next(p for p in pods if p["metadata"]["labels"]["sftjob.io/node-rank"] == "1")
+    jobs.steer(rank1["metadata"]["name"], outcome="fail", exit_code="1", message="rank 1 crashed")
+
+    def second_attempt() -> list[dict[str, Any]] | None:
+        found = [p for p in jobs.pods("pair") if p["metadata"]["labels"]["sftjob.io/attempt"] == "2"]
+        running = [p for p in found if p["status"].get("phase") == "Running"]
+        return running if len(running) == 2 else None
+
+    again = wait_for("pair's second attempt to run", second_attempt, timeout=90)
+    assert _group(again) != first_group  # a new Workload: the quota (all GPUS GPUs) was the old one's
+    finished = _workload(jobs, first_group)
+    assert finished is None or any(
+        c["type"] == "Finished" and c["status"] == "True" for c in finished["status"]["conditions"]
+    )
+    assert _ended(jobs, "pair", 1)["reason"] != "Preempted"
+
+
+def _group(pods: list[dict[str, Any]]) -> str:
+    (group,) = {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in pods}
+    return str(group)
+
+
 def _active(cluster: Cluster, name: str) -> bool:
     found = json.loads(cluster.kubectl("get", "clusterqueue", name, "-o", "json").stdout)
     return any(
