@@ -17,6 +17,9 @@ LABEL_CONTROLLER_UID = "sftjob.io/controller-uid"
 # connection to the operator and the operator never connects to a pod: both go through the API server.
 ANNOTATION_PROGRESS = "sftjob.io/progress"
 ANNOTATION_CHECKPOINT = "sftjob.io/last-checkpoint"
+# The SFTJob CRD's schema revision, its annotation: bumped with every schema change, so that an operator
+# finds a CRD older than its own in the cluster (whose schema drops the fields it writes).
+ANNOTATION_SCHEMA_REVISION, CRD_SCHEMA_REVISION = "sftjob.io/schema-revision", 1
 
 # Kueue's pod integration (spec.queueName): the LocalQueue, and each attempt's pods as one pod group that
 # Kueue admits whole (gang admission) and finishes when one of them fails (the operator starts the next).
@@ -26,6 +29,7 @@ KUEUE_POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 KUEUE_RETRIABLE_IN_GROUP = "kueue.x-k8s.io/retriable-in-group"
 KUEUE_FINALIZER = "kueue.x-k8s.io/managed"  # Kueue's webhook puts it on every pod it manages
 KUEUE_POD_INDEX_LABEL = "kueue.x-k8s.io/pod-group-pod-index-label"  # names the label with a pod's index
+KUEUE_API_GROUP, KUEUE_API_VERSION, KUEUE_WORKLOADS = "kueue.x-k8s.io", "v1beta2", "workloads"
 
 # NVIDIA GPU Feature Discovery labels and the device plugin's resource name.
 GPU_RESOURCE = "nvidia.com/gpu"

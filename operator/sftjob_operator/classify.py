@@ -20,7 +20,7 @@ from typing import Any
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
-from sftjob_operator.termination import MESSAGE_SIGNATURES, gpu_runtime_failure, read_message
+from sftjob_operator.termination import GPU_FAULT_SIGNATURE, gpu_runtime_failure, message_class, read_message
 
 Obj = Mapping[str, Any]
 
@@ -77,6 +77,8 @@ TRAINER_FAILURE_CODES = frozenset(code for code in EXIT_CODE_CLASS if code != Ex
 # clients. 1/2 clients joined."; the others: "The client socket has timed out after 600000ms while trying
 # to connect to (host, port)."): a CommunicationError, yet no sign of a broken link or a bad node.
 PEER_NEVER_JOINED = re.compile(r"waiting for clients|timed out after \S+ while trying to connect to", re.I)
+# Ends the message of a Stalled attempt that reported no step past its resume step: it hung starting up.
+STALLED_BEFORE_TRAINING = "no training step in this attempt"
 
 
 class Outcome(StrEnum):
@@ -113,12 +115,14 @@ def classify_pod(
     last_progress: datetime | None = None,
     stall_timeout_seconds: float | None = None,
     node_lost_grace_seconds: float = NODE_LOST_GRACE_SECONDS,
+    own_image: bool = False,
 ) -> Classification:
     """Classify one trainer pod.
 
     ``pod`` is None when the pod the attempt created no longer exists; ``node_name`` then names the
     node it was on (from ``status.attempts``). ``node`` is the Node the pod is bound to, or None when
     that node does not exist. ``last_progress`` is the ``updated`` time of the pod's progress report.
+    ``own_image``: the job sets ``spec.image``, so a module its trainer cannot import is its ConfigError.
     """
     if pod is None:
         if node_name is not None and (node is None or _not_ready_for(node, now) is not None):
@@ -136,7 +140,7 @@ def classify_pod(
     ):
         return Classification(Outcome.SUCCEEDED, exit_code=0, node=node_name)
     if phase == "Failed" or terminated is not None:
-        return _classify_ended(status, terminated, node_name, node_gone)
+        return _classify_ended(status, terminated, node_name, node_gone, own_image=own_image)
 
     waiting = _waiting_failure(pod, now, node_name)
     if waiting is not None:
@@ -202,18 +206,23 @@ def end_record(
     """The ``status.attempts`` entry for an attempt that has just ended.
 
     ``progress_step`` and ``checkpoint_step`` come from the trainer's last progress and checkpoint
-    annotations; the steps between them are the work a failed attempt loses (None for a success).
+    annotations; the steps between them are the work a failed attempt loses (None for a success). A
+    Stalled attempt that got no step past the one it resumed from says so (:data:`STALLED_BEFORE_TRAINING`).
     """
     saved = checkpoint_step if checkpoint_step is not None else (record.resumed_from_step or 0)
     failed = outcome.outcome is Outcome.FAILED
     lost = None if progress_step is None or not failed else max(0, progress_step - saved)
+    message = outcome.message
+    trained = progress_step is not None and progress_step > (record.resumed_from_step or 0)
+    if outcome.failure_class is FailureClass.STALLED and not trained:
+        message = f"{message}; {STALLED_BEFORE_TRAINING}"
     return record.model_copy(
         update={
             "end_time": end_time,
             "succeeded": outcome.outcome is Outcome.SUCCEEDED,
             "reason": outcome.failure_class,
             "exit_code": outcome.exit_code,
-            "message": outcome.message,
+            "message": message,
             "node": outcome.node or record.node,
             "lost_steps": lost,
         }
@@ -228,6 +237,11 @@ def peer_never_joined(record: AttemptRecord) -> bool:
     return PEER_NEVER_JOINED.search(record.message) is not None
 
 
+def stalled_before_training(record: AttemptRecord) -> bool:
+    """The attempt stalled before its trainer reported a training step (:func:`end_record`)."""
+    return record.reason is FailureClass.STALLED and record.message.endswith(STALLED_BEFORE_TRAINING)
+
+
 def describe_failure(record: AttemptRecord) -> str:
     """The one-line event message for a failed attempt: number, node, class, exit code, message."""
     where = f" on {record.node}" if record.node else ""
@@ -239,7 +253,7 @@ def describe_failure(record: AttemptRecord) -> str:
 
 
 def _classify_ended(
-    status: Obj, terminated: Obj | None, node_name: str | None, node_gone: bool
+    status: Obj, terminated: Obj | None, node_name: str | None, node_gone: bool, *, own_image: bool
 ) -> Classification:
     pod_reason = status.get("reason") or ""
     pod_message = status.get("message") or ""
@@ -267,7 +281,10 @@ def _classify_ended(
             FailureClass.HOST_OOM, text or "container killed by the kernel OOM killer at its memory limit"
         )
     if code is not None and code in TRAINER_FAILURE_CODES:
-        return fail(EXIT_CODE_CLASS[code], text or f"trainer exited with code {code} ({ExitCode(code).name})")
+        cls = EXIT_CODE_CLASS[code]
+        if cls is FailureClass.COMMUNICATION_ERROR and GPU_FAULT_SIGNATURE.search(said.text):
+            cls = FailureClass.GPU_UNAVAILABLE  # NCCL failed because a GPU or its NVLinks did
+        return fail(cls, text or f"trainer exited with code {code} ({ExitCode(code).name})")
     if terminated is not None and terminated.get("reason") in START_FAILURES:
         runtime = gpu_runtime_failure(terminated["reason"], said.text)
         if runtime is not None:
@@ -282,9 +299,9 @@ def _classify_ended(
         return fail(FailureClass.PREEMPTED, _disruption_message(disruption_reason or pod_reason, code, text))
     if node_gone and (code is None or signalled):
         return fail(FailureClass.NODE_LOST, f"node {node_name} is gone or NotReady")
-    for pattern, cls in MESSAGE_SIGNATURES:
-        if pattern.search(said.text):
-            return fail(cls, text)
+    said_so = message_class(said, own_image=own_image)
+    if said_so is not None:
+        return fail(*said_so)
     if code is not None and code > 128:
         return fail(FailureClass.UNKNOWN, text or f"trainer killed by {_signal_name(code)}")
     detail = text or pod_message or (f"exited with code {code}" if code is not None else "pod failed")

@@ -41,7 +41,7 @@ import kopf
 from sftjob import constants as c
 from sftjob.config import JobRef
 from sftjob.job_status import SFTJobStatus
-from sftjob_operator import builders, metrics, observe, pod_lifecycle
+from sftjob_operator import builders, metrics, observe, pod_lifecycle, workloads
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.ghosts import Tombstones, is_gone
@@ -259,6 +259,10 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         nodes=observe.FirstOfEach(nodes),
         now=now,
     )
+    group = workloads.queued_group(observed.pods)
+    if group is not None:  # Kueue holds the attempt: one read of its Workload says why
+        workload = await Runtime.kube.run(Runtime.kube.read_workload, job.namespace, group)
+        observed = dataclasses.replace(observed, queue_reason=workloads.pending_reason(workload))
     actions = reconcile(observed, Runtime.context)
     if actions.check_pods:  # the index lacks pods long after their attempt started: ask, then decide
         found, gone = await _look_up(job, actions.check_pods)

@@ -5,19 +5,25 @@ planning, suspend, the deadline, failing, a finished job's TTL, and the actions 
 actions; ``reconcile._Pass`` adds the attempts (start, judge, restart) and runs the steps in order. An
 invalid spec or a job no card can run fails the job only before its first attempt: once an attempt
 started, a newer operator's stricter rule or planner (or other ``--gpu-products``) never kills it;
-``Admitted`` or ``Planned`` says what is wrong, with one Warning event. Pure, no I/O.
+``Admitted`` or ``Planned`` says what is wrong, with one Warning event. A started job whose spec is now
+invalid is *held*: the spec can no longer change (the CRD allows only suspend, the deadline and the TTL),
+so its running attempt is observed to its end with the plan and ConfigMap it runs with (:func:`held_spec`)
+while suspend and the deadline still apply, and no new attempt starts. Pure, no I/O.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
 
 from sftjob.attempts import AttemptRecord, trimmed
 from sftjob.failures import FailureClass
-from sftjob.spec import SFTJobSpec, valid_job_name
+from sftjob.kube_names import QueueName
+from sftjob.spec import GpuSpec, RestartPolicySpec, SFTJobSpec, valid_job_name
 from sftjob_operator import observe, pod_lifecycle
+from sftjob_operator.classify import describe_failure
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason
 from sftjob_operator.defaults import JobDefaults, effective
@@ -26,6 +32,12 @@ from sftjob_operator.reconcile_io import Actions, Context, Manifest, Obj, Observ
 from sftjob_operator.scheduling import selector_problem
 from sftjob_operator.status import read_status, validation_message
 from sftjob_operator.status_draft import Event, StatusDraft
+
+# What ``Admitted`` adds to the problem of a held job (see the module's docstring).
+HELD = (
+    "the spec can no longer change: the running attempt is observed to its end, suspend and"
+    " activeDeadlineSeconds still apply, and no new attempt can start"
+)
 
 
 class JobPass(StatusDraft):
@@ -44,6 +56,7 @@ class JobPass(StatusDraft):
         self.requeue: list[float] = []
         self.check: list[str] = []
         self.unplanned = ""  # why a started job cannot be planned now (its running attempt is kept)
+        self.held = ""  # the rule a started job's spec now breaks (no new attempt can start)
         self.attempt = max([self.old.attempt, *(observe.attempt_of(p) for p in obs.pods)])
         self.current = sorted(
             (p for p in obs.pods if observe.attempt_of(p) == self.attempt), key=observe.rank_of
@@ -52,36 +65,52 @@ class JobPass(StatusDraft):
     # --- admission and planning ----------------------------------------------------------------
 
     def admit(self) -> SFTJobSpec | None:
-        """The spec completed with the operator's defaults, or None when it is invalid: then a job not
-        started yet fails, and a started one is held as it is (``Admitted`` False says why)."""
+        """The spec completed with the operator's defaults, or None when it is invalid and the job fails:
+        a job not started yet, or a started one whose running attempt cannot even be read (see
+        :meth:`reject`)."""
         try:
             parsed = SFTJobSpec.model_validate(self.obs.spec)
         except ValidationError as err:
-            self.reject(validation_message(err))
-            return None
+            return self.reject(validation_message(err))
         if not valid_job_name(self.obs.name):
-            self.reject("metadata.name must be a DNS label of at most 40 characters")
-            return None
-        # The operator's defaults as they were when the job was first seen, so upgrades change no job.
-        recorded = self.old.effective
-        spec = (JobDefaults.recorded(recorded) if recorded else self.ctx.defaults).fill(parsed)
+            return self.reject("metadata.name must be a DNS label of at most 40 characters")
+        spec = self.defaults().fill(parsed)
         self.update(effective=effective(spec))
         products = self.ctx.products  # an operator reconfigured later never fails a started job for it
         if not self.status.attempts and (
             problem := selector_problem(spec.node_selector, spec.gpu.candidates(), products)
         ):
-            self.reject(problem)
-            return None
+            return self.reject(problem)
         self.cond(T.ADMITTED, True, Reason.VALID_SPEC, "the spec is valid")
         return spec
 
-    def reject(self, problem: str) -> None:
+    def defaults(self) -> JobDefaults:
+        """The operator's defaults as they were when the job was first seen, so upgrades change no job."""
+        recorded = self.old.effective
+        return JobDefaults.recorded(recorded) if recorded else self.ctx.defaults
+
+    def reject(self, problem: str) -> SFTJobSpec | None:
+        """Fails a job not started yet; holds a started one (``self.held``) and returns the spec its
+        running attempt is observed with."""
         if not self.status.attempts:
-            return self.fail(Reason.INVALID_SPEC, problem, admitted=False)
-        # A newer operator's stricter rule: the running attempt is not killed for a spec it admitted.
-        kept = "the running attempt is kept; nothing more is decided until the spec is valid"
-        self.warn_once(T.ADMITTED, Reason.INVALID_SPEC, f"{problem} ({kept})")
-        self.fold_reports(self.current)
+            self.fail(Reason.INVALID_SPEC, problem, admitted=False)
+            return None
+        spec = held_spec(self.obs.spec)
+        if spec is None:  # a rule on the very fields that say how the attempt runs: it cannot be observed
+            self.fail(
+                Reason.INVALID_SPEC, f"{problem}; the running attempt cannot be observed", admitted=False
+            )
+            return None
+        self.held = problem
+        self.warn_once(T.ADMITTED, Reason.INVALID_SPEC, f"{problem} ({HELD})")
+        return self.defaults().fill(spec)
+
+    def fail_held(self) -> None:
+        """A held job's attempt is over without success (or it was suspended and resumed): it cannot go on."""
+        last = self.status.attempts[-1] if self.status.attempts else None
+        ended = f"{describe_failure(last)}; " if last is not None and last.failed else ""
+        message = f"{ended}no new attempt can start: this operator rejects the spec: {self.held}"
+        self.fail(Reason.INVALID_SPEC, message, admitted=False)
 
     def plan(self, spec: SFTJobSpec) -> CandidatePlans:
         plans = plan_candidates(spec, self.ctx.products, self.ctx.plan_fn)
@@ -176,3 +205,28 @@ def ttl_seconds(spec: Obj) -> int | None:
     this operator's validation; anything but a count of seconds is no TTL."""
     ttl = spec.get("ttlSecondsAfterFinished")
     return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl >= 0 else None
+
+
+class _RunningFields(BaseModel):
+    """The spec fields that say how a started attempt runs and when it must stop; everything else
+    (unknown keys included) is ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    gpu: GpuSpec = GpuSpec()
+    restart_policy: RestartPolicySpec = RestartPolicySpec()
+    queue_name: QueueName | None = None
+    suspend: bool = False
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+
+
+def held_spec(raw: Obj) -> SFTJobSpec | None:
+    """The spec a held job's running attempt is observed with: its pods' count and placement, the stall
+    timeout, the queue, suspend and the deadline, read from a spec the model rejects as a whole. None
+    when even those fields are invalid. ``model`` and ``dataset`` stay unset (nothing that observes an
+    attempt reads them), so this spec is never planned or rendered."""
+    try:
+        fields = _RunningFields.model_validate(raw)
+    except ValidationError:
+        return None
+    return SFTJobSpec.model_construct(**dict(fields))

@@ -125,6 +125,21 @@ class Kube:
             raise
         return cast(dict[str, Any], json.loads(response.data))
 
+    def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """Kueue's Workload ``name`` (v1beta2: Kueue 0.15 and later), or None where there is none to read:
+        not created yet, Kueue not installed or older, or the operator not allowed to get Workloads."""
+        try:
+            found: Any = self.custom.get_namespaced_custom_object(
+                c.KUEUE_API_GROUP, c.KUEUE_API_VERSION, namespace, c.KUEUE_WORKLOADS, name,
+                _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
+        except ApiException as err:
+            if err.status not in (403, 404):
+                raise
+            log.debug("Workload %s/%s not read (HTTP %d)", namespace, name, err.status)
+            return None
+        return cast(dict[str, Any], found)
+
     def write_status(
         self, namespace: str, name: str, resource_version: str, old: Mapping[str, Any], new: SFTJobStatus
     ) -> str:

@@ -5,28 +5,38 @@ logs are JSON, liveness is kopf's endpoint (default ``:8081/healthz``) and metri
 (default ``:8080/metrics``). Run one operator for a set of jobs: ``--peering`` names the kopf peering
 object (``--standalone`` skips peering), whose pause stops kopf's watch streams when a second operator
 joins, but not this operator's own workers, which keep passing over the jobs they last saw; the pause
-tells that two run, it does not make that safe (docs/install.md, "Peering and replicas").
+tells that two run, it does not make that safe (docs/install.md, "Peering and replicas"). At start the
+SFTJob CRD's schema revision is checked (:func:`check_crd`): a CRD left behind by an upgrade that skipped
+it would silently drop the fields this operator writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import kopf
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from urllib3.exceptions import HTTPError
 
 from sftjob import constants as c
 from sftjob.kube_names import DNS_SUBDOMAIN, IMAGE
 from sftjob_operator import handlers, metrics
 from sftjob_operator.defaults import JobDefaults
-from sftjob_operator.kube import Kube, connect
+from sftjob_operator.kube import REQUEST_TIMEOUT, Kube, connect
 from sftjob_operator.reconcile_io import Context
 from sftjob_operator.scheduling import default_products, parse_products
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PEERING = "sftjob-operator"
 DEFAULT_LIVENESS = "http://0.0.0.0:8081/healthz"
@@ -43,6 +53,11 @@ DEFAULT_FLAGS = {
     "backoff_seconds": "--backoff-seconds",
     "on_oom": "--on-oom",
 }
+CRD_NAME = f"{c.PLURAL}.{c.API_GROUP}"
+CRD_UPDATE = (
+    "kubectl apply --server-side -f crds/sftjob.io_sftjobs.yaml (this operator's release), or helm upgrade"
+    " with crds.enabled=true (docs/install.md, Upgrading)"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -167,6 +182,51 @@ def products_from(value: str | None) -> dict[str, list[str]]:
     return parse_products(text)
 
 
+def crd_problem(crd: Mapping[str, Any] | None) -> tuple[int, str] | None:
+    """The log level and message for the SFTJob CRD found in the cluster (None: not installed), or None
+    when its schema revision is this operator's. A CRD without the annotation predates revisions (0)."""
+    if crd is None:
+        return logging.ERROR, f"the CRD {CRD_NAME} is not installed: {CRD_UPDATE}"
+    raw = str(((crd.get("metadata") or {}).get("annotations") or {}).get(c.ANNOTATION_SCHEMA_REVISION, 0))
+    found = int(raw) if raw.isdigit() else 0
+    if found < c.CRD_SCHEMA_REVISION:
+        return logging.ERROR, (
+            f"the CRD {CRD_NAME} has schema revision {found} ({c.ANNOTATION_SCHEMA_REVISION}), older than"
+            f" this operator's {c.CRD_SCHEMA_REVISION}: the API server drops the spec and status fields added"
+            f" since. Update it: {CRD_UPDATE}"
+        )
+    if found > c.CRD_SCHEMA_REVISION:
+        return logging.WARNING, (
+            f"the CRD {CRD_NAME} has schema revision {found}, newer than this operator's"
+            f" {c.CRD_SCHEMA_REVISION}: jobs using fields added since fail as invalid (InvalidSpec)"
+        )
+    return None
+
+
+def check_crd(api: client.ApiClient) -> None:
+    """Logs an SFTJob CRD older (or newer) than this operator. Best effort: a read that fails or is
+    refused is a warning, never a reason not to start. It lists by name: the operator's RBAC has list and
+    watch on CRDs (kopf's), not get."""
+    try:
+        response: Any = client.ApiextensionsV1Api(api).list_custom_resource_definition(
+            field_selector=f"metadata.name={CRD_NAME}",
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+        items = json.loads(response.data)["items"]
+    except ApiException as err:
+        log.warning(
+            "the CRD %s was not read (HTTP %s): its schema revision is unchecked", CRD_NAME, err.status
+        )
+        return
+    except (HTTPError, OSError, ValueError, KeyError) as err:
+        log.warning("the CRD %s was not read (%s): its schema revision is unchecked", CRD_NAME, err)
+        return
+    problem = crd_problem(items[0] if items else None)
+    if problem is not None:
+        log.log(*problem)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     kopf.configure(
@@ -182,7 +242,9 @@ def main(argv: list[str] | None = None) -> None:
         trainer_image_pull_secrets=args.trainer_image_pull_secrets,
         defaults=args.defaults,
     )
-    handlers.Runtime.kube = Kube(connect())
+    api = connect()
+    check_crd(api)
+    handlers.Runtime.kube = Kube(api)
     handlers.Runtime.resync_seconds = args.resync_seconds
     if args.metrics_port:
         metrics.serve(args.metrics_port)

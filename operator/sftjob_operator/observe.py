@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +30,10 @@ SCHEDULING_GATED = "SchedulingGated"
 KUEUE_MANAGED = "kueue.x-k8s.io/managed"  # the label Kueue's webhook puts on the pods it manages
 # The taint an admin puts on a node that is shut down (non-graceful node shutdown).
 OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+# The scheduler's words for nodes whose labels the pod's node affinity (the driver floor included) rejects.
+AFFINITY_MISMATCH = "didn't match Pod's node affinity/selector"
+# The newest CUDA major each NVIDIA driver major runs (Linux; CUDA minor version compatibility), newest first.
+CUDA_MAJOR_OF_DRIVER = ((580, 13), (525, 12), (450, 11))
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,14 +149,14 @@ def _plain(value: Any) -> Any:
 
 
 def trim_node(body: Obj) -> dict[str, Any]:
-    """The parts of a node that matter: its GPU product, allocatable memory, readiness and whether it is
-    out of service."""
+    """The parts of a node that matter: its GPU product and driver major, allocatable memory, readiness
+    and whether it is out of service."""
     meta, status = body.get("metadata") or {}, body.get("status") or {}
     taints = (body.get("spec") or {}).get("taints") or []
     return {
         "metadata": {
             "name": meta.get("name"),
-            "labels": {c.GFD_PRODUCT: (meta.get("labels") or {}).get(c.GFD_PRODUCT)},
+            "labels": {k: (meta.get("labels") or {}).get(k) for k in (c.GFD_PRODUCT, c.GFD_DRIVER_MAJOR)},
         },
         "spec": {"taints": [dict(t) for t in taints if t.get("key") == OUT_OF_SERVICE_TAINT]},
         "status": {
@@ -223,15 +227,58 @@ def product_of(node: Obj | None) -> str | None:
     return (node["metadata"].get("labels") or {}).get(c.GFD_PRODUCT)
 
 
-def unschedulable_message(pods: Sequence[Obj]) -> str | None:
+def unschedulable_message(
+    pods: Sequence[Obj],
+    *,
+    nodes: Iterable[Obj] = (),
+    products: Collection[str] = (),
+    min_driver_major: int | None = None,
+) -> str | None:
     """The scheduler's explanation when a pod cannot be placed (PodScheduled=False, Unschedulable); a pod
-    held by scheduling gates (:func:`gated_message`) is not looked at yet."""
+    held by scheduling gates (:func:`gated_message`) is not looked at yet. When the scheduler found no
+    node affinity matched and it is the driver floor of the operator's image (``min_driver_major``, none
+    for a job's own image) that rules out every node with one of the job's GPU ``products``, it says so."""
     for pod in pods:
         for cond in (pod.get("status") or {}).get("conditions") or []:
             waiting = cond.get("type") == "PodScheduled" and cond.get("status") == "False"
             if waiting and cond.get("reason") != SCHEDULING_GATED:
-                return str(cond.get("message") or cond.get("reason") or "unschedulable")
+                message = str(cond.get("message") or cond.get("reason") or "unschedulable")
+                old = AFFINITY_MISMATCH in message and driver_too_old(nodes, products, min_driver_major)
+                return f"{message.rstrip('. ')}; {old}" if old else message
     return None
+
+
+def driver_too_old(
+    nodes: Iterable[Obj], products: Collection[str], min_driver_major: int | None
+) -> str | None:
+    """Why no node with one of ``products`` takes pods that need NVIDIA driver ``min_driver_major``: the
+    drivers those nodes have (GPU Feature Discovery's label), and what to do; None when one of them has
+    such a driver, or none exists."""
+    if not min_driver_major:
+        return None
+    found: dict[str, set[str]] = {}
+    for node in nodes:
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        if (product := labels.get(c.GFD_PRODUCT)) not in products:
+            continue
+        major = str(labels.get(c.GFD_DRIVER_MAJOR) or "")
+        if major.isdigit() and int(major) >= min_driver_major:
+            return None
+        found.setdefault(str(product), set()).add(
+            major if major.isdigit() else f"no {c.GFD_DRIVER_MAJOR} label"
+        )
+    if not found:
+        return None
+    have = "; ".join(f"nodes with {p} have {' or '.join(sorted(d))}" for p, d in sorted(found.items()))
+    newest = max((int(m) for d in found.values() for m in d if m.isdigit()), default=0)
+    needs = f"NVIDIA driver >= {min_driver_major}{_cuda(min_driver_major, ' (CUDA {})')}"
+    build = _cuda(newest, "a CUDA {} build") or "a build their driver runs"
+    return f"the trainer image needs {needs}; {have}: upgrade the driver or set spec.image to {build}"
+
+
+def _cuda(driver_major: int, text: str) -> str:
+    """``text`` with the newest CUDA major the driver runs, or "" when it runs none we know of."""
+    return next((text.format(cuda) for floor, cuda in CUDA_MAJOR_OF_DRIVER if driver_major >= floor), "")
 
 
 def gated_message(pods: Sequence[Obj]) -> str | None:

@@ -12,7 +12,8 @@ running one. The steps, in order:
 1. parse the spec, complete it with the operator's defaults (kept in ``status.effective``) and plan it
    for every candidate GPU (``job_lifecycle``): before the first attempt, an invalid spec or a job no
    card can run fails; after it, either is said in ``Admitted``/``Planned`` and the running attempt
-   is kept (an invalid spec holds the job as it is; without a plan no new attempt starts);
+   is kept and judged, but no new attempt starts (an invalid spec, which can no longer change, fails the
+   job when its attempt ends without success; without a plan it waits for one);
 2. ``spec.suspend``: delete the pods, keep everything else; ``activeDeadlineSeconds`` exceeded: Failed;
 3. no attempt under way: ask the attempt policy for the next one and start it (status first, so the
    attempt number is recorded before its pods exist), or wait for its backoff, or for an earlier
@@ -90,7 +91,7 @@ class _Pass(JobPass):
         if spec is None:
             return None
         try:
-            plans: CandidatePlans | None = self.plan(spec)
+            plans: CandidatePlans | None = None if self.held else self.plan(spec)
         except PlanningError as err:
             if not self.status.attempts:
                 self.cond(T.PLANNED, False, err.reason, err.message)
@@ -124,6 +125,8 @@ class _Pass(JobPass):
         record = self.record()
         if record is not None and record.ended:
             self.deletes += [observe.name(p) for p in self.current if observe.is_active(p)]
+        if self.held:
+            return self.fail_held()
         if plans is None:
             if (final := self.ctx.final_failure(spec, self.status.attempts)) is not None:
                 return self.fail(final.reason, final.message)
@@ -261,6 +264,7 @@ class _Pass(JobPass):
             node_name=node_name if pod is None else None,
             last_progress=max([t for t in (progress, last) if t is not None], default=None),
             stall_timeout_seconds=spec.restart_policy.stall_timeout if everyone else None,
+            own_image=spec.image is not None,
         )
 
     def attempt_over(
@@ -303,7 +307,15 @@ class _Pass(JobPass):
         self.update(gpu=gpu, plan=plan_status(plan) if plan is not None else self.status.plan)
         self.replace_record(record.model_copy(update={"node": nodes[0] if nodes else None}))
         everyone = len(pods) == spec.gpu.nodes
-        unschedulable, queued = observe.unschedulable_message(pods), observe.gated_message(pods)
+        unschedulable = observe.unschedulable_message(
+            pods,
+            nodes=self.obs.nodes.values(),
+            products=plans.allowed_products(),
+            min_driver_major=None if spec.image else self.ctx.image_min_driver_major,
+        )
+        queued = observe.gated_message(pods)
+        if queued is not None and self.obs.queue_reason:
+            queued = f"{queued}: {self.obs.queue_reason}"
         if self.status.start_time is None and pods and queued is None:  # admitted: the deadline starts
             self.update(start_time=self.now)
         if everyone and len(nodes) == len(pods):

@@ -35,6 +35,8 @@ class Observed:
     now: datetime
     # Pods of the current attempt a direct read (asked for by ``Actions.check_pods``) found absent.
     gone: frozenset[str] = frozenset()
+    # Kueue's reason for holding the attempt's pod group at its gate (``workloads.pending_reason``).
+    queue_reason: str | None = None
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,9 @@ hook, ``nvidia-container-cli: initialization error: nvml error: driver/library v
 device that does not resolve), the node is usually broken, not the job: :func:`gpu_runtime_failure` says
 so. An image that asks for a newer CUDA than the driver has (a requirement error) is a DriverMismatch,
 which the restart policy blames on the job once it has happened on two nodes; an image that holds driver
-files of its own fails on every node, a ConfigError at once. Pure functions, no I/O.
+files of its own fails on every node, a ConfigError at once, and so does an image without kernels for the
+GPU's architecture or, when the job brought its own image, without a module the trainer imports
+(:func:`image_fault`). Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -78,6 +80,14 @@ GPU_RUNTIME_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple
         ),
     )
 )
+# A GPU that is gone or whose memory or links failed (Xid errors; "uncorrectable NVLink error" on an SXM
+# card), or whose NVSwitch fabric is not up (CUDA error 802, "system not yet initialized": the node's fabric
+# manager is not running): the node's fault, even when NCCL is what reported it.
+GPU_FAULT = (
+    r"uncorrectable ECC|\bXid\b|uncorrectable NVLink|system not yet initialized|\berror 802\b|fabric ?manager"
+    r"|GPU is lost|fallen off the bus"
+)
+GPU_FAULT_SIGNATURE = re.compile(GPU_FAULT, re.IGNORECASE)
 # When no code says more (an uncaught exception, a crash that wrote no message and left the log tail
 # instead), the message often still does. First match wins.
 MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
@@ -93,14 +103,18 @@ MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
             r"driver version is insufficient|CUDA driver .* too old|driver/library version mismatch",
             FailureClass.DRIVER_MISMATCH,
         ),
-        (
-            r"no CUDA-capable device|busy or unavailable|uncorrectable ECC|\bXid\b",
-            FailureClass.GPU_UNAVAILABLE,
-        ),
+        (rf"no CUDA-capable device|busy or unavailable|{GPU_FAULT}", FailureClass.GPU_UNAVAILABLE),
         (r"NCCL|ProcessGroupGloo|DistNetworkError|rendezvous", FailureClass.COMMUNICATION_ERROR),
         (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
     )
 )
+
+# The image's PyTorch (or a CUDA extension in it) was built without this GPU's architecture.
+NO_KERNEL_IMAGE = re.compile(r"no kernel image is available for execution on the device", re.IGNORECASE)
+# A module the trainer imports is missing from the image, or is of another version: the exception a
+# failed rank ended with. A driver library that is not there is the node's GPU runtime's fault instead.
+IMPORT_FAILED = re.compile(r"\b(?:ModuleNotFoundError|ImportError): .*")
+DRIVER_LIBRARY = re.compile(r"\blib(?:cuda|nvidia-[\w-]+)\.so", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +175,44 @@ def gpu_runtime_failure(reason: str, message: str) -> tuple[FailureClass, str] |
             cli = message.find("nvidia-container-cli", line, match.end())
             end = message.find("\n", match.end())
             return cls, f"{reason}: {message[cli if cli >= 0 else line : end if end >= 0 else None]}"
+    return None
+
+
+def message_class(said: TerminationMessage, *, own_image: bool) -> tuple[FailureClass, str] | None:
+    """The class the words of a message without a trainer's code say, and the message to record: an image
+    that cannot serve this GPU or the job (:func:`image_fault`), else the first of
+    :data:`MESSAGE_SIGNATURES`; None when they say nothing known."""
+    image = image_fault(said, own_image=own_image)
+    if image is not None:
+        return FailureClass.CONFIG_ERROR, image
+    return next(
+        ((cls, said.summary) for pattern, cls in MESSAGE_SIGNATURES if pattern.search(said.text)), None
+    )
+
+
+def image_fault(said: TerminationMessage, *, own_image: bool) -> str | None:
+    """A ConfigError's message when the trainer's image cannot run on this GPU (no kernels for its
+    architecture) or lacks a module the trainer imports; None otherwise. A failed import is the image's
+    fault only in the job's own image (``own_image``: it sets ``spec.image``); in the operator's it is a bug
+    to report, and the attempt stays Unknown."""
+    kernels = NO_KERNEL_IMAGE.search(said.text)
+    if kernels is not None:
+        if own_image:
+            return (
+                f"spec.image has no CUDA kernels for this GPU's architecture ({kernels[0]}): build its"
+                " PyTorch and CUDA extensions for the nodes' GPUs (TORCH_CUDA_ARCH_LIST)"
+            )
+        return (
+            f"the trainer image has no CUDA kernels for this GPU's architecture ({kernels[0]}): set"
+            " spec.image to a build whose PyTorch and CUDA extensions cover the nodes' GPUs"
+            " (TORCH_CUDA_ARCH_LIST)"
+        )
+    failed = IMPORT_FAILED.search(said.summary)
+    if own_image and failed is not None and DRIVER_LIBRARY.search(failed[0]) is None:
+        return (
+            f"spec.image cannot import what the trainer needs ({failed[0]}): build it from the trainer image,"
+            " or install the trainer's Python dependencies in it"
+        )
     return None
 
 

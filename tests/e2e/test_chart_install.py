@@ -45,7 +45,12 @@ AUDIT_LOG = "audit.log"
 # audit event of its own.
 # And a pod read: only when the watch still lacks a pod long after its attempt started (handlers._look_up),
 # which a healthy run never needs.
-NOT_REQUESTED = {("sftjob.io", "sftjobs/finalizers", "update"), ("", "pods", "get")}
+# Kueue's Workloads are read only for a queued job (tests/e2e/test_kueue_admission.py runs that).
+NOT_REQUESTED = {
+    ("sftjob.io", "sftjobs/finalizers", "update"),
+    ("", "pods", "get"),
+    ("kueue.x-k8s.io", "workloads", "get"),
+}
 DEADLINE = 180.0
 
 

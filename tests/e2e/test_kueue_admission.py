@@ -88,8 +88,15 @@ def test_a_queued_job_waits_gated_for_quota_and_its_pod_group_is_admitted_whole(
     gated = wait_for("both pods of second to be gated", lambda: _gated(jobs, "second", 2))
     group = {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in gated}
     assert len(group) == 1  # one attempt, one pod group, one Workload
-    scheduled = wait_for("second to say Queued", lambda: _reason(jobs, "second", "Scheduled", "Queued"))
+    scheduled = wait_for(
+        "second to say why Kueue holds it",
+        lambda: (
+            "quota" in (found := _reason(jobs, "second", "Scheduled", "Queued") or {}).get("message", "")
+            and found
+        ),
+    )
     assert f"Kueue's queue {queue}" in scheduled["message"]
+    assert "insufficient unused quota for nvidia.com/gpu" in scheduled["message"]  # Kueue's own words
     assert jobs.status("second").get("startTime") is None  # the deadline has not started
     workload = wait_for("second's Workload", lambda: _workload(jobs, group.pop()))
     assert [s["count"] for s in workload["spec"]["podSets"]] == [2]
@@ -150,6 +157,20 @@ def test_a_failed_pod_ends_its_group_and_the_next_attempt_is_a_new_group_admitte
         c["type"] == "Finished" and c["status"] == "True" for c in finished["status"]["conditions"]
     )
     assert _ended(jobs, "pair", 1)["reason"] != "Preempted"
+
+
+def test_a_job_naming_a_queue_that_does_not_exist_says_so_while_it_waits(queue: str, jobs: Jobs) -> None:
+    jobs.apply(sftjob("typo", gpu={"type": "A800", "count": 1}, queueName="team-b"))
+    wait_for("typo's pod to be gated", lambda: _gated(jobs, "typo", 1))
+    scheduled = wait_for(
+        "typo to say its queue is missing",
+        lambda: (
+            "team-b" in (found := _reason(jobs, "typo", "Scheduled", "Queued") or {}).get("message", "")
+            and "exist" in found["message"]
+            and found
+        ),
+    )
+    assert jobs.status("typo")["phase"] == "Pending", scheduled
 
 
 def _group(pods: list[dict[str, Any]]) -> str:

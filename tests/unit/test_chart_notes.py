@@ -39,6 +39,7 @@ def test_an_install_without_crd_keep_warns_that_uninstalling_deletes_every_job(t
     assert "keeps the CRD" not in text
     assert "WARNING: crds.keep=false. Uninstalling this release deletes the SFTJob CRD" in text
     assert "every SFTJob in the cluster and the checkpoint claims they own" in text
+    assert "so does a helm upgrade that sets crds.enabled=false" in text
 
 
 @pytest.mark.parametrize("keep", ["true", "false"])
@@ -46,3 +47,11 @@ def test_an_install_without_the_crd_says_uninstalling_leaves_it(tmp_path: Path, 
     text = notes(tmp_path, "crds.enabled=false", f"crds.keep={keep}")
     assert "managed outside this release: uninstalling leaves it and every SFTJob" in text
     assert "WARNING" not in text
+
+
+def test_an_install_without_the_crd_says_to_apply_the_releases_crd_before_each_upgrade(
+    tmp_path: Path,
+) -> None:
+    text = notes(tmp_path, "crds.enabled=false")
+    assert "Before each upgrade of the operator, apply the release's CRD" in text
+    assert "kubectl apply --server-side -f crds/sftjob.io_sftjobs.yaml" in text

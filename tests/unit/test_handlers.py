@@ -31,6 +31,8 @@ class FakeKube:
         self.conflict = False
         self.unchanged = False  # a write that changes nothing keeps the job's resourceVersion
         self.released: list[str] = []  # pods whose Kueue finalizer was taken off
+        self.workloads: dict[str, dict[str, Any]] = {}  # Kueue's Workloads by name
+        self.workloads_read: list[str] = []
 
     async def run(self, call: Callable[..., Any], *args: Any) -> Any:
         return call(*args)
@@ -58,6 +60,10 @@ class FakeKube:
 
     def release_pod(self, namespace: str, name: str, uid: str) -> None:
         self.released.append(name)
+
+    def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.workloads_read.append(name)
+        return self.workloads.get(name)
 
 
 @pytest.fixture
@@ -186,3 +192,21 @@ def test_the_queued_pods_of_a_job_deleted_in_the_foreground_are_released(
     deleting = JobView.of({"metadata": meta, "spec": SPEC, "status": {}})
     asyncio.run(handlers._pass(deleting, {KEY: [_held(0)]}, {}))  # type: ignore[arg-type]
     assert api.released == ["job-1-0"]
+
+
+def test_a_queued_attempt_says_why_kueue_holds_it_in_kueues_own_words(kube: Callable[..., FakeKube]) -> None:
+    api = kube()
+    why = (
+        "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu, 4 more needed"
+    )
+    api.workloads["job-1a2b3c4d-1"] = {
+        "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "message": why}]}
+    }
+    gated = pod(phase="Pending", node=None)
+    gated["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] = "job-1a2b3c4d-1"
+    gated["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}]
+    assert run_pass(api, []) is None  # the attempt starts: its pod is created
+    assert run_pass(api, [gated]) is None
+    scheduled = next(c for c in api.status["conditions"] if c["type"] == "Scheduled")  # type: ignore[attr-defined]
+    assert scheduled["reason"] == "Queued" and scheduled["message"].endswith(f": {why}")
+    assert api.workloads_read == ["job-1a2b3c4d-1"]

@@ -1,5 +1,6 @@
 """A job admitted and planned by one operator, reconciled by a newer one whose rules or planner say no:
-a finished job is never judged again, and a started one keeps its running attempt."""
+a finished job is never judged again, and a started one keeps its running attempt; one whose spec is now
+invalid is held: its attempt is judged to its end, suspend and the deadline apply, no new one starts."""
 
 from __future__ import annotations
 
@@ -72,14 +73,77 @@ def test_a_running_job_whose_spec_a_newer_operator_rejects_keeps_its_attempt_and
     actions = reconcile(upgraded, CTX)
     assert actions.status.phase == "Running" and not actions.delete_pods and not actions.children
     assert condition(actions, "Admitted") == ("False", "InvalidSpec")
-    assert "spec.env" in message(actions, "Admitted") and "running attempt is kept" in message(
+    assert "spec.env" in message(actions, "Admitted") and "no new attempt can start" in message(
         actions, "Admitted"
     )
     assert [(e.type, e.reason) for e in actions.events] == [("Warning", "InvalidSpec")]
     again = reconcile(then(upgraded, actions), CTX)
     assert not again.events and not again.status_changed
-    fixed = reconcile(then(upgraded, again, spec=SPEC), CTX)
-    assert condition(fixed, "Admitted") == ("True", "ValidSpec") and fixed.status.phase == "Running"
+    # The CRD lets only suspend, activeDeadlineSeconds and ttlSecondsAfterFinished change: still held.
+    ttl = reconcile(then(upgraded, again, spec={**REJECTED, "ttlSecondsAfterFinished": 60}), CTX)
+    assert condition(ttl, "Admitted") == ("False", "InvalidSpec") and ttl.status.phase == "Running"
+    assert not ttl.events and not ttl.delete_pods and not ttl.children
+
+
+def held(spec: dict[str, Any] = REJECTED, **changes: Any) -> Observed:
+    """A running job whose spec this operator rejects, observed two minutes later with ``changes``."""
+    obs, seen = running()
+    upgraded = then(obs, seen, spec=spec, now=NOW + timedelta(minutes=2))
+    return then(upgraded, reconcile(upgraded, CTX), **changes)
+
+
+def test_a_job_held_for_its_invalid_spec_succeeds_when_its_attempt_completes_and_then_expires() -> None:
+    later = held(
+        {**REJECTED, "ttlSecondsAfterFinished": 60},
+        pods=[pod(phase="Succeeded", status=terminated(0, "Completed"))],
+        now=NOW + timedelta(hours=5),
+    )
+    done = reconcile(later, CTX)
+    assert done.status.phase == "Succeeded" and done.status.attempts[-1].succeeded
+    assert condition(done, "Succeeded") == ("True", "Completed") and not done.children
+    assert reconcile(then(later, done, now=NOW + timedelta(hours=5, seconds=30)), CTX).requeue_after == 30
+    assert reconcile(then(later, done, now=NOW + timedelta(hours=5, seconds=60)), CTX).delete_job
+
+
+def test_a_job_held_for_its_invalid_spec_fails_for_it_when_its_attempt_fails_instead_of_restarting() -> None:
+    failed = pod(phase="Failed", status=terminated(20, "Error", "preempted"))  # else restarted at once
+    actions = reconcile(held(pods=[failed], now=NOW + timedelta(hours=1)), CTX)
+    assert actions.status.phase == "Failed" and not actions.children and actions.status.attempt == 1
+    assert condition(actions, "Failed") == ("True", "InvalidSpec")
+    assert condition(actions, "Admitted") == ("False", "InvalidSpec")
+    said = message(actions, "Failed")
+    assert said.startswith("attempt 1 on l40s-0 failed with Preempted")
+    assert "no new attempt can start" in said and "spec.env" in said
+    assert actions.status.attempts[-1].reason == "Preempted" and actions.status.restarts == 0
+
+
+def test_a_job_held_for_its_invalid_spec_is_suspended_and_fails_when_resumed() -> None:
+    later = held({**REJECTED, "suspend": True})
+    suspended = reconcile(later, CTX)
+    assert suspended.status.phase == "Suspended" and suspended.delete_pods == ["job-1-0"]
+    assert condition(suspended, "Suspended") == ("True", "SuspendedBySpec")
+    resumed = reconcile(then(later, suspended, spec=REJECTED, pods=[]), CTX)
+    assert resumed.status.phase == "Failed" and not resumed.children
+    assert condition(resumed, "Failed") == ("True", "InvalidSpec")
+    assert message(resumed, "Failed").startswith("no new attempt can start: ")
+
+
+def test_a_job_held_for_its_invalid_spec_fails_past_its_active_deadline() -> None:
+    late = held({**REJECTED, "activeDeadlineSeconds": 60}, now=NOW + timedelta(hours=1))
+    actions = reconcile(late, CTX)
+    assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "DeadlineExceeded")
+    assert actions.delete_pods == ["job-1-0"]
+
+
+def test_a_started_job_whose_gpu_request_a_newer_operator_rejects_fails_as_its_attempt_cannot_be_read() -> (
+    None
+):
+    obs, seen = running()
+    bad = {**REJECTED, "gpu": {"type": "L40S", "nodes": 99}}
+    actions = reconcile(then(obs, seen, spec=bad, now=NOW + timedelta(minutes=2)), CTX)
+    assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "InvalidSpec")
+    assert "running attempt cannot be observed" in message(actions, "Failed")
+    assert actions.delete_pods == ["job-1-0"]
 
 
 def test_a_running_job_a_newer_planner_says_no_longer_fits_keeps_its_attempt_and_is_warned_once() -> None:

@@ -13,7 +13,7 @@ from sftjob.failures import PERMANENT, FailureClass
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
 from sftjob_operator.planning import plan_candidates
-from sftjob_operator.restarts import GiveUpReason, backoff_seconds, next_attempt
+from sftjob_operator.restarts import ADVICE, GiveUpReason, backoff_seconds, next_attempt
 from sftjob_operator.scheduling import default_products
 from tests.unit.restart_cases import (
     A800,
@@ -201,7 +201,9 @@ def test_a_communication_error_on_pcie_only_gpus_keeps_nccl_p2p_to_nvlink_in_eve
     # The pod's environment comes from the first plan (the A800 SXM4's) wherever it lands: it must carry it.
     assert decision.plans.first.gpu == A800
     assert all(p.env["NCCL_P2P_LEVEL"] == "NVL" for p in decision.plans.plans.values())
-    assert "NCCL P2P over NVLink only after a communication error on L40S" in decision.message
+    assert "NCCL P2P over NVLink only after a communication error or a stall before training on L40S" in (
+        decision.message
+    )
     nvlink = restart(policy_decision(history_of(FailureClass.COMMUNICATION_ERROR, gpu=A800), plans=plans))
     assert all("NCCL_P2P_LEVEL" not in p.env for p in nvlink.plans.plans.values())
 
@@ -287,6 +289,21 @@ def test_a_job_that_cannot_be_made_to_fit_fails_with_the_ladder() -> None:
     assert result.reason == GiveUpReason.OOM_LADDER_EXHAUSTED
     for step in ("micro-batch 2 -> 1", "gradient checkpointing on", "exhausted"):
         assert step in result.message
+
+
+def test_an_exhausted_ladder_says_what_the_planner_found_would_fit_rather_than_generic_advice() -> None:
+    result = give_up(planned(qwen7b_spec(packing=False), history_of(*[FailureClass.CUDA_OOM] * 3)))
+    assert "exhausted after OOM at micro-batch 1 x accumulation 4, checkpointing, rows of 2048); try: " in (
+        result.message
+    )
+    assert f"method qlora fits on 1 x {A800}" in result.message
+    assert ADVICE[FailureClass.CUDA_OOM] not in result.message
+
+
+def test_an_exhausted_ladder_the_planner_has_no_suggestion_for_ends_with_the_generic_advice() -> None:
+    plans = candidates(plan(micro_batch=1, accumulation=32))
+    result = give_up(policy_decision(history_of(FailureClass.CUDA_OOM), plans=plans))
+    assert result.message.endswith(f"; {ADVICE[FailureClass.CUDA_OOM]}")
 
 
 def test_a_job_whose_ladder_runs_out_on_its_preferred_card_moves_to_a_bigger_one() -> None:

@@ -45,6 +45,11 @@ ServiceAccount. docs/install.md lists why each rule exists.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["rolebindings"]
   verbs: ["create", "get"]
+# Kueue's Workload of an attempt its queue holds (spec.queueName): read to say why it waits (the quota it
+# lacks, a LocalQueue that does not exist). Without Kueue the read finds nothing and the reason is left out.
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get"]
 # Job transitions (Created, Running, Failed...) as Kubernetes events.
 - apiGroups: [""]
   resources: ["events"]
@@ -64,7 +69,8 @@ ServiceAccount. docs/install.md lists why each rule exists.
 - apiGroups: [""]
   resources: ["nodes"]
   verbs: ["list", "watch"]
-# kopf notices the SFTJob CRD being installed, upgraded or removed while it runs.
+# kopf notices the SFTJob CRD being installed, upgraded or removed while it runs; the operator lists it by
+# name at start to check its sftjob.io/schema-revision.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
