@@ -54,6 +54,8 @@ class PlanRequest(BaseModel):
     # Between nodes (``spec.network``): GB/s one node moves to the others, and whether over RDMA.
     inter_node_gbs: float = Field(default=DEFAULT_TCP_GBPS / 8, gt=0)
     rdma: bool = False
+    # spec.model.trustRemoteCode: the model's own code, which may not keep packed examples apart.
+    remote_code: bool = False
 
     @property
     def world_size(self) -> int:
@@ -103,12 +105,20 @@ def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[st
     else:
         precision = "bf16"
         reasons.append("precision bf16: full tensor-core rate, no loss scaling")
-    packing = o.packing if o.packing is not None else True
+    # Unset, packing is on but for remote code, whose attention may let packed examples see each other
+    # (the trainer refuses packing for such code; a packingLength asks for packing).
+    packing = o.packing if o.packing is not None else not request.remote_code or bool(request.packing_length)
     sequence = request.packing_length or request.max_seq_length
     if packing:
         reasons.append(
             f"packing on: rows of {sequence} tokens, no padding"
             + (" (packing length set by the spec)" if request.packing_length else "")
+        )
+    elif o.packing is None:
+        reasons.append(
+            "packing off: the model runs its own code (spec.model.trustRemoteCode), whose attention may let"
+            " packed examples see each other; set spec.training.packing: true if it uses transformers'"
+            " attention functions"
         )
     else:
         reasons.append("packing off (spec.training.packing): batches are padded, ~48% of tokens wasted")

@@ -396,4 +396,5 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
         packing_length=(None if packing is None else min(packing, spec.dataset.max_seq_length)),
         inter_node_gbs=inter_node_gbs(spec.network),
         rdma=spec.network.rdma is not None,
+        remote_code=spec.model.trust_remote_code,
     )
