@@ -152,8 +152,11 @@ def _no_fit_verdict(request: PlanRequest, gpu: GpuProfile, c: Candidate, fixed: 
     )
 
 
-def _suggest(request: PlanRequest, gpu: GpuProfile) -> list[str]:
-    """What would fit instead, each found by planning it (without suggestions of its own)."""
+def _suggest(request: PlanRequest, gpu: GpuProfile, rows_tried: int | None = None) -> list[str]:
+    """What would fit instead, each found by planning it (without suggestions of its own). After an
+    OOM ladder ran out, ``rows_tried`` is the row length that still ran out of memory: only shorter rows,
+    and more GPUs only when they shard the model, are worth suggesting, whatever the estimate says of the
+    rest (it predicted this job to fit too, and a replica per GPU needs as much memory on two as on one)."""
     out: list[str] = []
 
     def fits(r: PlanRequest, g: GpuProfile) -> Plan | None:
@@ -190,7 +193,7 @@ def _suggest(request: PlanRequest, gpu: GpuProfile) -> list[str]:
             if gpus * nodes <= request.world_size:
                 continue
             more = request.model_copy(update={"gpus_per_node": gpus, "nodes": nodes})
-            if p := fits(more, gpu):
+            if (p := fits(more, gpu)) and (rows_tried is None or p.distributed.sharding in ("fsdp", "hsdp")):
                 out.append(
                     f"{request.method} fits on {nodes} node(s) x {gpus} {gpu.key} with"
                     f" {p.distributed.sharding} ({show(p)})"
@@ -199,7 +202,7 @@ def _suggest(request: PlanRequest, gpu: GpuProfile) -> list[str]:
     for card in bigger:
         if p := fits(request, card):
             out.append(f"fits on {request.world_size} x {card.key} ({show(p)})")
-    length = request.max_seq_length // 2
+    length = min(request.max_seq_length, rows_tried or request.max_seq_length) // 2
     while length >= MIN_PACKING_LENGTH:
         shorter = request.model_copy(update={"max_seq_length": length, "packing_length": None})
         if p := fits(shorter, gpu):
@@ -289,7 +292,7 @@ def replan_after_oom(request: PlanRequest, gpu: GpuProfile, previous: Plan) -> P
             False,
             [*reasons, verdict],
             verdict,
-            _suggest(request, gpu),
+            _suggest(request, gpu, rows_tried=sequence),
             [*previous.ladder, f"exhausted after OOM at {was}"],
         )
     estimate = f"~{c.memory.total_gib:.1f} GiB estimated"

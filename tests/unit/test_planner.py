@@ -251,6 +251,16 @@ def test_oom_ladder_halves_micro_batch_then_checkpoints_then_shortens_rows_then_
     assert p.suggestions
 
 
+def test_an_exhausted_oom_ladder_never_suggests_rows_as_long_as_those_that_ran_out_of_memory():
+    r = request("8B", "lora", max_seq_length=2048)
+    p = plan(r, L40S)
+    while p.fits:
+        p = replan_after_oom(r, L40S, p)
+    assert p.training.packing_length == 512  # the shortest rows tried still ran out of memory
+    assert not [s for s in p.suggestions if s.startswith("maxSeqLength") or "with ddp" in s], p.suggestions
+    assert any(s.startswith("method qlora") for s in p.suggestions), p.suggestions
+
+
 def test_oom_ladder_skips_what_the_user_fixed():
     overrides = TrainingOverrides(micro_batch_size=4, gradient_checkpointing=False)
     r = request("1B", "lora", overrides=overrides, packing_length=2048)
