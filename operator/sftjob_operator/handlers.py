@@ -66,6 +66,9 @@ ERROR_BACKOFF = (1.0, 30.0)
 # than the one that pass decided from, at most this long: deciding again from the older one would only
 # lose its status write with a 409. Under load the watch is seconds behind.
 CONSISTENCY_TIMEOUT = 30.0
+# A queued attempt's Workload is read again at most this often: it only words a message, and a thousand
+# queued jobs would otherwise cost a read each every pass.
+WORKLOAD_READ_SECONDS = 120.0
 
 JobKey = tuple[str, str]  # (namespace, name)
 
@@ -84,6 +87,8 @@ class Runtime:
     backoff: ClassVar[dict[JobKey, float]] = {}
     gone = Tombstones()  # index entries of jobs the API server said are gone
     gone_pods = Tombstones()  # index entries of trainer pods (by job key) the API server said are gone
+    # Per queued job: the pod group whose Workload was read, Kueue's reason then, and when to read again.
+    queue_reasons: ClassVar[dict[JobKey, tuple[str, str | None, float]]] = {}
     workers: ClassVar[list[asyncio.Task[None]]] = []
 
 
@@ -242,6 +247,7 @@ def _forget(key: JobKey) -> None:
     Runtime.outdated.pop(key, None)
     Runtime.backoff.pop(key, None)
     Runtime.gone_pods.forget(key)
+    Runtime.queue_reasons.pop(key, None)
     metrics.track_job(*key, None)
 
 
@@ -260,9 +266,8 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         now=now,
     )
     group = workloads.queued_group(observed.pods)
-    if group is not None:  # Kueue holds the attempt: one read of its Workload says why
-        workload = await Runtime.kube.run(Runtime.kube.read_workload, job.namespace, group)
-        observed = dataclasses.replace(observed, queue_reason=workloads.pending_reason(workload))
+    if group is not None:  # Kueue holds the attempt: its Workload says why
+        observed = dataclasses.replace(observed, queue_reason=await _queue_reason(key, group))
     actions = reconcile(observed, Runtime.context)
     if actions.check_pods:  # the index lacks pods long after their attempt started: ask, then decide
         found, gone = await _look_up(job, actions.check_pods)
@@ -284,6 +289,28 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         _wait_for_newer(key, job.resource_version)
     due = Runtime.resync_seconds if actions.requeue_after is None else actions.requeue_after
     return min(due, Runtime.resync_seconds)
+
+
+async def _queue_reason(key: JobKey, group: str) -> str | None:
+    """Kueue's reason for holding pod group ``group`` of job ``key``, read at most every
+    WORKLOAD_READ_SECONDS. Best effort: a failed read only leaves the reason out of the message."""
+    now = time.monotonic()
+    cached = Runtime.queue_reasons.get(key)
+    if cached is not None and cached[0] == group and cached[2] > now:
+        return cached[1]
+    try:
+        workload = await Runtime.kube.run(Runtime.kube.read_workload, key[0], group)
+    except Exception as err:
+        log.warning(
+            "reading Kueue's Workload %s/%s failed (the Queued message goes without it): %s",
+            key[0],
+            group,
+            err,
+        )
+        workload = None
+    reason = workloads.pending_reason(workload)
+    Runtime.queue_reasons[key] = (group, reason, now + WORKLOAD_READ_SECONDS)
+    return reason
 
 
 async def _release_held(key: JobKey, pods: Sequence[observe.Obj]) -> None:

@@ -107,6 +107,7 @@ class Kube:
         self.rbac = client.RbacAuthorizationV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.executor = ThreadPoolExecutor(API_CONCURRENCY, thread_name_prefix="sftjob-api")
+        self.workloads_forbidden = False  # said once: a warning per pass would flood the log
 
     async def run(self, call: Callable[..., T], *args: Any) -> T:
         """``call(*args)`` (one of the blocking methods below) on the API threads."""
@@ -136,7 +137,12 @@ class Kube:
         except ApiException as err:
             if err.status not in (403, 404):
                 raise
-            log.debug("Workload %s/%s not read (HTTP %d)", namespace, name, err.status)
+            if err.status == 403 and not self.workloads_forbidden:
+                self.workloads_forbidden = True
+                log.warning(
+                    "may not get Kueue's Workloads (%s/%s): Queued messages go without Kueue's reason;"
+                    " grant get on workloads.kueue.x-k8s.io (the chart does)", namespace, name
+                )  # fmt: skip
             return None
         return cast(dict[str, Any], found)
 

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from kubernetes.client.exceptions import ApiException
 from prometheus_client import REGISTRY
 
 from sftjob.job_status import SFTJobStatus
@@ -63,7 +64,9 @@ class FakeKube:
 
     def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.workloads_read.append(name)
-        return self.workloads.get(name)
+        if name not in self.workloads:
+            raise ApiException(status=429, reason="Too Many Requests")
+        return self.workloads[name]
 
 
 @pytest.fixture
@@ -76,6 +79,7 @@ def kube(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeKube]:
     monkeypatch.setattr(handlers.Runtime, "context", CTX, raising=False)
     monkeypatch.setattr(handlers.Runtime, "expectations", Expectations())
     monkeypatch.setattr(handlers.Runtime, "outdated", {})
+    monkeypatch.setattr(handlers.Runtime, "queue_reasons", {})
     monkeypatch.setattr(handlers, "_now", lambda: NOW)
     return make
 
@@ -194,7 +198,20 @@ def test_the_queued_pods_of_a_job_deleted_in_the_foreground_are_released(
     assert api.released == ["job-1-0"]
 
 
-def test_a_queued_attempt_says_why_kueue_holds_it_in_kueues_own_words(kube: Callable[..., FakeKube]) -> None:
+def _gated(group: str) -> dict[str, Any]:
+    gated = pod(phase="Pending", node=None)
+    gated["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] = group
+    gated["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}]
+    return gated
+
+
+def _scheduled(api: FakeKube) -> dict[str, Any]:
+    return next(c for c in api.status["conditions"] if c["type"] == "Scheduled")  # type: ignore[attr-defined]
+
+
+def test_a_queued_attempt_says_why_kueue_holds_it_in_kueues_own_words_read_once_in_a_while(
+    kube: Callable[..., FakeKube],
+) -> None:
     api = kube()
     why = (
         "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu, 4 more needed"
@@ -202,11 +219,18 @@ def test_a_queued_attempt_says_why_kueue_holds_it_in_kueues_own_words(kube: Call
     api.workloads["job-1a2b3c4d-1"] = {
         "status": {"conditions": [{"type": "QuotaReserved", "status": "False", "message": why}]}
     }
-    gated = pod(phase="Pending", node=None)
-    gated["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] = "job-1a2b3c4d-1"
-    gated["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}]
     assert run_pass(api, []) is None  # the attempt starts: its pod is created
-    assert run_pass(api, [gated]) is None
-    scheduled = next(c for c in api.status["conditions"] if c["type"] == "Scheduled")  # type: ignore[attr-defined]
-    assert scheduled["reason"] == "Queued" and scheduled["message"].endswith(f": {why}")
-    assert api.workloads_read == ["job-1a2b3c4d-1"]
+    assert run_pass(api, [_gated("job-1a2b3c4d-1")]) is None
+    assert _scheduled(api)["reason"] == "Queued" and _scheduled(api)["message"].endswith(f": {why}")
+    assert run_pass(api, [_gated("job-1a2b3c4d-1")]) is None
+    assert api.workloads_read == ["job-1a2b3c4d-1"]  # the next pass reuses what the read said
+
+
+def test_a_workload_that_cannot_be_read_leaves_the_reason_out_and_the_pass_goes_on(
+    kube: Callable[..., FakeKube],
+) -> None:
+    api = kube()
+    assert run_pass(api, []) is None
+    assert run_pass(api, [_gated("job-1a2b3c4d-1")]) is None  # the read is refused (HTTP 429)
+    assert _scheduled(api)["reason"] == "Queued"
+    assert _scheduled(api)["message"].endswith("held by scheduling gates until their gates are removed")
