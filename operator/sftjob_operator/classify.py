@@ -77,8 +77,6 @@ TRAINER_FAILURE_CODES = frozenset(code for code in EXIT_CODE_CLASS if code != Ex
 # clients. 1/2 clients joined."; the others: "The client socket has timed out after 600000ms while trying
 # to connect to (host, port)."): a CommunicationError, yet no sign of a broken link or a bad node.
 PEER_NEVER_JOINED = re.compile(r"waiting for clients|timed out after \S+ while trying to connect to", re.I)
-# Ends the message of a Stalled attempt that reported no step past its resume step: it hung starting up.
-STALLED_BEFORE_TRAINING = "no training step in this attempt"
 
 
 class Outcome(StrEnum):
@@ -206,23 +204,18 @@ def end_record(
     """The ``status.attempts`` entry for an attempt that has just ended.
 
     ``progress_step`` and ``checkpoint_step`` come from the trainer's last progress and checkpoint
-    annotations; the steps between them are the work a failed attempt loses (None for a success). A
-    Stalled attempt that got no step past the one it resumed from says so (:data:`STALLED_BEFORE_TRAINING`).
+    annotations; the steps between them are the work a failed attempt loses (None for a success).
     """
     saved = checkpoint_step if checkpoint_step is not None else (record.resumed_from_step or 0)
     failed = outcome.outcome is Outcome.FAILED
     lost = None if progress_step is None or not failed else max(0, progress_step - saved)
-    message = outcome.message
-    trained = progress_step is not None and progress_step > (record.resumed_from_step or 0)
-    if outcome.failure_class is FailureClass.STALLED and not trained:
-        message = f"{message}; {STALLED_BEFORE_TRAINING}"
     return record.model_copy(
         update={
             "end_time": end_time,
             "succeeded": outcome.outcome is Outcome.SUCCEEDED,
             "reason": outcome.failure_class,
             "exit_code": outcome.exit_code,
-            "message": message,
+            "message": outcome.message,
             "node": outcome.node or record.node,
             "lost_steps": lost,
         }
@@ -235,11 +228,6 @@ def peer_never_joined(record: AttemptRecord) -> bool:
     if record.reason is not FailureClass.COMMUNICATION_ERROR:
         return False
     return PEER_NEVER_JOINED.search(record.message) is not None
-
-
-def stalled_before_training(record: AttemptRecord) -> bool:
-    """The attempt stalled before its trainer reported a training step (:func:`end_record`)."""
-    return record.reason is FailureClass.STALLED and record.message.endswith(STALLED_BEFORE_TRAINING)
 
 
 def describe_failure(record: AttemptRecord) -> str:

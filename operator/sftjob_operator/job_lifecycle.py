@@ -8,19 +8,20 @@ started, a newer operator's stricter rule or planner (or other ``--gpu-products`
 ``Admitted`` or ``Planned`` says what is wrong, with one Warning event. A started job whose spec is now
 invalid is *held*: the spec can no longer change (the CRD allows only suspend, the deadline and the TTL),
 so its running attempt is observed to its end with the plan and ConfigMap it runs with (:func:`held_spec`)
-while suspend and the deadline still apply, and no new attempt starts. Pure, no I/O.
+while the deadline still applies, and no new attempt starts: suspending it ends it (it fails when
+resumed), and so does a pod it never had (it cannot create one). Pure, no I/O.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 from sftjob.attempts import AttemptRecord, trimmed
 from sftjob.failures import FailureClass
-from sftjob.kube_names import QueueName
 from sftjob.spec import GpuSpec, RestartPolicySpec, SFTJobSpec, valid_job_name
 from sftjob_operator import observe, pod_lifecycle
 from sftjob_operator.classify import describe_failure
@@ -35,8 +36,8 @@ from sftjob_operator.status_draft import Event, StatusDraft
 
 # What ``Admitted`` adds to the problem of a held job (see the module's docstring).
 HELD = (
-    "the spec can no longer change: the running attempt is observed to its end, suspend and"
-    " activeDeadlineSeconds still apply, and no new attempt can start"
+    "the spec can no longer change: the running attempt is observed to its end, activeDeadlineSeconds"
+    " still applies, suspending it ends it (it fails when resumed), and no new attempt can start"
 )
 
 
@@ -96,7 +97,7 @@ class JobPass(StatusDraft):
             self.fail(Reason.INVALID_SPEC, problem, admitted=False)
             return None
         spec = held_spec(self.obs.spec)
-        if spec is None:  # a rule on the very fields that say how the attempt runs: it cannot be observed
+        if spec is None:  # the fields saying how the attempt runs cannot even be read (held_spec)
             self.fail(
                 Reason.INVALID_SPEC, f"{problem}; the running attempt cannot be observed", admitted=False
             )
@@ -105,11 +106,13 @@ class JobPass(StatusDraft):
         self.warn_once(T.ADMITTED, Reason.INVALID_SPEC, f"{problem} ({HELD})")
         return self.defaults().fill(spec)
 
-    def fail_held(self) -> None:
-        """A held job's attempt is over without success (or it was suspended and resumed): it cannot go on."""
+    def fail_held(self, why: str = "") -> None:
+        """A held job's attempt is over without success (or it was suspended and resumed), or cannot go on
+        (``why``: a pod is missing that only a new attempt could create): the job fails."""
         last = self.status.attempts[-1] if self.status.attempts else None
-        ended = f"{describe_failure(last)}; " if last is not None and last.failed else ""
-        message = f"{ended}no new attempt can start: this operator rejects the spec: {self.held}"
+        ended = why or (describe_failure(last) if last is not None and last.failed else "")
+        message = f"{ended}; " if ended else ""
+        message += f"no new attempt can start: this operator rejects the spec: {self.held}"
         self.fail(Reason.INVALID_SPEC, message, admitted=False)
 
     def plan(self, spec: SFTJobSpec) -> CandidatePlans:
@@ -207,26 +210,58 @@ def ttl_seconds(spec: Obj) -> int | None:
     return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) and ttl >= 0 else None
 
 
-class _RunningFields(BaseModel):
-    """The spec fields that say how a started attempt runs and when it must stop; everything else
-    (unknown keys included) is ignored."""
+class _GpuAsWritten(BaseModel):
+    """``spec.gpu`` as written: its JSON types, counts of at least one, and no other rule."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    type: str | None = None
+    types: list[str] | None = None
+    count: int | None = Field(default=None, ge=1)
+    nodes: int | None = Field(default=None, ge=1)
+
+
+class _RestartAsWritten(BaseModel):
+    """``spec.restartPolicy`` as written, as far as observing an attempt reads it (its stall timeout)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
-    gpu: GpuSpec = GpuSpec()
-    restart_policy: RestartPolicySpec = RestartPolicySpec()
-    queue_name: QueueName | None = None
+    stall_timeout_seconds: int | None = Field(default=None, ge=0)
+
+
+class _AsWritten(BaseModel):
+    """The spec fields that say how a started attempt runs and when it must stop, as written: their JSON
+    types and the bounds without which a value means nothing, but none of this operator's other rules.
+    The operator that started the attempt accepted them and the spec cannot have changed since (but for
+    suspend and the deadline), so they are what the attempt runs with even where this one rejects them.
+    Everything else (unknown keys included) is ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    gpu: _GpuAsWritten = _GpuAsWritten()
+    restart_policy: _RestartAsWritten = _RestartAsWritten()
+    image: str | None = None
+    queue_name: str | None = None
     suspend: bool = False
     active_deadline_seconds: int | None = Field(default=None, ge=1)
 
 
 def held_spec(raw: Obj) -> SFTJobSpec | None:
     """The spec a held job's running attempt is observed with: its pods' count and placement, the stall
-    timeout, the queue, suspend and the deadline, read from a spec the model rejects as a whole. None
-    when even those fields are invalid. ``model`` and ``dataset`` stay unset (nothing that observes an
-    attempt reads them), so this spec is never planned or rendered."""
+    timeout, the image, the queue, suspend and the deadline (:class:`_AsWritten`), read from a spec the
+    model rejects, even for a rule on these very fields. None when even their JSON types are wrong.
+    ``model`` and ``dataset`` stay unset (nothing that observes an attempt reads them), so this spec is
+    never planned or rendered."""
     try:
-        fields = _RunningFields.model_validate(raw)
+        held = _AsWritten.model_validate(raw)
     except ValidationError:
         return None
-    return SFTJobSpec.model_construct(**dict(fields))
+    running: dict[str, Any] = {
+        "gpu": GpuSpec.model_construct(**held.gpu.model_dump(exclude_none=True)),
+        # Set fields only: an explicit null stall timeout disables it; unset ones get the defaults.
+        "restart_policy": RestartPolicySpec.model_construct(
+            **held.restart_policy.model_dump(exclude_unset=True)
+        ),
+        **held.model_dump(include={"image", "queue_name", "suspend", "active_deadline_seconds"}),
+    }
+    return SFTJobSpec.model_construct(**running)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from sftjob import constants as c
 from sftjob.job_status import CheckpointStatus, ProgressStatus
+from sftjob_operator.driver_floor import driver_too_old
 
 Obj = Mapping[str, Any]
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
@@ -32,8 +33,6 @@ KUEUE_MANAGED = "kueue.x-k8s.io/managed"  # the label Kueue's webhook puts on th
 OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
 # The scheduler's words for nodes whose labels the pod's node affinity (the driver floor included) rejects.
 AFFINITY_MISMATCH = "didn't match Pod's node affinity/selector"
-# The newest CUDA major each NVIDIA driver major runs (Linux; CUDA minor version compatibility), newest first.
-CUDA_MAJOR_OF_DRIVER = ((580, 13), (525, 12), (450, 11))
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,39 +245,6 @@ def unschedulable_message(
                 old = AFFINITY_MISMATCH in message and driver_too_old(nodes, products, min_driver_major)
                 return f"{message.rstrip('. ')}; {old}" if old else message
     return None
-
-
-def driver_too_old(
-    nodes: Iterable[Obj], products: Collection[str], min_driver_major: int | None
-) -> str | None:
-    """Why no node with one of ``products`` takes pods that need NVIDIA driver ``min_driver_major``: the
-    drivers those nodes have (GPU Feature Discovery's label), and what to do; None when one of them has
-    such a driver, or none exists."""
-    if not min_driver_major:
-        return None
-    found: dict[str, set[str]] = {}
-    for node in nodes:
-        labels = (node.get("metadata") or {}).get("labels") or {}
-        if (product := labels.get(c.GFD_PRODUCT)) not in products:
-            continue
-        major = str(labels.get(c.GFD_DRIVER_MAJOR) or "")
-        if major.isdigit() and int(major) >= min_driver_major:
-            return None
-        found.setdefault(str(product), set()).add(
-            major if major.isdigit() else f"no {c.GFD_DRIVER_MAJOR} label"
-        )
-    if not found:
-        return None
-    have = "; ".join(f"nodes with {p} have {' or '.join(sorted(d))}" for p, d in sorted(found.items()))
-    newest = max((int(m) for d in found.values() for m in d if m.isdigit()), default=0)
-    needs = f"NVIDIA driver >= {min_driver_major}{_cuda(min_driver_major, ' (CUDA {})')}"
-    build = _cuda(newest, "a CUDA {} build") or "a build their driver runs"
-    return f"the trainer image needs {needs}; {have}: upgrade the driver or set spec.image to {build}"
-
-
-def _cuda(driver_major: int, text: str) -> str:
-    """``text`` with the newest CUDA major the driver runs, or "" when it runs none we know of."""
-    return next((text.format(cuda) for floor, cuda in CUDA_MAJOR_OF_DRIVER if driver_major >= floor), "")
 
 
 def gated_message(pods: Sequence[Obj]) -> str | None:

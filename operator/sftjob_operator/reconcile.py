@@ -13,7 +13,7 @@ running one. The steps, in order:
    for every candidate GPU (``job_lifecycle``): before the first attempt, an invalid spec or a job no
    card can run fails; after it, either is said in ``Admitted``/``Planned`` and the running attempt
    is kept and judged, but no new attempt starts (an invalid spec, which can no longer change, fails the
-   job when its attempt ends without success; without a plan it waits for one);
+   job when its attempt ends without success or misses a pod it never had; without a plan it waits);
 2. ``spec.suspend``: delete the pods, keep everything else; ``activeDeadlineSeconds`` exceeded: Failed;
 3. no attempt under way: ask the attempt policy for the next one and start it (status first, so the
    attempt number is recorded before its pods exist), or wait for its backoff, or for an earlier
@@ -204,17 +204,20 @@ class _Pass(JobPass):
         by_rank = {observe.rank_of(p): p for p in self.current}
         missing = [r for r in range(spec.gpu.nodes) if r not in by_rank]
         # A pod whose create the API server refused (FailedCreate) was never there, nor one the status
-        # never showed bound (an operator stopped before creating it): retry, never judge it.
-        grace_over = (
-            self.all_bound_once(spec)
-            and not self.failed_create()
-            and (record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE)
+        # never showed bound (an operator stopped before creating it): retry, never judge it. A held job
+        # cannot create one: once the API server confirms it is missing, the job fails.
+        created = self.all_bound_once(spec) and not self.failed_create()
+        grace_over = (created or bool(self.held)) and (
+            record.start_time is None or self.now - record.start_time > POD_APPEARANCE_GRACE
         )
         names = {r: builders.pod_name(self.obs.name, record.attempt, r) for r in missing}
         if grace_over:
             self.check = [names[r] for r in missing if names[r] not in self.obs.gone]
             if self.check:  # the index may be behind: decide once the API server has been asked
                 return None
+            if missing and not created:
+                ranks = ", ".join(str(r) for r in missing)
+                return self.fail_held(f"attempt {record.attempt} has no pod for rank(s) {ranks}")
         # The reports first: the stall clock reads the progress they carry (an operator that was down
         # longer than the stall timeout finds fresh reports, not its own stale status).
         self.fold_reports(self.current)

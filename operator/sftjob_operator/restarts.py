@@ -29,7 +29,7 @@ from sftjob.plan import Plan
 from sftjob.planner import replan_after_oom
 from sftjob.spec import SFTJobSpec, to_plan_request
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
-from sftjob_operator.classify import peer_never_joined, stalled_before_training
+from sftjob_operator.classify import peer_never_joined
 from sftjob_operator.planning import CandidatePlans
 
 NodeObj = Mapping[str, Any]
@@ -206,30 +206,28 @@ def _gpu_adjusted(
         if plan.fits and profile_for_key(key).memory_gib <= ceiling:
             adjusted[key] = plan.model_copy(update={"fits": False})
             changes.append(f"{key}: skipped, no more GPU memory than {', '.join(exhausted)}")
-    broken = pcie_links_broken(adjusted, ended)
+    broken = pcie_links_broken(list(adjusted), ended)
     if broken:
         for key, plan in adjusted.items():
             adjusted[key] = plan.model_copy(update={"env": {**plan.env, **SAFE_PCIE_NCCL_ENV}})
-        why = "a communication error or a stall before training"
-        changes.append(f"NCCL P2P over NVLink only after {why} on {', '.join(broken)}")
+        changes.append(f"NCCL P2P over NVLink only after a communication error on {', '.join(broken)}")
     return adjusted, changes
 
 
-def pcie_links_broken(plans: Mapping[str, Plan], ended: Sequence[AttemptRecord]) -> list[str]:
-    """The PCIe-only candidate cards on which communication broke: a CommunicationError, or a stall before
-    the first training step with several GPUs per node (a P2P hang outlasts the stall timeout before NCCL's
-    30 minutes). Every candidate's plan then gets ``SAFE_PCIE_NCCL_ENV``: the pod's environment comes from
-    the first fitting plan wherever it lands, so the failing card's plan alone would miss a pod whose first
-    card has NVLink. A peer that never joined the rendezvous, or a stall with one GPU per node (P2P joins
-    the GPUs of one node), says nothing about the links."""
-    pcie = {k for k, p in plans.items() if profile_for_key(k).nvlink_gbs is None}
-
-    def broke(card: str, r: AttemptRecord) -> bool:
-        if r.reason is FailureClass.COMMUNICATION_ERROR:
-            return not peer_never_joined(r)
-        return stalled_before_training(r) and plans[card].distributed.nproc_per_node > 1
-
-    return sorted({r.gpu for r in ended if r.gpu is not None and r.gpu in pcie and broke(r.gpu, r)})
+def pcie_links_broken(cards: Sequence[str], ended: Sequence[AttemptRecord]) -> list[str]:
+    """The PCIe-only candidate cards on which communication broke (a P2P hang at start is one too: the
+    trainer's communication probe ends it as a CommunicationError). Every candidate's plan then gets
+    ``SAFE_PCIE_NCCL_ENV``: the pod's environment comes from the first fitting plan wherever it lands,
+    so a fallback on the failing card's plan alone would miss a pod whose first card has NVLink. A peer
+    that never joined the rendezvous says nothing about the links and does not count. A ``Stalled``
+    attempt never counts: a slow tokenisation, volume read or download stalls the same way."""
+    pcie = {k for k in cards if profile_for_key(k).nvlink_gbs is None}
+    failed = {
+        r.gpu
+        for r in ended
+        if r.reason is FailureClass.COMMUNICATION_ERROR and r.gpu in pcie and not peer_never_joined(r)
+    }
+    return sorted(k for k in failed if k is not None)
 
 
 def avoided_nodes(ended: Sequence[AttemptRecord]) -> tuple[str, ...]:

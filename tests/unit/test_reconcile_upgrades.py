@@ -1,6 +1,8 @@
 """A job admitted and planned by one operator, reconciled by a newer one whose rules or planner say no:
 a finished job is never judged again, and a started one keeps its running attempt; one whose spec is now
-invalid is held: its attempt is judged to its end, suspend and the deadline apply, no new one starts."""
+invalid is held: its attempt is judged to its end with the fields it runs with as written, the
+deadline applies, suspending it ends it, no new attempt starts, and a pod it never had (it cannot create
+one) fails it."""
 
 from __future__ import annotations
 
@@ -122,6 +124,7 @@ def test_a_job_held_for_its_invalid_spec_is_suspended_and_fails_when_resumed() -
     suspended = reconcile(later, CTX)
     assert suspended.status.phase == "Suspended" and suspended.delete_pods == ["job-1-0"]
     assert condition(suspended, "Suspended") == ("True", "SuspendedBySpec")
+    assert "suspending it ends it (it fails when resumed)" in message(suspended, "Admitted")
     resumed = reconcile(then(later, suspended, spec=REJECTED, pods=[]), CTX)
     assert resumed.status.phase == "Failed" and not resumed.children
     assert condition(resumed, "Failed") == ("True", "InvalidSpec")
@@ -135,15 +138,69 @@ def test_a_job_held_for_its_invalid_spec_fails_past_its_active_deadline() -> Non
     assert actions.delete_pods == ["job-1-0"]
 
 
-def test_a_started_job_whose_gpu_request_a_newer_operator_rejects_fails_as_its_attempt_cannot_be_read() -> (
+def test_a_started_job_whose_gpu_request_a_newer_operator_rejects_is_held_on_the_gpus_it_runs_on() -> None:
+    obs, seen = running()
+    dropped = {**REJECTED, "gpu": {"type": "H100", "count": 9}}  # a type and a count it no longer takes
+    actions = reconcile(then(obs, seen, spec=dropped, now=NOW + timedelta(minutes=2)), CTX)
+    assert actions.status.phase == "Running" and not actions.delete_pods and not actions.check_pods
+    assert condition(actions, "Admitted") == ("False", "InvalidSpec") and "spec.gpu" in message(
+        actions, "Admitted"
+    )
+    assert actions.status.gpu.summary == "9xL40S" and actions.status.gpu.nodes == ["l40s-0"]
+
+
+def test_a_held_job_keeps_the_stall_timeout_as_written_though_a_newer_operator_rejects_it() -> None:
+    obs, seen = running()
+    short = {**REJECTED, "restartPolicy": {"stallTimeoutSeconds": 30}}  # now: at least 60
+    # The pod's trainer started at 11:59 and reported nothing: three minutes, past the 30 s it runs with.
+    actions = reconcile(then(obs, seen, spec=short, now=NOW + timedelta(minutes=2)), CTX)
+    assert actions.status.phase == "Failed" and actions.status.attempts[-1].reason == "Stalled"
+    assert "stall timeout 30 s" in message(actions, "Failed") and "no new attempt can start" in message(
+        actions, "Failed"
+    )
+
+
+def test_a_started_job_whose_running_fields_cannot_even_be_read_fails_as_its_attempt_cannot_be_observed() -> (
     None
 ):
     obs, seen = running()
-    bad = {**REJECTED, "gpu": {"type": "L40S", "nodes": 99}}
+    bad = {**REJECTED, "gpu": {"type": "L40S", "nodes": "two"}}
     actions = reconcile(then(obs, seen, spec=bad, now=NOW + timedelta(minutes=2)), CTX)
     assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "InvalidSpec")
     assert "running attempt cannot be observed" in message(actions, "Failed")
     assert actions.delete_pods == ["job-1-0"]
+
+
+def test_a_held_job_waits_out_the_pod_appearance_grace_for_a_pod_it_has_not_seen() -> None:
+    obs, first = started()
+    early = reconcile(then(obs, first, spec=REJECTED, now=NOW + timedelta(seconds=30)), CTX)
+    assert early.status.phase == "Pending" and not early.check_pods and not early.children
+    assert early.requeue_after is not None and early.requeue_after <= 60
+
+
+def test_a_held_job_whose_pod_was_never_created_fails_naming_the_rank_once_the_api_server_confirms_it() -> (
+    None
+):
+    obs, first = started()  # attempt 1 recorded; its pod never came (a refused create, a restart between)
+    upgraded = then(obs, first, spec=REJECTED, now=NOW + timedelta(minutes=2))
+    asked = reconcile(upgraded, CTX)  # the index may be behind: ask the API server before failing
+    assert asked.check_pods == ["job-1-0"] and not asked.status_changed and not asked.children
+    actions = reconcile(replace(upgraded, gone=frozenset({"job-1-0"})), CTX)
+    assert actions.status.phase == "Failed" and condition(actions, "Failed") == ("True", "InvalidSpec")
+    said = message(actions, "Failed")
+    assert said.startswith("attempt 1 has no pod for rank(s) 0; no new attempt can start: ")
+    assert "spec.env" in said and not actions.children and actions.status.attempts[-1].ended
+
+
+def test_a_held_two_node_job_whose_peer_pod_never_came_fails_and_frees_the_rank_that_waits_for_it() -> None:
+    two = {**SPEC, "gpu": {"type": "L40S", "nodes": 2}}
+    obs = observed(spec=two)
+    first = reconcile(obs, CTX)
+    upgraded = then(obs, first, pods=[pod(rank=0)], spec={**REJECTED, **two}, now=NOW + timedelta(hours=1))
+    assert reconcile(upgraded, CTX).check_pods == ["job-1-1"]
+    actions = reconcile(replace(upgraded, gone=frozenset({"job-1-1"})), CTX)
+    assert actions.status.phase == "Failed" and actions.delete_pods == ["job-1-0"]
+    assert message(actions, "Failed").startswith("attempt 1 has no pod for rank(s) 1; ")
 
 
 def test_a_running_job_a_newer_planner_says_no_longer_fits_keeps_its_attempt_and_is_warned_once() -> None:
