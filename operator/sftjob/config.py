@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+# The version of this contract. Bump it (and TrainerConfig.schema_version's Literal) on every change to what
+# the operator writes or the trainer reads: a trainer image pinned in spec.image checks it before anything
+# else and says which image it needs, rather than failing on the first field it does not know.
+SCHEMA_VERSION: Final = 2
 Method = Literal["lora", "qlora", "full"]
 # No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -235,7 +239,7 @@ class ReportSettings(_Strict):
 
 
 class TrainerConfig(_Strict):
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = SCHEMA_VERSION
     job: JobRef = JobRef()
     model: ModelSource
     dataset: DatasetSource

@@ -136,6 +136,20 @@ def test_an_invalid_config_exits_config_error(tmp_path: Path, termination_log: P
             ExitCode.COMMUNICATION_ERROR,
         ),
         (OSError(28, "No space left on device"), ExitCode.STORAGE_ERROR),
+        (torch.AcceleratorError("CUDA error: uncorrectable ECC error encountered"), ExitCode.GPU_UNAVAILABLE),
+        (
+            torch.distributed.DistBackendError(
+                "NCCL error: unhandled cuda error; Last error: Cuda failure 'uncorrectable NVLink error was"
+                " detected during the execution'"
+            ),
+            ExitCode.GPU_UNAVAILABLE,  # the GPU's links failed, not the network
+        ),
+        (
+            torch.AcceleratorError("CUDA error: no kernel image is available for execution on the device"),
+            ExitCode.CONFIG_ERROR,  # the image was built without this GPU's architecture
+        ),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), ExitCode.UNKNOWN),
+        (ModuleNotFoundError("No module named 'peft'"), ExitCode.UNKNOWN),  # the operator knows whose image
         (TrainerError(ExitCode.DATA_ERROR, "bad\ndata"), ExitCode.DATA_ERROR),
         (KeyError("surprise"), ExitCode.UNKNOWN),
     ],
@@ -154,6 +168,65 @@ def test_an_old_driver_or_a_driver_older_than_the_cuda_runtime_is_a_driver_misma
         check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "13.0")
     assert behind.value.code == ExitCode.DRIVER_MISMATCH and "CUDA up to 12.2" in behind.value.reason
     check_driver(DriverInfo("535.54.03", (12, 2)), "525.60.11", "12.8")  # minor-version compatible
+
+
+def _cuda_does_not_start(monkeypatch: pytest.MonkeyPatch, error: str) -> TrainerError:
+    """check_gpu where NVML reads driver 580 (CUDA 13.0) but CUDA fails to start with ``error``."""
+
+    def init() -> None:
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(preflight, "read_driver_info", lambda: DriverInfo("580.95.05", (13, 0)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "init", init)
+    with pytest.raises(TrainerError) as raised:
+        check_gpu(GpuExpectation(), local_rank=0, local_world_size=8)
+    return raised.value
+
+
+def test_cuda_error_802_on_an_nvswitch_board_is_a_gpu_fault_naming_the_fabric_manager_not_a_driver_mismatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    error = "Unexpected error from cudaGetDeviceCount(). Error 802: system not yet initialized"
+    failure = _cuda_does_not_start(monkeypatch, error)
+    assert failure.code == ExitCode.GPU_UNAVAILABLE
+    assert error in failure.reason
+    assert "nvidia-fabricmanager, of the driver's version 580.95.05, must run on the node" in failure.reason
+
+
+def test_cuda_that_does_not_start_is_a_driver_mismatch_only_when_cuda_says_the_driver_cannot_serve_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    too_old = "The NVIDIA driver on your system is too old (found version 12080)."
+    assert _cuda_does_not_start(monkeypatch, too_old).code == ExitCode.DRIVER_MISMATCH
+    other = _cuda_does_not_start(
+        monkeypatch, "CUDA driver initialization failed, you might not have a CUDA gpu."
+    )
+    assert other.code == ExitCode.GPU_UNAVAILABLE and "initialization failed" in other.reason
+
+
+def test_a_gpu_that_fails_its_first_kernel_fails_preflight_with_the_class_of_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def failing(error: str) -> object:
+        def ones(*args: object, **kwargs: object) -> None:
+            raise torch.AcceleratorError(error)
+
+        return ones
+
+    monkeypatch.setattr(
+        preflight.torch,
+        "ones",
+        failing("CUDA error: no kernel image is available for execution on the device"),
+    )
+    with pytest.raises(TrainerError) as no_kernels:
+        preflight.check_first_kernel(0, "NVIDIA L40S")
+    assert no_kernels.value.code == ExitCode.CONFIG_ERROR and "spec.image" in no_kernels.value.reason
+    monkeypatch.setattr(preflight.torch, "ones", failing("CUDA error: unspecified launch failure"))
+    with pytest.raises(TrainerError) as faulty:
+        preflight.check_first_kernel(0, "NVIDIA L40S")
+    assert faulty.value.code == ExitCode.GPU_UNAVAILABLE and "GPU 0 (NVIDIA L40S)" in faulty.value.reason
 
 
 def test_an_image_whose_pytorch_has_no_cuda_is_a_config_error_not_a_node_fault(

@@ -114,6 +114,29 @@ def out_of_memory() -> BaseException:
     return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
+def uncorrectable_ecc() -> BaseException:
+    return _chain(
+        OSError("Unable to load weights from checkpoint file"),
+        torch.AcceleratorError("CUDA error: uncorrectable ECC error encountered"),
+    )
+
+
+def nvlink_failed() -> BaseException:
+    return RuntimeError("CUDA error: uncorrectable NVLink error was detected during the execution")
+
+
+def illegal_memory_access() -> BaseException:
+    return torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+
+def image_without_kernels() -> BaseException:
+    return torch.AcceleratorError("CUDA error: no kernel image is available for execution on the device")
+
+
+def module_missing() -> BaseException:
+    return ModuleNotFoundError("No module named 'einops'")
+
+
 # Each failure with the exit code a restart may fix, or None: the source itself is at fault and the loader
 # ends with its own permanent code (MODEL_LOAD_ERROR, DATA_ERROR).
 FAILURES: list[tuple[Callable[[], BaseException], ExitCode | None]] = [
@@ -124,6 +147,14 @@ FAILURES: list[tuple[Callable[[], BaseException], ExitCode | None]] = [
     (disk_full, ExitCode.STORAGE_ERROR),
     (disk_failing, ExitCode.STORAGE_ERROR),
     (out_of_memory, ExitCode.CUDA_OOM),
+    # The GPU's fault: retried on another node.
+    (uncorrectable_ecc, ExitCode.GPU_UNAVAILABLE),
+    (nvlink_failed, ExitCode.GPU_UNAVAILABLE),
+    # Not the source's: any other CUDA error is retried; a module the image lacks the operator reads.
+    (illegal_memory_access, ExitCode.UNKNOWN),
+    (module_missing, ExitCode.UNKNOWN),
+    # The image's, on every node: it names spec.image.
+    (image_without_kernels, ExitCode.CONFIG_ERROR),
     (repo_not_found, None),
     (gated, None),
     (offline_and_not_cached, None),
@@ -208,6 +239,20 @@ def test_a_hub_outage_ends_the_attempt_with_network_error_which_the_operator_ret
     assert EXIT_CODE_CLASS[ExitCode.NETWORK_ERROR] is FailureClass.NETWORK_ERROR
     assert FailureClass.NETWORK_ERROR not in PERMANENT
     assert _operator_class(ExitCode.UNKNOWN, message) is FailureClass.NETWORK_ERROR
+
+
+def test_a_gpu_fault_while_loading_the_model_ends_the_attempt_gpu_unavailable_not_blaming_the_model(
+    trainer_config: MakeConfig, termination_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _raising(uncorrectable_ecc()))
+    assert run(str(trainer_config())) == ExitCode.GPU_UNAVAILABLE
+    message = termination_log.read_text().strip()
+    assert message.startswith("[exit 13] GPU fault: AcceleratorError: CUDA error: uncorrectable ECC error")
+    # The operator retries it, avoiding the node, instead of failing the job as the model's fault.
+    assert _operator_class(ExitCode.UNKNOWN, message) is FailureClass.GPU_UNAVAILABLE
+    assert FailureClass.GPU_UNAVAILABLE not in PERMANENT
 
 
 def _operator_class(code: int, message: str) -> FailureClass | None:

@@ -1,15 +1,18 @@
 """Which trainer config a pod reads: the operator's ``config.json``, or, when it rendered one per
-candidate card (``gpu.type: Any`` or a preference list), ``config-<profile>.json`` of the card found.
+candidate card (``gpu.type: Any`` or a preference list), ``config-<profile>.json`` of the card found;
+and loading it, its schema version checked before anything else.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from sftjob.config import TrainerConfig
+from sftjob.config import SCHEMA_VERSION, TrainerConfig
 from sftjob.constants import CONFIG_VARIANT
 from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
@@ -33,7 +36,25 @@ def config_for_device(path: str) -> str:
 
 
 def load_config(path: str) -> TrainerConfig:
+    """The config at ``path``; CONFIG_ERROR when it is unreadable, invalid, or of another schema version."""
     try:
-        return TrainerConfig.load(path)
+        raw = json.loads(Path(path).read_text())
+        check_schema_version(raw)
+        return TrainerConfig.model_validate(raw)
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         raise TrainerError(ExitCode.CONFIG_ERROR, f"cannot load the trainer config {path}: {exc}") from exc
+
+
+def check_schema_version(raw: Any) -> None:
+    """Before any other field: a config of another contract version (an operator upgraded or rolled back
+    while spec.image pins a trainer image) would fail on the first field one side does not know."""
+    if not isinstance(raw, dict):
+        return  # validation says what is wrong with it
+    version = raw.get("schemaVersion", raw.get("schema_version", SCHEMA_VERSION))
+    if version != SCHEMA_VERSION:
+        raise TrainerError(
+            ExitCode.CONFIG_ERROR,
+            f"the operator wrote trainer config schema {version}, this trainer image reads {SCHEMA_VERSION}:"
+            " use the trainer image that matches the operator (spec.image: unset it for the operator's"
+            " default, or build yours from the operator's release)",
+        )

@@ -2,7 +2,8 @@
 every rank (``fsdp``) or over each node's ranks with the nodes holding replicas (``hsdp``).
 
 A plain ``python -m sftjob_trainer.train`` (or the console script) is world size 1 and never touches
-torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs.
+torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs, and the first collective
+is a bounded probe (:func:`probe_communication`), so links that hang fail the attempt in minutes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
+from sftjob.gpus import profile_for_product
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,13 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)  # checkpoint saves of big models 
 # 140 GB), on a CPU group of their own: NCCL's watchdog would abort them after PROCESS_GROUP_TIMEOUT.
 # The operator's stall timeout (restartPolicy.stallTimeoutSeconds) is the limit that applies.
 SETUP_TIMEOUT = timedelta(days=1)
+# The first collective, an all-reduce right after the process group is up, must end within this. Where the
+# links work it takes well under a second (NCCL connects its transports on it); where GPU-to-GPU traffic
+# hangs (PCIe-only GPUs whose peer-to-peer path ACS or the IOMMU blocks) it would wait PROCESS_GROUP_TIMEOUT,
+# and the operator's stall timeout, 30 minutes too, would end the attempt as Stalled, not CommunicationError.
+COMMUNICATION_PROBE_TIMEOUT = timedelta(minutes=5)
+_PROBE_ELEMENTS = 2**18  # 1 MiB of float32, a small gradient bucket's traffic
+_PROBE_POLL_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,51 @@ def init_distributed(config: TrainerConfig) -> DistContext:
             backend=backend, timeout=PROCESS_GROUP_TIMEOUT, device_id=device if cuda else None
         )
         log.info("process group up: rank %d of %d, backend %s", rank, world, backend)
+        probe_communication(device, world, backend)
     return DistContext(rank, world, local_rank, local_world, device)
+
+
+def probe_communication(device: torch.device, world: int, backend: str) -> None:
+    """One all-reduce over every rank, bounded by ``COMMUNICATION_PROBE_TIMEOUT``: a hang, a failure or a
+    wrong sum ends the attempt with COMMUNICATION_ERROR, which the operator answers on PCIe-only GPUs with
+    ``NCCL_P2P_LEVEL=NVL`` on the next attempt. ``Work.wait`` does not bound an NCCL collective (it only
+    orders the streams), so the work is polled until the deadline."""
+    started = time.monotonic()
+    ones = torch.ones(_PROBE_ELEMENTS, device=device)
+    work = dist.all_reduce(ones, async_op=True)
+    deadline = started + COMMUNICATION_PROBE_TIMEOUT.total_seconds()
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            if backend == "nccl":  # ends the hung kernels: destroying the group would wait for them
+                with contextlib.suppress(Exception):
+                    dist.distributed_c10d._abort_process_group()
+            seconds = COMMUNICATION_PROBE_TIMEOUT.total_seconds()
+            raise _probe_failure(device, world, f"did not finish within {seconds:.0f} s")
+        time.sleep(_PROBE_POLL_SECONDS)
+    try:
+        work.wait()
+    except Exception as exc:
+        raise _probe_failure(device, world, f"failed ({type(exc).__name__}: {exc})") from exc
+    if not bool((ones == world).all()):
+        raise _probe_failure(device, world, "returned wrong sums (data corrupted on the way)")
+    log.info("communication probe: all-reduce over %d ranks in %.2f s", world, time.monotonic() - started)
+
+
+def _probe_failure(device: torch.device, world: int, what: str) -> TrainerError:
+    """The COMMUNICATION_ERROR of a failed probe, naming the GPUs' interconnect and NCCL_P2P_LEVEL."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        profile = profile_for_product(name)
+        where = f"{name} ({profile.interconnect if profile else 'interconnect unknown'})"
+    else:
+        where = "gloo on the CPU"
+    level = os.environ.get("NCCL_P2P_LEVEL", "unset")
+    return TrainerError(
+        ExitCode.COMMUNICATION_ERROR,
+        f"the first collective between the {world} ranks (a 1 MiB all-reduce) {what} on {where} with"
+        f" NCCL_P2P_LEVEL {level}: PCIe ACS or the IOMMU can block the peer-to-peer traffic of PCIe-only GPUs"
+        " (A40, L40S), on which the operator retries with NCCL_P2P_LEVEL=NVL",
+    )
 
 
 def shards(config: TrainerConfig, ctx: DistContext) -> bool:

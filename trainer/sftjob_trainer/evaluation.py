@@ -9,7 +9,8 @@ packed like the training rows and cut to the same length.
 Every rank evaluates its share in micro-batches of the training's size, as many forward passes on every
 rank (a sharded model gathers its weights in each one; a rank with nothing left runs a batch without
 targets), in eval mode (no dropout, no recomputation) and without gradients. The loss is the sum over
-every target token of every rank divided by their number, as training's is. Liger's fused loss is asked
+every target token of every rank divided by their number, as training's is (computed as training computes
+it: ``loop.micro_batch_loss``), whatever the micro-batch size. Liger's fused loss is asked
 for explicitly (it skips the logits only in training mode by default): evaluation then needs no more
 memory than a training step did.
 """
@@ -35,7 +36,7 @@ from sftjob_trainer.batching import Layout, Unit, collate, make_units
 from sftjob_trainer.data import IGNORE_INDEX, Example, load_examples
 from sftjob_trainer.distributed import DistContext, unwrap
 from sftjob_trainer.liger import liger_kernels_in
-from sftjob_trainer.loop import model_inputs
+from sftjob_trainer.loop import micro_batch_loss, model_inputs
 from sftjob_trainer.model import PrecisionPlan
 from sftjob_trainer.sources import files_of
 
@@ -178,15 +179,16 @@ def evaluate(
     plan: PrecisionPlan,
     ctx: DistContext,
     *,
+    own_loss: bool = False,
     stop: Callable[[], bool] = lambda: False,
     tick: Callable[[], None] = lambda: None,
 ) -> tuple[float | None, float]:
     """Collective: the mean loss per target token over every rank's share of ``held_out``, and the
     seconds it took. Before each batch the ranks agree whether any was asked to ``stop`` (a SIGTERM: its
     grace period is for the checkpoint): then the loss is None. ``tick`` runs after each batch (rank 0's
-    progress reports, so a long evaluation never looks stalled)."""
+    progress reports, so a long evaluation never looks stalled). ``own_loss``: ``loop.micro_batch_loss``."""
     started = time.monotonic()
-    extra = {"skip_logits": True} if fused_loss_in(model) else {}
+    extra = {"skip_logits": True} if not own_loss and fused_loss_in(model) else {}
     one = torch.ones((), device=ctx.device)
     loss_sum = torch.zeros((), device=ctx.device, dtype=torch.float64)
     targets = 0.0
@@ -196,9 +198,9 @@ def evaluate(
                 return None, time.monotonic() - started
             inputs = model_inputs(batch, ctx.device)
             with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
-                # num_items_in_batch 1: the loss comes back as the sum over the batch's target tokens.
-                out = model(**inputs, use_cache=False, num_items_in_batch=one, **extra)
-            loss_sum += out.loss.detach().double()
+                # Divided by 1: the sum over the batch's target tokens.
+                loss = micro_batch_loss(model, inputs, one, own_loss, **extra)
+            loss_sum += loss.detach().double()
             targets += float(batch["num_targets"])
             tick()
     total, count = ctx.sum([float(loss_sum), targets])

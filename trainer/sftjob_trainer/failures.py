@@ -50,6 +50,17 @@ _COMMUNICATION_PATTERNS = (
     "collective operation timeout",
     "Watchdog caught collective operation timeout",
 )
+# A GPU that is gone, or whose memory, NVLinks or NVSwitch fabric failed (Xid errors; CUDA error 802 "system
+# not yet initialized": nvidia-fabricmanager is not running): the node's fault, even when NCCL reports it.
+# The operator reads the same words (sftjob_operator.termination.GPU_FAULT).
+_GPU_FAULT = re.compile(
+    r"uncorrectable ECC|uncorrectable NVLink|\bXid\b|GPU is lost|fallen off the bus|busy or unavailable"
+    r"|system not yet initiali[sz]ed|\bError 802\b|no CUDA-capable device",
+    re.I,
+)
+# The image's PyTorch (or a CUDA extension in it) has no kernels for this GPU's architecture.
+_NO_KERNEL_IMAGE = "no kernel image is available for execution on the device"
+_CUDA_ERROR = "CUDA error"
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO, errno.ESTALE})
 # Permission denied: a folder's owner and mode, which no restart changes (a CONFIG_ERROR).
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
@@ -106,6 +117,13 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         return ExitCode.CONFIG_ERROR, one_line(f"invalid trainer configuration: {exc}")
     if _is_oom(exc):
         return ExitCode.CUDA_OOM, one_line(f"CUDA out of memory: {exc}")
+    if isinstance(exc, RuntimeError) and _GPU_FAULT.search(str(exc)):
+        return ExitCode.GPU_UNAVAILABLE, one_line(f"GPU fault: {message}")
+    if isinstance(exc, RuntimeError) and _NO_KERNEL_IMAGE in str(exc):
+        return ExitCode.CONFIG_ERROR, one_line(
+            f"the trainer image has no CUDA kernels for this GPU's architecture ({message}): set spec.image"
+            " to a build whose PyTorch and CUDA extensions cover the nodes' GPUs (TORCH_CUDA_ARCH_LIST)"
+        )
     if _is_communication(exc):
         return ExitCode.COMMUNICATION_ERROR, one_line(f"communication error between ranks: {message}")
     if isinstance(exc, OSError) and exc.errno in _PERMISSION_ERRNOS:
@@ -159,10 +177,12 @@ def _owner(filename: object) -> str:
 
 
 def load_failure(exc: BaseException, what: str) -> TrainerError | None:
-    """The error to end with when loading ``what`` failed for a reason a restart may fix: the network or the
-    hub on the way (NETWORK_ERROR), a full or failing disk (STORAGE_ERROR) or CUDA OOM, wherever it sits in
-    the chain of exceptions libraries wrap it in. None when the source itself is at fault (not found,
-    gated, malformed): the caller ends with its permanent error."""
+    """The error to end with when loading ``what`` failed for a reason other than the source, wherever it
+    sits in the chain of exceptions libraries wrap it in: the network or the hub on the way (NETWORK_ERROR),
+    a full or failing disk (STORAGE_ERROR), CUDA OOM, a faulty GPU (GPU_UNAVAILABLE) or an image without
+    kernels for it (CONFIG_ERROR); any other CUDA error, or a module the image cannot import, is UNKNOWN
+    (the operator reads the words: a job's own spec.image that cannot import is its ConfigError). None when
+    the source itself is at fault (not found, gated, malformed): the caller ends with its permanent error."""
     for cause in causes(exc):
         if is_network_error(cause):
             detail = f"{exc}" if cause is exc else f"{exc} ({type(cause).__name__}: {cause})"
@@ -170,8 +190,14 @@ def load_failure(exc: BaseException, what: str) -> TrainerError | None:
                 ExitCode.NETWORK_ERROR, f"hub or network unavailable while loading {what}: {detail}"
             )
         code, reason = classify(cause)
-        if code in (ExitCode.STORAGE_ERROR, ExitCode.CUDA_OOM):
+        if code in (ExitCode.STORAGE_ERROR, ExitCode.CUDA_OOM, ExitCode.GPU_UNAVAILABLE) or (
+            code == ExitCode.CONFIG_ERROR and _NO_KERNEL_IMAGE in str(cause)
+        ):
             return TrainerError(code, f"{reason} (loading {what})")
+        if isinstance(cause, ImportError) or _CUDA_ERROR in str(cause):
+            return TrainerError(
+                ExitCode.UNKNOWN, f"unexpected error: {type(cause).__name__}: {cause} (loading {what})"
+            )
     return None
 
 

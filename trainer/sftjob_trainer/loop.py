@@ -2,7 +2,9 @@
 
 Kept apart from ``train.py`` so the throughput benchmark times exactly the code jobs run. The loss is
 normalised by the number of target tokens in the whole global batch (all micro-batches, all ranks),
-so gradient accumulation and data parallelism give the same gradient as one big batch would.
+so gradient accumulation and data parallelism give the same gradient as one big batch would: a
+transformers model divides by it (``num_items_in_batch``), for any other the trainer computes the loss
+from the logits (:func:`micro_batch_loss`; remote_code.py).
 
 A step whose loss or gradients are not finite leaves the weights, the optimizer and the schedule as they
 were (in bf16/fp32 one inf gradient would otherwise turn every weight into NaN through the clipping
@@ -22,12 +24,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sftjob.config import TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.batching import Course
 from sftjob_trainer.checkpoints import Trainables, TrainState
+from sftjob_trainer.data import IGNORE_INDEX
 from sftjob_trainer.distributed import DistContext, no_sync
 from sftjob_trainer.model import PrecisionPlan
 
@@ -260,15 +264,32 @@ def model_inputs(micro_batch: dict[str, torch.Tensor], device: torch.device) -> 
     return inputs
 
 
+def micro_batch_loss(
+    model: nn.Module, inputs: dict[str, Any], divisor: int | torch.Tensor, own_loss: bool, **extra: Any
+) -> torch.Tensor:
+    """The micro-batch's cross-entropy summed over its target tokens, divided by ``divisor``: the model's
+    loss (``num_items_in_batch``), or with ``own_loss`` (remote_code.computes_own_loss) the trainer's, in
+    float32 from the logits of a forward pass without labels, each position predicting the next label."""
+    if not own_loss:
+        return model(**inputs, use_cache=False, num_items_in_batch=divisor, **extra).loss
+    labels = inputs["labels"]
+    logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False).logits
+    terms = logits[:, :-1].flatten(0, 1).float()
+    summed = F.cross_entropy(terms, labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    return summed / divisor
+
+
 def train_step(
     parts: Trainables,
     micro_batches: list[dict[str, torch.Tensor]],
     plan: PrecisionPlan,
     max_grad_norm: float,
     ctx: DistContext,
+    *,
+    own_loss: bool = False,
 ) -> StepResult:
     """Forward/backward every micro-batch, clip, step the optimizer and the schedule (unless the loss or
-    the gradients are not finite: :func:`_update`)."""
+    the gradients are not finite: :func:`_update`). ``own_loss``: :func:`micro_batch_loss`."""
     model, optimizer, scaler = parts.model, parts.optimizer, parts.scaler
     local = [
         sum(float(mb[k]) for mb in micro_batches)
@@ -283,7 +304,7 @@ def train_step(
         inputs = model_inputs(mb, ctx.device)
         with no_sync(model, i == len(micro_batches) - 1):
             with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
-                loss = model(**inputs, use_cache=False, num_items_in_batch=divisor).loss
+                loss = micro_batch_loss(model, inputs, divisor, own_loss)
             # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
             scaled = loss * ctx.world_size
             (scaler.scale(scaled) if scaler is not None else scaled).backward()

@@ -22,7 +22,7 @@ import torch
 
 from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import attention
+from sftjob_trainer import attention, remote_code
 from sftjob_trainer.failures import adapter_target_error, load_failure
 from sftjob_trainer.liger import apply_liger
 
@@ -52,12 +52,16 @@ def resolve_attention(
     packing: bool,
     model_config: Any = None,
     longest_example: int | None = None,
+    source: ModelSource | None = None,
 ) -> str:
     """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask); a
     model whose attention SDPA does not compute exactly (``model_config``, a transformers config), whose
     class has no SDPA attention, or (packed) whose attention is its own code and never sees the examples'
-    boundaries, eager.
+    boundaries, eager. With ``source`` (``model``) a model of remote code is checked as its own class
+    (remote_code.py): packed rows for one with attention of its own are a ConfigError.
     """
+    model_class = _causal_lm_class(model_config, source)
+    remote_code.check_packing(model_class, packing)
     if requested == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
 
@@ -74,7 +78,6 @@ def resolve_attention(
                 " (packed examples kept apart by a block-diagonal mask)" if packing else "",
             )
             return "eager"
-    model_class = _causal_lm_class(model_config)
     if requested == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
         log.warning("attention sdpa planned, but %s has no SDPA attention: using eager", model_class.__name__)
         return "eager"
@@ -99,16 +102,14 @@ def resolve_attention(
     return requested
 
 
-def _causal_lm_class(model_config: Any) -> Any:
-    """The transformers causal-LM class of ``model_config``; None for a model of remote code or no config."""
-    if model_config is None:
-        return None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
+def _causal_lm_class(model_config: Any, source: ModelSource | None) -> Any:
+    """The class the model loads as (remote_code.causal_lm_class); without ``source`` None for remote code."""
+    if source is None:
+        return remote_code.causal_lm_class(model_config)
     try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
-    except KeyError:
-        return None
+        return remote_code.causal_lm_class(model_config, _model_ref(source), **_hub_kwargs(source))
+    except Exception as exc:
+        raise _load_error("model code", source, exc) from exc
 
 
 def check_positions(model_config: Any, longest_example: int) -> None:

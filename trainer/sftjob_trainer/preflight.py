@@ -10,6 +10,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import struct
 import subprocess
 import tempfile
@@ -20,11 +21,18 @@ import torch
 
 from sftjob.config import GpuExpectation, ModelSource, TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer.failures import storage_failure
+from sftjob_trainer.failures import classify, one_line, storage_failure
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
+# CUDA's own words for a driver that cannot serve this CUDA runtime (errors 35, 803, 804; PyTorch's "driver on
+# your system is too old"); any other failure to start CUDA is the GPU's or the node's.
+_DRIVER_MISMATCH = re.compile(
+    r"too old|insufficient|unsupported display driver|forward compatibility|version mismatch", re.I
+)
+# CUDA error 802: an NVSwitch board (A800/H800 SXM) whose fabric manager is not running; NVML still works.
+_FABRIC_DOWN = re.compile(r"system not yet initiali[sz]ed|\bError 802\b", re.I)
 
 
 @dataclass(frozen=True)
@@ -134,11 +142,7 @@ def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) ->
     if driver is not None:
         check_driver(driver, expect.min_driver, torch.version.cuda)
     if not torch.cuda.is_available():
-        raise TrainerError(
-            ExitCode.DRIVER_MISMATCH,
-            f"driver {driver.version if driver else '?'} is present but PyTorch (CUDA {torch.version.cuda})"
-            " cannot use the GPU",
-        )
+        raise cuda_start_failure(driver.version if driver else "?", _cuda_init_error())
     count = torch.cuda.device_count()
     if count < local_world_size:
         raise TrainerError(
@@ -146,6 +150,7 @@ def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) ->
             f"{count} GPU(s) visible, the plan needs {local_world_size} on this node",
         )
     name = torch.cuda.get_device_name(local_rank)
+    check_first_kernel(local_rank, name)
     free, total = torch.cuda.mem_get_info(local_rank)
     if expect.memory_gib is not None and free / GIB < expect.memory_gib:
         raise TrainerError(
@@ -162,6 +167,41 @@ def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) ->
         driver.version if driver else "?",
         torch.version.cuda,
     )
+
+
+def cuda_start_failure(driver_version: str, error: str) -> TrainerError:
+    """Why CUDA does not start with driver ``driver_version`` present (``error``: CUDA's or PyTorch's
+    words). Preflight has checked already that the driver supports the runtime's CUDA major version, so
+    only CUDA saying so makes it DRIVER_MISMATCH; otherwise the GPU or the node is at fault."""
+    said = f"driver {driver_version} is present but CUDA {torch.version.cuda} does not start: {error}"
+    if _DRIVER_MISMATCH.search(error):
+        return TrainerError(ExitCode.DRIVER_MISMATCH, said)
+    if _FABRIC_DOWN.search(error):
+        said += (
+            f"; on an NVSwitch board (A800/H800 SXM) nvidia-fabricmanager, of the driver's version"
+            f" {driver_version}, must run on the node"
+        )
+    return TrainerError(ExitCode.GPU_UNAVAILABLE, said)
+
+
+def _cuda_init_error() -> str:
+    """The error PyTorch's CUDA initialisation ends with (``torch.cuda.is_available`` only warns it)."""
+    try:
+        torch.cuda.init()
+    except Exception as exc:
+        return one_line(f"{type(exc).__name__}: {exc}")
+    return "PyTorch sees no CUDA device"
+
+
+def check_first_kernel(local_rank: int, name: str) -> None:
+    """One tiny kernel on the GPU: an image built without this GPU's architecture (CONFIG_ERROR) or a
+    faulty GPU fails here in a second, not after the model's load."""
+    try:
+        torch.ones(1, device=torch.device("cuda", local_rank)).add_(1).item()
+    except RuntimeError as exc:
+        code, reason = classify(exc)
+        code = ExitCode.GPU_UNAVAILABLE if code == ExitCode.UNKNOWN else code
+        raise TrainerError(code, f"GPU {local_rank} ({name}) fails its first kernel: {reason}") from exc
 
 
 def check_driver(driver: DriverInfo, min_driver: str, runtime_cuda: str | None) -> None:

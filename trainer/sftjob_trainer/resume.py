@@ -15,6 +15,7 @@ checkpoint records that layout (:func:`fingerprint`), and a resume with another 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -58,6 +59,9 @@ from sftjob_trainer.observer import Observer
 from sftjob_trainer.rng import restore_rng
 
 log = logging.getLogger(__name__)
+
+# The counters every checkpoint has had since the first trainer: without them there is nothing to resume.
+_REQUIRED_STATE = ("step", "tokens", "samples")
 
 
 def fingerprint(units: int, schedule: Schedule, seed: int, packing: bool) -> dict[str, Any]:
@@ -178,7 +182,7 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
             restore_rng(small[rng_file(ctx.rank)])
         else:
             log.warning("checkpoint %s has no RNG state for rank %d: keeping this run's seed", path, ctx.rank)
-        state = TrainState(**small[STATE_FILE])
+        state = small[STATE_FILE]
         log.info("resumed from %s (step %d)", path, state.step)
         _set_aside_newer(root, step_of(path), failed, ctx)
         return state, path
@@ -319,6 +323,22 @@ def _complete(root: Path) -> list[Path]:
     return complete
 
 
+def saved_state(saved: Any, path: Path) -> TrainState:
+    """The TrainState a checkpoint saved. Keys this trainer does not know (a newer one wrote them, and the
+    job's image was rolled back) are logged and left out; a state without the step, token and sample
+    counters raises ValueError: the checkpoint is skipped as one whose files do not load."""
+    missing = [key for key in _REQUIRED_STATE if not isinstance(saved, dict) or key not in saved]
+    if missing:
+        raise ValueError(f"{STATE_FILE} has no {', '.join(missing)}")
+    known = {f.name for f in dataclasses.fields(TrainState)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        log.warning(
+            "checkpoint %s: ignoring %s in %s (a newer trainer's)", path, ", ".join(unknown), STATE_FILE
+        )
+    return TrainState(**{key: value for key, value in saved.items() if key in known})
+
+
 def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | None]:
     """Everything but the tensors, as this rank needs it; or None and why (with a warning) when a file
     does not load, or this rank cannot see the checkpoint (a node's copy of a folder not shared). Raises
@@ -326,7 +346,7 @@ def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | No
     try:
         optional = (name for name in (SCALER_FILE, rng_file(rank)) if (path / name).is_file())
         names = [SCHEDULER_FILE, *optional]
-        files: dict[str, Any] = {STATE_FILE: json.loads((path / STATE_FILE).read_text())}
+        files: dict[str, Any] = {STATE_FILE: saved_state(json.loads((path / STATE_FILE).read_text()), path)}
         for name in names:
             files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated pickle can raise nearly anything

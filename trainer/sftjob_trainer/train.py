@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, heartbeat, output, resume, selection
+from sftjob_trainer import checkpoints, heartbeat, output, remote_code, resume, selection
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -55,6 +55,7 @@ from sftjob_trainer.model import (
 )
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.preflight import run_preflight
+from sftjob_trainer.same_data import DataCounts, check_same_data
 from sftjob_trainer.selection import stops_early
 from sftjob_trainer.stopping import GracefulStop, ignore_sigterm
 
@@ -108,6 +109,7 @@ class Training:
         self.config, self.ctx, self.stop, self.metrics = config, ctx, stop, metrics  # metrics: rank 0 only
         self.t = config.training
         self.io_seconds = heartbeat.BUSY_BASE_SECONDS  # how long a save or load reports: set with the model
+        self.own_loss = False  # the trainer computes the loss, not the model (remote_code.py): set with it
 
     def run(self) -> dict[str, Any]:
         config, ctx, t = self.config, self.ctx, self.t
@@ -127,6 +129,8 @@ class Training:
             examples, held = held_out(config, examples, stats.rows, fmt, tokenizer, packing_length)
         units = make_units(examples, packing_length)
         del examples  # the units hold the tokens now; every rank (and its workers) would keep both
+        self.stop.during_setup("after loading the data")  # a peer that failed already: torchrun stops us
+        check_same_data(ctx, DataCounts.of(stats.rows, units, held))  # else the ranks' steps differ: a hang
         schedule = Schedule(
             len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
         )
@@ -135,7 +139,7 @@ class Training:
         longest = max([n for unit in units for n in unit.lengths] + [len(e.input_ids) for e in held])
         model_config = load_model_config(config.model)
         check_positions(model_config, longest)
-        attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest)
+        attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest, config.model)
         # A tokenizer with no pad, EOS or unknown token: padding is masked out and ignored by the loss anyway.
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=pad_id)
@@ -204,6 +208,7 @@ class Training:
                 build_model(config, attention) if rank0_weights else load_model(config, ctx.device, attention)
             )
         counts = count_parameters(base)
+        self.own_loss = remote_code.computes_own_loss(base)
         flops = flops_model(base.config.to_dict(), config.method, counts.non_embedding)
         model = prepare_for_training(
             base, config.method, config.lora, t, ctx.device, revision=config.model.revision
@@ -315,7 +320,7 @@ class Training:
         for micro_batches in loader:
             stepping = time.monotonic()
             waited = stepping - wait_started
-            result = train_step(parts, micro_batches, plan, t.max_grad_norm, ctx)
+            result = train_step(parts, micro_batches, plan, t.max_grad_norm, ctx, own_loss=self.own_loss)
             state.step += 1
             state.tokens += result.tokens
             state.samples += result.samples
@@ -381,6 +386,7 @@ class Training:
             evaluation,
             plan,
             self.ctx,
+            own_loss=self.own_loss,
             stop=lambda: self.stop.requested,
             tick=observer.still_evaluating if observer is not None else lambda: None,
         )

@@ -1,0 +1,55 @@
+"""Ranks that read different data (a copy of the dataset per node) fail together with a DATA_ERROR instead of
+hanging in collectives the others never join."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sftjob.failures import ExitCode
+from sftjob_trainer.same_data import DataCounts, difference
+from sftjob_trainer.tiny import write_dataset
+from tests.trainer.runs import RANKS, MakeConfig, torchrun
+
+pytestmark = pytest.mark.trainer
+
+# Rank 1 reads the config in SFTJOB_CONFIG_RANK1: another node's copy of the dataset.
+RANK1_OWN_CONFIG = """
+import os
+if os.environ["RANK"] == "1":
+    os.environ["SFTJOB_CONFIG"] = os.environ["SFTJOB_CONFIG_RANK1"]
+from sftjob_trainer.train import main
+main()
+"""
+
+
+def test_the_first_rank_that_read_other_data_than_rank_0_is_named() -> None:
+    same, longer = DataCounts(128, 40, 5000, 0), DataCounts(168, 52, 6600, 0)
+    assert difference([same, same, same]) is None
+    problem = difference([same, longer, same, longer])
+    assert problem is not None and problem.startswith("rank 1 (and 1 more ranks) read 168 rows (52 units")
+    assert "rank 0 read 128 rows" in problem and "the dataset differs between nodes" in problem
+
+
+def test_ranks_that_read_different_rows_all_exit_with_a_data_error_naming_the_rows(
+    trainer_config: MakeConfig, termination_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = {
+        "training": {"microBatchSize": 2, "gradientAccumulationSteps": 2},
+        "distributed": {"nprocPerNode": RANKS, "sharding": "ddp"},
+    }
+    config = trainer_config("messages", rows=128, name="node0", **overrides)
+    other = json.loads(config.read_text())
+    other["dataset"]["path"] = str(write_dataset(config.parent / "node1.jsonl", "messages", rows=168))
+    rank1_config = config.parent / "config-node1.json"
+    rank1_config.write_text(json.dumps(other))
+    monkeypatch.setenv("SFTJOB_CONFIG_RANK1", str(rank1_config))
+    script = config.parent / "rank1_own_config.py"
+    script.write_text(RANK1_OWN_CONFIG)
+
+    assert torchrun(config, termination_log, [str(script)]) != ExitCode.OK  # not hung: within the timeout
+    log = (config.parent / "trainer.log").read_text(errors="replace")
+    assert log.count(f"exiting with DATA_ERROR ({ExitCode.DATA_ERROR:d})") == RANKS, log[-3000:]
+    assert termination_log.read_text().startswith(f"[exit {ExitCode.DATA_ERROR:d}] rank 1 read 168 rows")
