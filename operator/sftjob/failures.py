@@ -93,6 +93,16 @@ class TrainerError(Exception):
         self.reason = reason
 
 
+# What a GPU that failed under the trainer says (hardware, NVLink, the NVSwitch fabric manager, a card the
+# runtime cannot open): read by the trainer when classifying an exception and by the operator when a
+# message is all it has, so the two never drift apart.
+GPU_FAULT_PATTERN = (
+    r"uncorrectable ECC|uncorrectable NVLink|\bXid\b|GPU is lost|fallen off the bus"
+    r"|system not yet initiali[sz]ed|\berror 802\b|fabric ?manager|no CUDA-capable device|busy or unavailable"
+)
+# The image's PyTorch (or a CUDA extension in it) was built without this GPU's architecture.
+NO_KERNEL_IMAGE = "no kernel image is available for execution on the device"
+
 _EXIT_TAG = re.compile(r"\[exit (\d{1,3})\] ?")
 
 

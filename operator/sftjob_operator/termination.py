@@ -49,7 +49,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from sftjob.failures import FailureClass, read_exit_tag
+from sftjob.failures import GPU_FAULT_PATTERN, NO_KERNEL_IMAGE, FailureClass, read_exit_tag
 
 # The heading of the last block of torchrun's report (torch.distributed.elastic.multiprocessing.errors).
 _ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
@@ -83,11 +83,7 @@ GPU_RUNTIME_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple
 # A GPU that is gone or whose memory or links failed (Xid errors; "uncorrectable NVLink error" on an SXM
 # card), or whose NVSwitch fabric is not up (CUDA error 802, "system not yet initialized": the node's fabric
 # manager is not running): the node's fault, even when NCCL is what reported it.
-GPU_FAULT = (
-    r"uncorrectable ECC|\bXid\b|uncorrectable NVLink|system not yet initialized|\berror 802\b|fabric ?manager"
-    r"|GPU is lost|fallen off the bus"
-)
-GPU_FAULT_SIGNATURE = re.compile(GPU_FAULT, re.IGNORECASE)
+GPU_FAULT_SIGNATURE = re.compile(GPU_FAULT_PATTERN, re.IGNORECASE)
 # When no code says more (an uncaught exception, a crash that wrote no message and left the log tail
 # instead), the message often still does. First match wins.
 MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
@@ -103,14 +99,13 @@ MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
             r"driver version is insufficient|CUDA driver .* too old|driver/library version mismatch",
             FailureClass.DRIVER_MISMATCH,
         ),
-        (rf"no CUDA-capable device|busy or unavailable|{GPU_FAULT}", FailureClass.GPU_UNAVAILABLE),
+        (GPU_FAULT_PATTERN, FailureClass.GPU_UNAVAILABLE),
         (r"NCCL|ProcessGroupGloo|DistNetworkError|rendezvous", FailureClass.COMMUNICATION_ERROR),
         (r"No space left on device|Disk quota exceeded|Read-only file system", FailureClass.STORAGE_ERROR),
     )
 )
 
-# The image's PyTorch (or a CUDA extension in it) was built without this GPU's architecture.
-NO_KERNEL_IMAGE = re.compile(r"no kernel image is available for execution on the device", re.IGNORECASE)
+NO_KERNEL_IMAGE_SIGNATURE = re.compile(re.escape(NO_KERNEL_IMAGE), re.IGNORECASE)
 # A module the trainer imports is missing from the image, or is of another version: the exception a
 # failed rank ended with. A driver library that is not there is the node's GPU runtime's fault instead.
 IMPORT_FAILED = re.compile(r"\b(?:ModuleNotFoundError|ImportError): .*")
@@ -195,7 +190,7 @@ def image_fault(said: TerminationMessage, *, own_image: bool) -> str | None:
     architecture) or lacks a module the trainer imports; None otherwise. A failed import is the image's
     fault only in the job's own image (``own_image``: it sets ``spec.image``); in the operator's it is a bug
     to report, and the attempt stays Unknown."""
-    kernels = NO_KERNEL_IMAGE.search(said.text)
+    kernels = NO_KERNEL_IMAGE_SIGNATURE.search(said.text)
     if kernels is not None:
         if own_image:
             return (

@@ -24,7 +24,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from sftjob.constants import TERMINATION_LOG
-from sftjob.failures import ExitCode, TrainerError, tag_exit_code
+from sftjob.failures import GPU_FAULT_PATTERN, NO_KERNEL_IMAGE, ExitCode, TrainerError, tag_exit_code
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,8 @@ _COMMUNICATION_PATTERNS = (
 )
 # A GPU that is gone, or whose memory, NVLinks or NVSwitch fabric failed (Xid errors; CUDA error 802 "system
 # not yet initialized": nvidia-fabricmanager is not running): the node's fault, even when NCCL reports it.
-# The operator reads the same words (sftjob_operator.termination.GPU_FAULT).
-_GPU_FAULT = re.compile(
-    r"uncorrectable ECC|uncorrectable NVLink|\bXid\b|GPU is lost|fallen off the bus|busy or unavailable"
-    r"|system not yet initiali[sz]ed|\bError 802\b|no CUDA-capable device",
-    re.I,
-)
-# The image's PyTorch (or a CUDA extension in it) has no kernels for this GPU's architecture.
-_NO_KERNEL_IMAGE = "no kernel image is available for execution on the device"
+# The operator reads the same words (sftjob.failures.GPU_FAULT_PATTERN).
+_GPU_FAULT = re.compile(GPU_FAULT_PATTERN, re.I)
 _CUDA_ERROR = "CUDA error"
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO, errno.ESTALE})
 # Permission denied: a folder's owner and mode, which no restart changes (a CONFIG_ERROR).
@@ -119,7 +113,7 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         return ExitCode.CUDA_OOM, one_line(f"CUDA out of memory: {exc}")
     if isinstance(exc, RuntimeError) and _GPU_FAULT.search(str(exc)):
         return ExitCode.GPU_UNAVAILABLE, one_line(f"GPU fault: {message}")
-    if isinstance(exc, RuntimeError) and _NO_KERNEL_IMAGE in str(exc):
+    if isinstance(exc, RuntimeError) and NO_KERNEL_IMAGE in str(exc):
         return ExitCode.CONFIG_ERROR, one_line(
             f"the trainer image has no CUDA kernels for this GPU's architecture ({message}): set spec.image"
             " to a build whose PyTorch and CUDA extensions cover the nodes' GPUs (TORCH_CUDA_ARCH_LIST)"
@@ -191,7 +185,7 @@ def load_failure(exc: BaseException, what: str) -> TrainerError | None:
             )
         code, reason = classify(cause)
         if code in (ExitCode.STORAGE_ERROR, ExitCode.CUDA_OOM, ExitCode.GPU_UNAVAILABLE) or (
-            code == ExitCode.CONFIG_ERROR and _NO_KERNEL_IMAGE in str(cause)
+            code == ExitCode.CONFIG_ERROR and NO_KERNEL_IMAGE in str(cause)
         ):
             return TrainerError(code, f"{reason} (loading {what})")
         if isinstance(cause, ImportError) or _CUDA_ERROR in str(cause):
