@@ -18,7 +18,7 @@ from pydantic.alias_generators import to_camel
 # The version of this contract. Bump it (and TrainerConfig.schema_version's Literal) on every change to what
 # the operator writes or the trainer reads: a trainer image pinned in spec.image checks it before anything
 # else and says which image it needs, rather than failing on the first field it does not know.
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 Method = Literal["lora", "qlora", "full"]
 # No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -69,6 +69,7 @@ class DatasetSource(_Strict):
 
     name: str | None = None
     path: str | None = None
+    revision: str | None = None  # a hub dataset's branch, tag or commit
     format: DatasetFormat = "auto"
     split: str = "train"
     max_seq_length: int = Field(default=2048, ge=16)
@@ -239,7 +240,7 @@ class ReportSettings(_Strict):
 
 
 class TrainerConfig(_Strict):
-    schema_version: Literal[2] = SCHEMA_VERSION
+    schema_version: Literal[3] = SCHEMA_VERSION
     job: JobRef = JobRef()
     model: ModelSource
     dataset: DatasetSource

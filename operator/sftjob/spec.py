@@ -163,6 +163,7 @@ class DatasetSpec(SpecModel):
     name: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
     path: RelativePath | None = None
     volume: VolumeSource | None = None
+    revision: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
     format: DatasetFormat = "auto"
     split: Annotated[str, StringConstraints(min_length=1, max_length=64)] = "train"
     max_seq_length: int = Field(default=2048, ge=16, le=131072)
@@ -184,6 +185,8 @@ class DatasetSpec(SpecModel):
             raise ValueError("spec.dataset needs exactly one of name (a hub id) or path (inside volume)")
         if (self.path is None) != (self.volume is None):
             raise ValueError("spec.dataset.path and spec.dataset.volume go together")
+        if self.revision is not None and self.name is None:
+            raise ValueError("spec.dataset.revision pins a hub dataset: it needs spec.dataset.name, not path")
         return self
 
 

@@ -153,6 +153,7 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
         dataset=DatasetSource(
             name=data.name,
             path=posixpath.join(c.DATASET_MOUNT, data.path) if data.path else None,
+            revision=data.revision,
             format=data.format,
             split=data.split,
             max_seq_length=data.max_seq_length,

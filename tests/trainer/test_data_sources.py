@@ -1,5 +1,5 @@
-"""Where rows come from: the split's files of a dataset folder, JSON array files, strict UTF-8, and the
-fallback chat template starting with BOS like the ``text`` format."""
+"""Where rows come from: a hub dataset at its pinned revision, the split's files of a dataset folder, JSON
+array files, strict UTF-8, and the fallback chat template starting with BOS like the ``text`` format."""
 
 from __future__ import annotations
 
@@ -99,3 +99,18 @@ def test_the_fallback_chat_template_starts_chats_with_bos_like_the_text_format(
         (example,), _, _ = load_examples(DatasetSource(path=str(path), format=fmt), tokenizer)
         assert example.input_ids[0] == tokenizer.bos_token_id
         assert example.input_ids.count(tokenizer.bos_token_id) == 1
+
+
+def test_a_hub_dataset_is_read_at_the_revision_the_spec_pins(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    asked: list[dict[str, Any]] = []
+
+    def load_dataset(name: str, **kwargs: Any) -> list[dict[str, Any]]:
+        asked.append({"name": name, **kwargs})
+        return [ROW]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    rows = list(read_rows(DatasetSource(name="org/chats", split="train", revision="v1.2")))
+    assert rows == [("org/chats[0]", ROW)]
+    assert asked == [{"name": "org/chats", "split": "train", "revision": "v1.2"}]

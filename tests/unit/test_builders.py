@@ -145,6 +145,15 @@ def test_a_model_on_a_volume_is_mounted_read_only_where_the_config_points() -> N
     assert config.model.path == f"{c.MODEL_MOUNT}/llama-8b"
 
 
+def test_the_hub_revisions_of_the_model_and_the_dataset_reach_the_trainer() -> None:
+    s = spec(
+        model={"name": "meta-llama/Llama-3.1-8B", "revision": "v1"},
+        dataset={"name": "org/chats", "revision": "2026-11-01"},
+    )
+    config = builders.trainer_config(JOB, s, plan_candidates(s, default_products(), fake_plan).first)
+    assert (config.model.revision, config.dataset.revision) == ("v1", "2026-11-01")
+
+
 def test_the_pod_environment_has_the_config_path_downward_api_plan_env_and_the_users_env_last() -> None:
     s = spec(
         model={"name": "meta-llama/Llama-3.1-8B-Instruct", "tokenSecretRef": {"name": "hf"}},

@@ -22,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "sftjob.io_sftjobs.yaml").read_text())
 # The schema (descriptions left out) of each revision. A schema change fails the test below: bump
 # CRD_SCHEMA_REVISION and the CRD's annotation, and record the new digest here.
-SCHEMA_DIGESTS = {1: "8069152b7879d11a42e428e305976b57742ef003521a2b1427a2693675c540cc"}
+SCHEMA_DIGESTS = {
+    1: "8069152b7879d11a42e428e305976b57742ef003521a2b1427a2693675c540cc",
+    2: "1e5271c30789abbc0e187ed333608fba4c32212e6053fcb1b27c15e9cbc5a2f1",
+}
 
 
 def schema_digest(crd: dict[str, Any]) -> str:

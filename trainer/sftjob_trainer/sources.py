@@ -181,8 +181,10 @@ def _read_hub(source: DatasetSource) -> Iterator[tuple[str, Any]]:
     import datasets
 
     what = f"hub dataset {source.name} split {source.split}"
+    if source.revision:
+        what += f" at revision {source.revision}"
     try:
-        dataset = datasets.load_dataset(source.name, split=source.split)
+        dataset = datasets.load_dataset(source.name, split=source.split, revision=source.revision)
     except Exception as exc:
         unusable = TrainerError(ExitCode.DATA_ERROR, f"could not load {what}: {exc}")
         raise load_failure(exc, what) or unusable from exc
