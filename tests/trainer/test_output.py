@@ -1,6 +1,6 @@
 """The trained model as users take it away: whole or not at all, written only by the attempt that owns the
-job, readable by any user, and loading as its base does (the precision it trained in, its KV cache, the
-base revision it was trained on)."""
+job, readable by any user, never mixed with an earlier output's files, and loading as its base does (the
+precision it trained in, its KV cache, its sampling defaults, the base revision it was trained on)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sftjob.config import JobRef, LoraSettings, TrainerConfig, TrainingSettings
+from sftjob.config import JobRef, LoraSettings, ModelSource, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import output, ownership
 from sftjob_trainer.checkpoints import checkpoint_dirs
+from sftjob_trainer.data import ensure_chat_template
 from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.failures import classify
 from sftjob_trainer.model import prepare_for_training
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.output import save_output
+from sftjob_trainer.preflight import check_model_files
 from sftjob_trainer.tiny import make_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.trainer
@@ -30,9 +33,11 @@ CPU = torch.device("cpu")
 SUMMARY = {"steps": 12, "finalLoss": 1.5}
 
 
-def _config(tmp_path: Path, attempt: int = 1, output_dir: Path | None = None) -> TrainerConfig:
+def _config(
+    tmp_path: Path, attempt: int = 1, output_dir: Path | None = None, uid: str = "uid-1"
+) -> TrainerConfig:
     return TrainerConfig(
-        job=JobRef(name="job", uid="uid-1", attempt=attempt),
+        job=JobRef(name="job", uid=uid, attempt=attempt),
         model={"path": "/model"},
         dataset={"path": "/data"},
         training={"globalBatchSize": 1},
@@ -97,6 +102,59 @@ def test_a_prepared_model_trains_with_its_checkpointed_layers_recomputed(method:
     ids = torch.tensor([[1, 2, 3, 4]])
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     assert len(calls) == 2  # the forward, and its recomputation in the backward
+
+
+def test_a_base_with_sampling_values_but_no_do_sample_saves_its_fine_tune_stopping_at_the_turn_end(
+    tmp_path: Path,
+) -> None:
+    from transformers import GenerationConfig
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(["<|im_end|>"], special_tokens=True)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}"
+    ensure_chat_template(tokenizer)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    base = tmp_path / "base"
+    base.mkdir()  # as lmsys/vicuna-7b-v1.5 ships it: strict validation refuses to save it once changed
+    (base / "generation_config.json").write_text('{"eos_token_id": 2, "temperature": 0.7, "top_p": 0.8}')
+    model = tiny_llama(tokenizer)
+    model.generation_config = GenerationConfig.from_pretrained(base)
+
+    save_output(model, tokenizer, tmp_path / "final", None, torch.bfloat16)
+
+    saved = GenerationConfig.from_pretrained(tmp_path / "final")
+    assert (saved.eos_token_id, saved.temperature, saved.top_p) == ([2, im_end], 0.7, 0.8)
+    assert model.generation_config.eos_token_id == 2  # the live model's is left as loaded
+
+
+def test_a_full_disk_under_safetensors_is_a_storage_error_that_leaves_no_partial_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors import SafetensorError
+
+    tokenizer = make_tokenizer()
+    model = tiny_llama(tokenizer)
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def disk_full(folder: Path, **kwargs: object) -> None:
+        (folder / "model.safetensors").write_bytes(b"cut off")
+        raise full
+
+    monkeypatch.setattr(model, "save_pretrained", disk_full)
+    with pytest.raises(TrainerError) as saving:
+        output.save(
+            _config(tmp_path),
+            ONE_PROCESS,
+            SUMMARY,
+            lambda f: save_output(model, tokenizer, f, None, torch.bfloat16),
+        )
+    assert saving.value.code == ExitCode.STORAGE_ERROR
+    assert "could not save the output to" in saving.value.reason
+    assert "[Errno 28] Error while serializing" in saving.value.reason
+    assert _names(tmp_path) == []  # the restart gets the space back
+    assert classify(full)[0] == ExitCode.STORAGE_ERROR  # wherever else it is raised
+    unreadable = SafetensorError("Error while deserializing header: HeaderTooLarge")
+    assert classify(unreadable)[0] == ExitCode.UNKNOWN
 
 
 def test_an_adapter_names_the_revision_of_the_base_it_was_trained_on(tmp_path: Path) -> None:
@@ -179,6 +237,35 @@ def test_a_restart_replaces_its_jobs_earlier_output_whole(tmp_path: Path) -> Non
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == [".tmp-final-2-attempt-1"]
 
 
+def test_a_job_created_again_under_its_name_replaces_its_predecessors_output_whole(tmp_path: Path) -> None:
+    earlier, again = _config(tmp_path, uid="uid-1"), _config(tmp_path, uid="uid-2")
+    adapter = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"lora"}
+    output.save(earlier, ONE_PROCESS, SUMMARY, _writes(adapter))
+
+    out = output.save(
+        again, ONE_PROCESS, SUMMARY, _writes({"config.json": b"{}", "model.safetensors": b"full"})
+    )
+    assert _names(out) == ["config.json", "model.safetensors", output.SUMMARY_FILE]  # no stale adapter
+    assert json.loads((out / output.SUMMARY_FILE).read_text())["job"]["uid"] == "uid-2"
+
+
+def test_an_output_moved_into_a_folder_not_the_jobs_own_leaves_no_file_of_an_earlier_output_beside_it(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, output_dir=tmp_path / "checkpoints")  # an earlier output in the same place
+    out = Path(config.output_dir)
+    out.mkdir()
+    earlier = ["adapter_config.json", "adapter_model.safetensors", "model.safetensors", "tokenizer.model"]
+    for name in [*earlier, "notes.txt"]:
+        (out / name).write_text("earlier")
+
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    new = [*shards, "model.safetensors.index.json", "config.json", "tokenizer.json"]
+    output.save(config, ONE_PROCESS, SUMMARY, _writes(dict.fromkeys(new, b"new")))
+    assert _names(out) == sorted([*new, "notes.txt", output.SUMMARY_FILE])
+    assert {(out / name).read_text() for name in new} == {"new"}
+
+
 @pytest.mark.parametrize("where", ["a folder with other files", "the checkpoint folder"])
 def test_an_output_folder_that_is_not_the_jobs_own_keeps_what_it_holds(tmp_path: Path, where: str) -> None:
     if where == "the checkpoint folder":
@@ -213,3 +300,12 @@ def test_a_nan_final_loss_is_written_to_summary_json_as_null(tmp_path: Path) -> 
 
     summary = json.loads((out / "summary.json").read_text(), parse_constant=refuse)
     assert (summary["steps"], summary["finalLoss"]) == (12, None)
+
+
+def test_an_adapter_given_as_model_path_is_refused_with_the_way_to_merge_it(tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"lora")
+    with pytest.raises(TrainerError, match=r"holds a LoRA adapter .* merge it into its base") as refused:
+        check_model_files(ModelSource(path=str(tmp_path)))
+    assert refused.value.code == ExitCode.MODEL_LOAD_ERROR
+    assert "docs/output.md" in refused.value.reason

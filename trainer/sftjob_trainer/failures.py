@@ -56,6 +56,9 @@ _COMMUNICATION_PATTERNS = (
 _GPU_FAULT = re.compile(GPU_FAULT_PATTERN, re.I)
 _CUDA_ERROR = "CUDA error"
 _STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EIO, errno.ESTALE})
+# How a library written in Rust (safetensors' SafetensorError) quotes the OS error under its own: Rust's
+# io::Error as displayed ("No space left on device (os error 28)") or debug-printed ("Os { code: 28, ...").
+_QUOTED_OS_ERROR = re.compile(r"\(os error (\d+)\)|\bOs \{ code: (\d+)")
 # Permission denied: a folder's owner and mode, which no restart changes (a CONFIG_ERROR).
 _PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 # Exceptions (top-level package.class, anywhere in the class's MRO) that mean the connection to the hub
@@ -120,9 +123,10 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
         )
     if _is_communication(exc):
         return ExitCode.COMMUNICATION_ERROR, one_line(f"communication error between ranks: {message}")
-    if isinstance(exc, OSError) and exc.errno in _PERMISSION_ERRNOS:
-        return ExitCode.CONFIG_ERROR, one_line(f"permission denied: {message} ({permission_advice(exc)})")
-    if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+    error = os_error(exc)
+    if error is not None and error.errno in _PERMISSION_ERRNOS:
+        return ExitCode.CONFIG_ERROR, one_line(f"permission denied: {message} ({permission_advice(error)})")
+    if error is not None and error.errno in _STORAGE_ERRNOS:
         return ExitCode.STORAGE_ERROR, one_line(f"storage error: {message}")
     return ExitCode.UNKNOWN, one_line(f"unexpected error: {message}")
 
@@ -135,6 +139,19 @@ def storage_failure(exc: OSError, doing: str, folder: str | Path | None = None) 
     if exc.errno in _PERMISSION_ERRNOS:
         return TrainerError(ExitCode.CONFIG_ERROR, f"{doing}: {exc} ({permission_advice(exc, folder)})")
     return TrainerError(ExitCode.STORAGE_ERROR, f"{doing}: {exc}")
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """``exc`` if it is an OSError; the OS error another exception quotes (safetensors raises its own
+    ``SafetensorError: Error while serializing: I/O error: No space left on device (os error 28)`` for a
+    full disk); else None."""
+    if isinstance(exc, OSError):
+        return exc
+    quoted = _QUOTED_OS_ERROR.search(str(exc))
+    if quoted is None:
+        return None
+    code = int(quoted[1] or quoted[2])
+    return OSError(code, str(exc))
 
 
 def permission_denied(exc: BaseException) -> OSError | None:

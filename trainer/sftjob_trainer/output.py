@@ -12,10 +12,12 @@ moving an earlier output aside and renaming the new one, none: the restart write
 
 The output folder is replaced whole (the temporary folder beside it, renamed over it) when it is the
 job's own: new, holding only the train log (``train_log.jsonl``, written there as the run trains, and
-carried over), or an earlier output of this same job (a restart after the output was written). Any
-other folder (a volume's root, the checkpoint folder, a folder holding other files) keeps what it holds:
-the temporary folder is made inside it and its files moved out one by one, ``summary.json`` removed
-first and put back last.
+carried over), or an earlier output of a job of this namespace and name (a restart after the output was
+written, or the job deleted and created again). Any other folder (a volume's root, the checkpoint folder,
+a folder holding other files) keeps its other files: the temporary folder is made inside it and its files
+moved out one by one, ``summary.json`` removed first and put back last, after the model and tokenizer
+files of an earlier output (:data:`MODEL_FILES`), which would load along with the new ones: a stale
+``adapter_config.json`` beside a full model applies the old adapter to it.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from sftjob.config import JobRef, TrainerConfig
 from sftjob_trainer import ownership, strict_json
 from sftjob_trainer.data import answer_end_token
 from sftjob_trainer.distributed import DistContext, shards, unwrap
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir
-from sftjob_trainer.failures import storage_failure
+from sftjob_trainer.failures import os_error, storage_failure
 from sftjob_trainer.model import precision_plan
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 
@@ -44,6 +47,23 @@ log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"  # written last: the output is complete when it is there
 FILE_MODE, DIR_MODE = 0o644, 0o755  # readable by a serving pod's user, whatever its uid
+# What save_pretrained writes for a model, an adapter and a tokenizer: an earlier output's are removed from a
+# folder that is not the job's own before the new output's files are moved in.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "pytorch_model*.bin",
+    "*.index.json",
+    "adapter_*",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.*",
+    "vocab.json",
+    "merges.txt",
+)
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def check_owner(config: TrainerConfig, ctx: DistContext) -> None:
@@ -64,7 +84,7 @@ def write_model(
     full = config.method == "full"
     if shards(config, ctx):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not full)
-        state_dict = get_model_state_dict(model, options=options)
+        state_dict = _tied_once(get_model_state_dict(model, options=options), unwrap(model))
     dtype = precision_plan(config.method, config.training.precision).compute_dtype if full else None
     return save(
         config, ctx, summary, lambda folder: save_output(unwrap(model), tokenizer, folder, state_dict, dtype)
@@ -81,15 +101,10 @@ def save(
     tmp = (out.parent if whole else out) / f"{TMP_PREFIX}{out.name}-attempt-{job.attempt}"
     try:
         if ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            write(tmp)
-            if whole and (out / TRAIN_LOG_FILE).is_file():
-                shutil.copyfile(out / TRAIN_LOG_FILE, tmp / TRAIN_LOG_FILE)
-            summary_json = strict_json.dumps(summary | {"job": _identity(job)}, indent=2)
-            (tmp / SUMMARY_FILE).write_text(summary_json + "\n")
-            _readable_and_synced(tmp)
-        ctx.barrier()
+            _write_aside(tmp, out if whole else None, summary | {"job": _identity(job)}, write)
+        # Writing a 70B model takes longer than a collective may wait (PROCESS_GROUP_TIMEOUT): the other
+        # ranks wait for rank 0 in the setup group instead, as for its download.
+        ctx.wait_for_rank0()
         ownership.check_owner(
             Path(config.checkpoints.dir), job, ctx, "without committing its output", discard=tmp
         )
@@ -97,14 +112,33 @@ def save(
             (_replace if whole else _move_into)(tmp, out)
             _remove_unfinished(out)
             log.info("saved the %s to %s", "model" if config.method == "full" else "adapter", out)
-        ctx.barrier()
+        ctx.wait_for_rank0()
     except OSError as exc:
         raise storage_failure(exc, f"could not save the output to {out}", out) from exc
     return out
 
 
+def _write_aside(
+    tmp: Path, replaced: Path | None, summary: dict[str, Any], write: Callable[[Path], None]
+) -> None:
+    """The whole output in ``tmp``, ``summary.json`` last, with the train log of the folder it replaces; a
+    failed write leaves nothing there (its files would take the space a restart after a full disk needs)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        if replaced is not None and (replaced / TRAIN_LOG_FILE).is_file():
+            shutil.copyfile(replaced / TRAIN_LOG_FILE, tmp / TRAIN_LOG_FILE)
+        (tmp / SUMMARY_FILE).write_text(strict_json.dumps(summary, indent=2) + "\n")
+        _readable_and_synced(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def replaceable(out: Path, checkpoint_dir: Path, job: JobRef) -> bool:
-    """Whether the output folder is the job's own, to be replaced whole (see the module's docstring)."""
+    """Whether the output folder is the job's own, to be replaced whole (see the module's docstring): an
+    earlier output of a job of the same namespace and name is, whatever its uid."""
     resolved, holds_checkpoints = out.resolve(), checkpoint_dir.resolve()
     if resolved == holds_checkpoints or resolved in holds_checkpoints.parents or os.path.ismount(out):
         return False
@@ -113,7 +147,8 @@ def replaceable(out: Path, checkpoint_dir: Path, job: JobRef) -> bool:
     if {p.name for p in out.iterdir()} <= {TRAIN_LOG_FILE}:
         return True
     try:
-        return bool(json.loads((out / SUMMARY_FILE).read_text())["job"] == _identity(job))
+        earlier = json.loads((out / SUMMARY_FILE).read_text())["job"]
+        return (earlier["namespace"], earlier["name"]) == (job.namespace, job.name)
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -157,9 +192,18 @@ def _replace(tmp: Path, out: Path) -> None:
 
 
 def _move_into(tmp: Path, out: Path) -> None:
-    """Move each file of ``tmp`` (a folder inside ``out``) into ``out``, ``summary.json`` last."""
+    """Move each file of ``tmp`` (a folder inside ``out``) into ``out``, ``summary.json`` last, after
+    removing an earlier output's model and tokenizer files (:data:`MODEL_FILES`)."""
     (out / SUMMARY_FILE).unlink(missing_ok=True)
     fsync_dir(out)
+    earlier = sorted({p for pattern in MODEL_FILES for p in out.glob(pattern) if p.is_file()})
+    if earlier:
+        log.warning(
+            "removing the files of an earlier output from %s: %s", out, ", ".join(p.name for p in earlier)
+        )
+        for path in earlier:
+            path.unlink()
+        fsync_dir(out)
     for path in tmp.iterdir():
         if path.name != SUMMARY_FILE:
             os.replace(path, out / path.name)
@@ -179,8 +223,12 @@ def save_output(
     like the base it came from, rather than as its fp32 master weights: half the disk, and a config
     whose ``dtype`` says what the files hold (save_pretrained would write the parameters' fp32). Tensors
     are converted one at a time on the CPU, tied ones once.
+
+    A disk that fails under safetensors (which raises its own error, ``... (os error 28)``) is a storage
+    error, as it is under any other writer.
     """
-    stop = _stop_at_answer_end(model, tokenizer)
+    stops = _stops_with_answer_end(model, tokenizer)
+    generation = folder / GENERATION_CONFIG_FILE
     try:
         if dtype is not None:
             state_dict = _converted(state_dict if state_dict is not None else model.state_dict(), dtype)
@@ -189,12 +237,17 @@ def save_output(
             model.config.dtype = dtype
             model.config.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
-    except OSError as exc:
-        raise storage_failure(exc, f"could not save the output to {folder}", folder) from exc
-    if stop is None:
+        if stops is not None and generation.exists():
+            _set_eos(generation, stops)
+    except (OSError, SafetensorError) as exc:
+        error = os_error(exc)
+        if error is None:
+            raise
+        raise storage_failure(error, f"could not save the output to {folder}", folder) from exc
+    if stops is None:
         return
-    name = f"{tokenizer.convert_ids_to_tokens(stop)} (id {stop})"
-    if (folder / "generation_config.json").exists():
+    name = f"{tokenizer.convert_ids_to_tokens(stops[-1])} (id {stops[-1]})"
+    if generation.exists():
         log.info("answers end with %s: added to eos_token_id in the output's generation_config.json", name)
     else:  # an adapter: served with its base's generation config
         log.warning(
@@ -204,20 +257,39 @@ def save_output(
         )
 
 
-def _stop_at_answer_end(model: Any, tokenizer: Any) -> int | None:
+def _stops_with_answer_end(model: Any, tokenizer: Any) -> list[int] | None:
     """A model trained on chats ends its answers with the template's turn-end token (Llama 3 base:
-    ``<|eot_id|>``, where its generation config stops at ``<|end_of_text|>``): added to the generation
-    config's ``eos_token_id`` when missing there, so that generate() and vLLM stop after an answer."""
+    ``<|eot_id|>``, where its generation config stops at ``<|end_of_text|>``): the generation config's
+    ``eos_token_id`` with it added, so that generate() and vLLM stop after an answer; None when it is there
+    already."""
     end = answer_end_token(tokenizer)
     generation = getattr(model, "generation_config", None)
     if end is None or generation is None:
         return None
     eos = generation.eos_token_id
     stops = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    if end in stops:
-        return None
-    generation.eos_token_id = [*stops, end]
-    return end
+    return None if end in stops else [*stops, end]
+
+
+def _set_eos(path: Path, stops: list[int]) -> None:
+    """Set ``eos_token_id`` in the generation config save_pretrained wrote, as a JSON edit: the model's own
+    config is left as loaded, since transformers validates a changed one strictly on save, and a base that
+    ships sampling values without ``do_sample`` (``temperature``, ``top_p``) would then fail the save."""
+    saved = json.loads(path.read_text())
+    saved["eos_token_id"] = stops
+    path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+
+
+def _tied_once(state_dict: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A gathered (FSDP) state dict with each tied parameter's keys on one tensor, as in the model:
+    ``get_model_state_dict`` gathers every key separately, and save_pretrained, which drops a tied copy
+    only when it shares its storage, would write a tied head (``lm_head.weight``) beside the embeddings."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        key = first.setdefault(id(param), name)
+        if key != name and key in state_dict and name in state_dict:
+            state_dict[name] = state_dict[key]
+    return state_dict
 
 
 def _converted(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:

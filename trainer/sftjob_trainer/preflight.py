@@ -76,6 +76,12 @@ def check_model_files(source: ModelSource) -> None:
         return
     folder = Path(source.path)
     if not (folder / "config.json").is_file():
+        if (folder / "adapter_config.json").is_file():
+            raise TrainerError(
+                ExitCode.MODEL_LOAD_ERROR,
+                f"model.path {folder} holds a LoRA adapter (adapter_config.json), not a model: merge it into"
+                " its base and point model.path at the merged model (docs/output.md shows how)",
+            )
         raise TrainerError(ExitCode.MODEL_LOAD_ERROR, f"model.path {folder} has no config.json")
     index = folder / "model.safetensors.index.json"
     bin_index = folder / "pytorch_model.bin.index.json"
