@@ -4,7 +4,8 @@ Pure functions over the objects as the API server returns them (camelCase dicts)
 once it has vanished), its node (or None once deleted), and the caller's ``now`` and last progress
 time. No clocks, no I/O: the reconcile loop gathers the inputs and records the result in
 ``status.attempts``. What the container's termination message says (the trainer's exit code, hidden
-behind torchrun's 1, and a summary) is read by :mod:`sftjob_operator.termination`.
+behind torchrun's 1, and a summary) is read by :mod:`sftjob_operator.termination`; why a container has not
+started, by :mod:`sftjob_operator.not_started`.
 ``docs/failures.md`` explains every class to users.
 """
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
+from sftjob_operator.not_started import unmounted_failure, waiting_failure
 from sftjob_operator.termination import GPU_FAULT_SIGNATURE, gpu_runtime_failure, message_class, read_message
 
 Obj = Mapping[str, Any]
@@ -29,40 +31,6 @@ Obj = Mapping[str, Any]
 NODE_LOST_GRACE_SECONDS = 120.0
 MESSAGE_MAX_CHARS = 300
 
-# Waiting reasons of a container that cannot start. An image the kubelet will never pull ends the attempt
-# at once, and so does a pull whose error says the image cannot be had (no such image or tag, no access).
-IMAGE_UNUSABLE = frozenset({"InvalidImageName", "ErrImageNeverPull"})
-# (Not a bare "not found" or "denied": a layer that failed to unpack on the node says those too.)
-IMAGE_PULL_FINAL = re.compile(
-    r"failed to resolve reference .*: not found|code = NotFound|manifest unknown|name unknown"
-    r"|repository does not exist|pull access denied|\bdenied: |unauthorized|forbidden|\b40[134]\b",
-    re.IGNORECASE,
-)
-# A 401/403 while downloading a layer is no verdict on the image: a registry token that expired during a
-# long download, a pre-signed CDN URL that did. Only the reference and manifest stages say it cannot be had.
-IMAGE_LAYER_DOWNLOAD = re.compile(r"/blobs/|failed to copy", re.IGNORECASE)
-# Other pull failures (a registry's 429 or 5xx, a timeout) may pass: the kubelet shows ImagePullBackOff right
-# after the first failed pull and retries with a backoff growing to 5 minutes. Once the pod has failed to
-# start this long after the kubelet took it (a large image's pull included), the attempt ends as a
-# NetworkError: restarted with a backoff and counted against maxRestarts, never failed for good. ErrImagePull
-# itself, one failed pull between two back-offs, is always given the kubelet's retry.
-IMAGE_PULL_BACKOFF = "ImagePullBackOff"
-IMAGE_PULL_WAITING = frozenset({"ErrImagePull", IMAGE_PULL_BACKOFF})
-IMAGE_PULL_GIVE_UP_SECONDS = 900.0
-# A Secret, ConfigMap or key the pod refers to is missing: final, unless it is being created just now.
-# Anything else (the kubelet's "failed to sync secret cache" while the API server is slow) may pass too.
-CONFIG_WAITING = "CreateContainerConfigError"
-CONFIG_MISSING = re.compile(r"\bnot found\b|couldn't find key", re.IGNORECASE)
-CONFIG_MISSING_GIVE_UP_SECONDS = 180.0
-CONFIG_GIVE_UP_SECONDS = 600.0
-# The container runtime could not create or start the container: with the GPU runtime at fault, the node's
-# (termination.gpu_runtime_failure). The kubelet retries a failed create, so one that still fails this long
-# after it took the pod ends the attempt (the GPU runtime's classes). The pod status has no clock for the
-# end of the pull, so another create error ("context deadline exceeded", a container name "reserved" by
-# the create that timed out) waits as long as a pull may take as well, then ends the attempt as Unknown.
-CREATE_WAITING = frozenset({"CreateContainerError", "RunContainerError"})
-CREATE_GIVE_UP_SECONDS = 300.0
-CREATE_OTHER_GIVE_UP_SECONDS = IMAGE_PULL_GIVE_UP_SECONDS + CREATE_GIVE_UP_SECONDS
 START_FAILURES = frozenset({"StartError", "ContainerCannotRun"})  # terminated before the process ran
 # Kubelet admission failures that mean the node advertised GPUs it could not hand out.
 GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/gpu"})
@@ -114,6 +82,7 @@ def classify_pod(
     stall_timeout_seconds: float | None = None,
     node_lost_grace_seconds: float = NODE_LOST_GRACE_SECONDS,
     own_image: bool = False,
+    mount_give_up_seconds: float | None = None,
 ) -> Classification:
     """Classify one trainer pod.
 
@@ -121,6 +90,7 @@ def classify_pod(
     node it was on (from ``status.attempts``). ``node`` is the Node the pod is bound to, or None when
     that node does not exist. ``last_progress`` is the ``updated`` time of the pod's progress report.
     ``own_image``: the job sets ``spec.image``, so a module its trainer cannot import is its ConfigError.
+    ``mount_give_up_seconds``: how long a pod may wait for its volumes (None: as long as it takes).
     """
     if pod is None:
         if node_name is not None and (node is None or _not_ready_for(node, now) is not None):
@@ -140,9 +110,9 @@ def classify_pod(
     if phase == "Failed" or terminated is not None:
         return _classify_ended(status, terminated, node_name, node_gone, own_image=own_image)
 
-    waiting = _waiting_failure(pod, now, node_name)
+    waiting = waiting_failure(pod, now) or unmounted_failure(pod, now, mount_give_up_seconds)
     if waiting is not None:
-        return waiting
+        return _failed(waiting[0], None, waiting[1], node_name)
     if node_gone:
         return _failed(FailureClass.NODE_LOST, None, f"node {node_name} is gone or NotReady", node_name)
     terminating = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
@@ -160,7 +130,9 @@ def classify_pod(
 
 
 # Root causes first: when one pod of a multi-node attempt dies, its peers see NCCL errors or are
-# killed by torchrun, so the least specific classes come last.
+# killed by torchrun, so the least specific classes come last. A CommunicationError is last of all: it is
+# what the healthy ranks say when another one dies (a segfault is Unknown), so it is the cause only when
+# no pod says anything else.
 ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
     FailureClass.NODE_LOST,
     FailureClass.GPU_UNAVAILABLE,
@@ -177,8 +149,8 @@ ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
     FailureClass.NETWORK_ERROR,
     FailureClass.PREEMPTED,
     FailureClass.STALLED,
-    FailureClass.COMMUNICATION_ERROR,
     FailureClass.UNKNOWN,
+    FailureClass.COMMUNICATION_ERROR,
 )
 
 
@@ -228,6 +200,16 @@ def peer_never_joined(record: AttemptRecord) -> bool:
     if record.reason is not FailureClass.COMMUNICATION_ERROR:
         return False
     return PEER_NEVER_JOINED.search(record.message) is not None
+
+
+# An attempt that ended so leaves ranks that are all alive and save their SIGTERM checkpoint together.
+SAVED_TOGETHER = frozenset({FailureClass.PREEMPTED, FailureClass.DEADLINE_EXCEEDED})
+
+
+def cut_short(record: AttemptRecord | None) -> bool:
+    """The attempt failed with a rank dead, gone or hung: the collective SIGTERM save of its other pods
+    cannot complete, so they need no grace to save (``Actions.quick_delete_pods``)."""
+    return record is not None and record.failed and record.reason not in SAVED_TOGETHER
 
 
 def describe_failure(record: AttemptRecord) -> str:
@@ -298,38 +280,6 @@ def _classify_ended(
 
 def _failed(cls: FailureClass, code: int | None, message: str, node: str | None) -> Classification:
     return Classification(Outcome.FAILED, cls, code, _trim(message), node)
-
-
-def _waiting_failure(pod: Obj, now: datetime, node_name: str | None) -> Classification | None:
-    """A container that cannot start and will not: its image cannot be had, or its Secret or ConfigMap is
-    missing; a failure that may pass once it has lasted its give-up time."""
-    status = pod.get("status") or {}
-    # Since the kubelet took the pod (before it pulls), not since creation: a pod may wait for GPUs long.
-    since = parse_time(status.get("startTime") or (pod.get("metadata") or {}).get("creationTimestamp"))
-    waited = 0.0 if since is None else (now - since).total_seconds()
-    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
-        waiting = (cs.get("state") or {}).get("waiting") or {}
-        reason, message = waiting.get("reason", ""), waiting.get("message", "")
-        said = f"{reason}: {message or cs.get('image')}"
-        final = IMAGE_PULL_FINAL.search(message) and not IMAGE_LAYER_DOWNLOAD.search(message)
-        if reason in IMAGE_UNUSABLE or (reason in IMAGE_PULL_WAITING and final):
-            return _failed(FailureClass.IMAGE_PULL_ERROR, None, said, node_name)
-        if reason == IMAGE_PULL_BACKOFF and waited > IMAGE_PULL_GIVE_UP_SECONDS:
-            return _failed(FailureClass.NETWORK_ERROR, None, _still(said, waited), node_name)
-        if reason == CONFIG_WAITING:
-            missing = CONFIG_MISSING.search(message) is not None
-            if waited > (CONFIG_MISSING_GIVE_UP_SECONDS if missing else CONFIG_GIVE_UP_SECONDS):
-                return _failed(FailureClass.CONFIG_ERROR, None, _still(said, waited), node_name)
-        if reason in CREATE_WAITING:
-            runtime = gpu_runtime_failure(reason, message)
-            if waited > (CREATE_GIVE_UP_SECONDS if runtime else CREATE_OTHER_GIVE_UP_SECONDS):
-                cls, what = runtime or (FailureClass.UNKNOWN, said)
-                return _failed(cls, None, _still(what, waited), node_name)
-    return None
-
-
-def _still(message: str, waited: float) -> str:
-    return f"{message} (the pod has not started in {int(waited // 60)} min)"
 
 
 def _terminated_state(status: Obj) -> Obj | None:

@@ -48,7 +48,7 @@ from sftjob_operator.ghosts import Tombstones, is_gone
 from sftjob_operator.kube import Conflict, CreateFailed, Kube, Rejected
 from sftjob_operator.observe import JobView, trim_node, trim_pod
 from sftjob_operator.reconcile import reconcile
-from sftjob_operator.reconcile_io import Actions, Context, Observed
+from sftjob_operator.reconcile_io import SURVIVOR_GRACE_SECONDS, Actions, Context, Observed
 from sftjob_operator.status import failed_create, parse_status, reject
 from sftjob_operator.status_draft import Event
 from sftjob_operator.workqueue import WorkQueue
@@ -69,6 +69,8 @@ CONSISTENCY_TIMEOUT = 30.0
 # A queued attempt's Workload is read again at most this often: it only words a message, and a thousand
 # queued jobs would otherwise cost a read each every pass.
 WORKLOAD_READ_SECONDS = 120.0
+# ... and sooner while it has no reason to give: Kueue has not made it, or not tried to admit it yet.
+WORKLOAD_RETRY_SECONDS = 10.0
 
 JobKey = tuple[str, str]  # (namespace, name)
 
@@ -269,6 +271,11 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     if group is not None:  # Kueue holds the attempt: its Workload says why
         observed = dataclasses.replace(observed, queue_reason=await _queue_reason(key, group))
     actions = reconcile(observed, Runtime.context)
+    if actions.read_claims:  # a multi-node job's claims, before its first attempt: read, then decide
+        kube, names = Runtime.kube, actions.read_claims
+        read = await asyncio.gather(*(kube.run(kube.read_claim, job.namespace, n) for n in names))
+        observed = dataclasses.replace(observed, claims=dict(zip(names, read, strict=True)))
+        actions = reconcile(observed, Runtime.context)
     if actions.check_pods:  # the index lacks pods long after their attempt started: ask, then decide
         found, gone = await _look_up(job, actions.check_pods)
         observed = dataclasses.replace(observed, pods=[*observed.pods, *found], gone=gone)
@@ -293,7 +300,8 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
 
 async def _queue_reason(key: JobKey, group: str) -> str | None:
     """Kueue's reason for holding pod group ``group`` of job ``key``, read at most every
-    WORKLOAD_READ_SECONDS. Best effort: a failed read only leaves the reason out of the message."""
+    WORKLOAD_READ_SECONDS (WORKLOAD_RETRY_SECONDS while the Workload gives none). Best effort: a failed
+    read only leaves the reason out of the message."""
     now = time.monotonic()
     cached = Runtime.queue_reasons.get(key)
     if cached is not None and cached[0] == group and cached[2] > now:
@@ -309,7 +317,8 @@ async def _queue_reason(key: JobKey, group: str) -> str | None:
         )
         workload = None
     reason = workloads.pending_reason(workload)
-    Runtime.queue_reasons[key] = (group, reason, now + WORKLOAD_READ_SECONDS)
+    again = WORKLOAD_READ_SECONDS if reason is not None else WORKLOAD_RETRY_SECONDS
+    Runtime.queue_reasons[key] = (group, reason, now + again)
     return reason
 
 
@@ -342,6 +351,7 @@ async def _apply(
         return rejected, version
     uids = {observe.name(p): observe.uid_of(p) for p in observed.pods}  # every pod it deletes is one of them
     deletes = [(pod, None) for pod in actions.delete_pods] + [(pod, 0) for pod in actions.force_delete_pods]
+    deletes += [(pod, SURVIVOR_GRACE_SECONDS) for pod in actions.quick_delete_pods]
     for pod, grace_period_seconds in deletes:
         if not await kube.run(kube.delete_pod, namespace, pod, uids[pod], grace_period_seconds):
             log.info(

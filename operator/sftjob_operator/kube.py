@@ -126,6 +126,19 @@ class Kube:
             raise
         return cast(dict[str, Any], json.loads(response.data))
 
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The PersistentVolumeClaim ``name`` (camelCase), or None where there is none to read: it does not
+        exist (yet), or the operator may not get it."""
+        try:
+            response: Any = self.core.read_namespaced_persistent_volume_claim(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as err:
+            if err.status in (403, 404):
+                return None
+            raise
+        return cast(dict[str, Any], json.loads(response.data))
+
     def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
         """Kueue's Workload ``name`` (v1beta2: Kueue 0.15 and later), or None where there is none to read:
         not created yet, Kueue not installed or older, or the operator not allowed to get Workloads."""

@@ -6,20 +6,22 @@ just inside it. A multi-node job's pods share one GPU product, each on its own n
 (:func:`sftjob_operator.scheduling.gang_affinity`). The pod mounts its config (the ConfigMap's row for
 each candidate card), the checkpoint claim, a memory-backed /dev/shm, a scratch /tmp that is also its
 HOME and, when the spec names them, the model, dataset and output volumes; it
-meets the restricted Pod Security profile unless the spec adds hostPath or nfs volumes.
+meets the restricted Pod Security profile unless the spec adds hostPath or nfs volumes. Every pod mounts
+every volume, so a multi-node job's claims must allow mounts on several nodes (:func:`unshared_claim`).
 """
 
 from __future__ import annotations
 
 import math
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sftjob import constants as c
 from sftjob.config import JobRef
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
+from sftjob.volumes import VolumeSource
 from sftjob_operator import builders
 from sftjob_operator.builders import (
     checkpoint_pvc,
@@ -37,6 +39,7 @@ from sftjob_operator.planning import CandidatePlans
 from sftjob_operator.scheduling import gang_affinity, gpu_tolerations
 
 Manifest = dict[str, Any]
+Obj = Mapping[str, Any]
 
 CONTAINER = "trainer"
 TRAINER_MODULE = "sftjob_trainer.train"
@@ -50,6 +53,10 @@ TERMINATION_GRACE_SECONDS = 120
 STEP_GRACE_MARGIN = 1.5
 STEP_GRACE_CAP_SECONDS = 1800
 SAVE_SECONDS_PER_GIB = 2.0
+# The access modes that let every node of a multi-node job mount a claim: read-write for the checkpoints and
+# the output (every rank checks it can write there), read-only at least for the model and the dataset.
+WRITE_MANY = frozenset({"ReadWriteMany"})
+READ_MANY = frozenset({"ReadOnlyMany", "ReadWriteMany"})
 # torchrun SIGKILLs its workers this long after forwarding SIGTERM (its default is 30 s): just inside the
 # pod's grace, so the save can finish and torchrun still exits before the kubelet's SIGKILL.
 TORCHRUN_SHUTDOWN_MARGIN_SECONDS = 10
@@ -183,6 +190,50 @@ def _volumes(job: JobRef, spec: SFTJobSpec, plan: Plan) -> tuple[list[Manifest],
             volumes.append({"name": name, **block})
             mounts.append({"name": name, "mountPath": path, "readOnly": read_only})
     return volumes, mounts
+
+
+def shared_claims(spec: SFTJobSpec) -> list[tuple[str, str, frozenset[str]]]:
+    """The claims each node of a multi-node job mounts: (the spec's field, the claim, the access modes
+    any one of which lets several nodes mount it); none for a single node."""
+    if spec.gpu.nodes == 1:
+        return []
+    named: tuple[tuple[str, VolumeSource | None, frozenset[str]], ...] = (
+        ("spec.checkpoints.volume", spec.checkpoints.volume, WRITE_MANY),
+        ("spec.output.volume", spec.output.volume, WRITE_MANY),
+        ("spec.model.volume", spec.model.volume, READ_MANY),
+        ("spec.dataset.volume", spec.dataset.volume, READ_MANY),
+    )
+    return [
+        (field, volume.persistent_volume_claim.claim_name, modes)
+        for field, volume, modes in named
+        if volume is not None and volume.persistent_volume_claim is not None
+    ]
+
+
+def unread_claims(spec: SFTJobSpec, claims: Mapping[str, Obj | None]) -> tuple[str, ...]:
+    """The claims of :func:`shared_claims` that ``claims`` (those read so far) lacks."""
+    return tuple(name for _, name, _ in shared_claims(spec) if name not in claims)
+
+
+def unshared_claim(spec: SFTJobSpec, claims: Mapping[str, Obj | None]) -> str | None:
+    """Why a claim of a multi-node job cannot be mounted on all its nodes, or None. ``claims`` maps names to
+    the claims as read (None: not read); a claim's access modes are its volume's once bound."""
+    for field, name, needed in shared_claims(spec):
+        claim = claims.get(name) or {}
+        modes = (claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes")
+        if modes and not needed & set(modes):
+            why = (
+                "the trainer writes there"
+                if READ_MANY & set(modes)
+                else "its volume would attach to one node, and the other pods wait in ContainerCreating"
+                " (Multi-Attach error)"
+            )
+            return (
+                f"{field}.persistentVolumeClaim.claimName: claim {name} has accessModes {', '.join(modes)};"
+                f" the {spec.gpu.nodes} nodes of the job (spec.gpu.nodes) all mount it, which needs"
+                f" {' or '.join(sorted(needed))}: {why}"
+            )
+    return None
 
 
 def attempt_selector(job: JobRef) -> dict[str, str]:

@@ -17,10 +17,11 @@ running one. The steps, in order:
 2. ``spec.suspend``: delete the pods, keep everything else; ``activeDeadlineSeconds`` exceeded: Failed;
 3. no attempt under way: ask the attempt policy for the next one and start it (status first, so the
    attempt number is recorded before its pods exist), or wait for its backoff, or for an earlier
-   attempt's pods to stop (a trainer saving its SIGTERM checkpoint), or fail;
+   attempt's pods to stop (a trainer saving its SIGTERM checkpoint), or fail (also a multi-node job with
+   a claim no two nodes can mount, read before its first attempt);
 4. an attempt under way: fold in its pods' progress reports, classify its pods; when it is over, record
-   how it ended and go to 3; otherwise create whatever pod is missing and report scheduling, GPU, plan
-   and progress.
+   how it ended (the pods left of a failed one go with a short grace: ``actions``) and go to 3;
+   otherwise create whatever pod is missing and report scheduling, GPU, plan and progress.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from sftjob_operator.classify import (
     Outcome,
     classify_attempt,
     classify_pod,
+    cut_short,
     describe_failure,
     end_record,
     running_since,
@@ -50,6 +52,7 @@ from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason
 from sftjob_operator.conditions import get as get_condition
 from sftjob_operator.job_lifecycle import JobPass
+from sftjob_operator.not_started import MOUNT_GIVE_UP_SECONDS
 from sftjob_operator.planning import CandidatePlans, PlanningError, plan_status
 from sftjob_operator.reconcile_io import Actions, Context, Manifest, Obj, Observed
 from sftjob_operator.scheduling import node_affinity
@@ -81,6 +84,8 @@ def reconcile(obs: Observed, ctx: Context) -> Actions:
 
 class _Pass(JobPass):
     """One reconcile pass: the job-level steps of :class:`JobPass` and the attempts; no I/O."""
+
+    read_claims: tuple[str, ...] = ()  # claims to read before the pass can decide (``Actions.read_claims``)
 
     # --- the steps ------------------------------------------------------------------------------
 
@@ -153,6 +158,13 @@ class _Pass(JobPass):
         if stopping is not None:
             self.requeue.append(STOPPING_POLL.total_seconds())
             return self.between_attempts(f"waiting for attempt {stopping}'s pods to stop")
+        if not self.status.attempts:  # a multi-node job's claims are read and judged before its first attempt
+            self.read_claims = pods.unread_claims(spec, self.obs.claims)
+            unshared = None if self.read_claims else pods.unshared_claim(spec, self.obs.claims)
+            if unshared is not None:
+                return self.fail(Reason.INVALID_SPEC, unshared, admitted=False)
+            if self.read_claims:
+                return None
         self.start(spec, decision)
 
     def start(self, spec: SFTJobSpec, decision: NextAttempt) -> None:
@@ -268,6 +280,7 @@ class _Pass(JobPass):
             last_progress=max([t for t in (progress, last) if t is not None], default=None),
             stall_timeout_seconds=spec.restart_policy.stall_timeout if everyone else None,
             own_image=spec.image is not None,
+            mount_give_up_seconds=MOUNT_GIVE_UP_SECONDS if spec.gpu.nodes > 1 else None,
         )
 
     def attempt_over(
@@ -355,28 +368,31 @@ class _Pass(JobPass):
 
     # --- helpers --------------------------------------------------------------------------------
 
+    def actions(self) -> Actions:
+        """The pass's actions; the pods of an attempt that failed other than by preemption or its deadline
+        are deleted with a short grace (``Actions.quick_delete_pods``): a rank that died, vanished or hung
+        takes their collective SIGTERM save with it."""
+        if self.read_claims:
+            return Actions(status=self.old, status_changed=False, read_claims=list(self.read_claims))
+        out = super().actions()
+        quick = {observe.name(p) for p in self.obs.pods if cut_short(self.record_of(observe.attempt_of(p)))}
+        out.quick_delete_pods = [n for n in out.delete_pods if n in quick]
+        out.delete_pods = [n for n in out.delete_pods if n not in quick]
+        return out
+
     def render(self, spec: SFTJobSpec, attempt: NextAttempt, *, ranks: Sequence[int]) -> list[Manifest]:
         """The children of ``attempt`` (only the pods of ``ranks``), in creation order."""
-        job = JobRef(
-            namespace=self.obs.namespace, name=self.obs.name, uid=self.obs.uid, attempt=attempt.attempt
-        )
+        obs, ctx = self.obs, self.ctx
+        job = JobRef(namespace=obs.namespace, name=obs.name, uid=obs.uid, attempt=attempt.attempt)
+        floor = None if spec.image else ctx.image_min_driver_major
         affinity = node_affinity(
-            spec.gpu.candidates(),
-            self.ctx.products,
-            allowed_products=attempt.plans.allowed_products(),
-            avoid_nodes=attempt.avoid_nodes,
-            min_driver_major=None if spec.image else self.ctx.image_min_driver_major,
-        )
-        image = spec.image or self.ctx.image
+            spec.gpu.candidates(), ctx.products, allowed_products=attempt.plans.allowed_products(),
+            avoid_nodes=attempt.avoid_nodes, min_driver_major=floor,
+        )  # fmt: skip
         return pods.attempt_children(
-            job,
-            spec,
-            attempt.plans,
-            affinity=affinity,
-            image=image,
-            ranks=ranks,
-            image_pull_secrets=self.ctx.trainer_image_pull_secrets,
-        )
+            job, spec, attempt.plans, affinity=affinity, image=spec.image or ctx.image, ranks=ranks,
+            image_pull_secrets=ctx.trainer_image_pull_secrets,
+        )  # fmt: skip
 
     def all_bound_once(self, spec: SFTJobSpec) -> bool:
         """The status shows every pod of the current attempt bound to a node (``gpu`` is reset when an

@@ -18,6 +18,8 @@ from sftjob_operator.status_draft import Event
 
 Obj = Mapping[str, Any]
 Manifest = dict[str, Any]
+# The grace of ``Actions.quick_delete_pods``: time for torchrun to pass SIGTERM on and its workers to exit.
+SURVIVOR_GRACE_SECONDS = 30
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class Observed:
     gone: frozenset[str] = frozenset()
     # Kueue's reason for holding the attempt's pod group at its gate (``workloads.pending_reason``).
     queue_reason: str | None = None
+    # The PersistentVolumeClaims a direct read (asked for by ``Actions.read_claims``) found, by name; None
+    # for one it could not read (absent, or the operator may not get it).
+    claims: Mapping[str, Obj | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,15 @@ class Actions:
     # Pods on a lost node, deleted with ``gracePeriodSeconds: 0``: their kubelet can never confirm a
     # graceful delete, so they would stay Terminating, holding the checkpoint claim, until deleted so.
     force_delete_pods: list[str] = field(default_factory=list)
+    # Pods of an attempt that failed with a rank dead, gone or hung, deleted with ``SURVIVOR_GRACE_SECONDS``
+    # rather than their own grace: their collective SIGTERM save cannot complete without that rank, and
+    # torchrun would otherwise hold the GPUs for its whole --shutdown-timeout.
+    quick_delete_pods: list[str] = field(default_factory=list)
     delete_job: bool = False
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     # Pods the index lacks past their grace: read them directly and decide again with the answer
     # (found: add them to ``Observed.pods``; 404: ``Observed.gone``). Nothing else is applied.
     check_pods: list[str] = field(default_factory=list)
+    # Claims to read before deciding (``Observed.claims``); nothing else is applied.
+    read_claims: list[str] = field(default_factory=list)

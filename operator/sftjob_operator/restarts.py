@@ -49,7 +49,8 @@ HOST_OOM_MIN_RAISE = 0.1
 COMMUNICATION_ERRORS_TO_AVOID_NODE = 2
 # NCCL's slow-but-safe setting for PCIe-only GPUs whose P2P path hangs (ACS/IOMMU), research §3.1: P2P only
 # between GPUs NVLink connects. On PCIe-only cards that is no P2P at all (as NCCL_P2P_DISABLE=1 would
-# be); on NVLink cards P2P goes on as before, so it is safe in a pod that may land on either.
+# be); on NVLink cards P2P goes on as before, so it is safe in a pod that may land on either. P2P joins the
+# GPUs of one node only: with one GPU per node there is none to turn off, and no fallback.
 SAFE_PCIE_NCCL_ENV = {"NCCL_P2P_LEVEL": "NVL"}
 
 ADVICE: dict[FailureClass, str] = {
@@ -206,7 +207,8 @@ def _gpu_adjusted(
         if plan.fits and profile_for_key(key).memory_gib <= ceiling:
             adjusted[key] = plan.model_copy(update={"fits": False})
             changes.append(f"{key}: skipped, no more GPU memory than {', '.join(exhausted)}")
-    broken = pcie_links_broken(list(adjusted), ended)
+    several = any(p.distributed.nproc_per_node > 1 for p in adjusted.values())
+    broken = pcie_links_broken(list(adjusted), ended) if several else []
     if broken:
         for key, plan in adjusted.items():
             adjusted[key] = plan.model_copy(update={"env": {**plan.env, **SAFE_PCIE_NCCL_ENV}})

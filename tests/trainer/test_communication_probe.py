@@ -12,6 +12,7 @@ import torch
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError, read_exit_tag
 from sftjob_operator.classify import PEER_NEVER_JOINED
+from sftjob_operator.termination import GPU_FAULT_SIGNATURE
 from sftjob_trainer import distributed
 from tests.trainer.runs import RANKS, MakeConfig, torchrun, trainer_output
 
@@ -25,7 +26,7 @@ from sftjob_trainer import distributed, train
 
 distributed.COMMUNICATION_PROBE_TIMEOUT = timedelta(seconds=2)
 if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
-    def never_joins(device, world, backend):
+    def never_joins(*args, **kwargs):
         time.sleep(6)
         os._exit(0)
 
@@ -67,7 +68,7 @@ def test_a_first_collective_that_returns_wrong_sums_is_a_communication_error(
 ) -> None:
     monkeypatch.setattr(distributed.dist, "all_reduce", lambda *args, **kwargs: _Done())
     with pytest.raises(TrainerError) as raised:
-        distributed.probe_communication(torch.device("cpu"), 2, "gloo")
+        distributed.probe_communication(torch.device("cpu"), 2, "gloo", local_world=2)
     assert raised.value.code == ExitCode.COMMUNICATION_ERROR and "wrong sums" in raised.value.reason
 
 
@@ -80,3 +81,22 @@ def test_a_single_process_starts_without_a_communication_probe(
     monkeypatch.setattr(distributed.dist, "all_reduce", no_collectives)
     ctx = distributed.init_distributed(TrainerConfig.load(str(trainer_config())))
     assert not ctx.active
+
+
+@pytest.mark.parametrize(
+    ("world", "local_world", "between_nodes", "inside_a_node"),
+    [(4, 2, True, True), (2, 1, True, False), (2, 2, False, True)],
+)
+def test_a_failed_probe_blames_the_pods_network_across_nodes_and_the_pcie_path_inside_a_node(
+    monkeypatch: pytest.MonkeyPatch, world: int, local_world: int, between_nodes: bool, inside_a_node: bool
+) -> None:
+    monkeypatch.setattr(distributed.dist, "all_reduce", lambda *args, **kwargs: _Done())
+    with pytest.raises(TrainerError) as raised:
+        distributed.probe_communication(torch.device("cpu"), world, "gloo", local_world=local_world)
+    reason = raised.value.reason
+    assert ("every TCP port must be open between them" in reason) is between_nodes, reason
+    assert ("PCIe ACS or the IOMMU" in reason) is inside_a_node, reason
+    if between_nodes and inside_a_node:  # the network first: the job's status keeps only the start
+        assert reason.index("between nodes") < reason.index("inside a node")
+    # Still a CommunicationError for the operator, not a GPU fault.
+    assert GPU_FAULT_SIGNATURE.search(reason) is None

@@ -20,7 +20,9 @@ A800, L40S = "A800-SXM4-80GB", "L40S"
 PRODUCTS = {"NVIDIA-A800-SXM4-80GB": A800, "NVIDIA-L40S": L40S}
 
 
-def plan(gpu: str = A800, micro_batch: int = 4, accumulation: int = 8, memory: str = "64Gi") -> Plan:
+def plan(
+    gpu: str = A800, micro_batch: int = 4, accumulation: int = 8, memory: str = "64Gi", per_node: int = 1
+) -> Plan:
     return Plan(
         gpu=gpu,
         fits=True,
@@ -29,7 +31,7 @@ def plan(gpu: str = A800, micro_batch: int = 4, accumulation: int = 8, memory: s
             micro_batch_size=micro_batch,
             gradient_accumulation_steps=accumulation,
         ),
-        distributed=DistributedSettings(),
+        distributed=DistributedSettings(nproc_per_node=per_node),
         resources=PodResources(cpu="8", memory=memory, shm_size="16Gi"),
         memory=MemoryEstimate(terms=[], total_gib=60.0, budget_gib=70.0),
         predicted_tokens_per_second=1000.0,

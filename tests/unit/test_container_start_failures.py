@@ -10,12 +10,11 @@ import pytest
 
 from sftjob.attempts import RestartPolicy
 from sftjob.failures import FailureClass
-from sftjob_operator.classify import (
+from sftjob_operator.classify import Outcome, end_record
+from sftjob_operator.not_started import (
     CREATE_GIVE_UP_SECONDS,
     CREATE_OTHER_GIVE_UP_SECONDS,
     IMAGE_PULL_GIVE_UP_SECONDS,
-    Outcome,
-    end_record,
 )
 from sftjob_operator.restarts import ADVICE
 from tests.unit.classify_cases import (

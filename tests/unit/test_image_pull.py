@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from sftjob.failures import FailureClass
-from sftjob_operator.classify import (
+from sftjob_operator.classify import Outcome
+from sftjob_operator.not_started import (
     CONFIG_GIVE_UP_SECONDS,
     CONFIG_MISSING_GIVE_UP_SECONDS,
     IMAGE_PULL_GIVE_UP_SECONDS,
-    Outcome,
 )
 from tests.unit.classify_cases import classify, pod, waiting
 

@@ -133,7 +133,7 @@ def test_the_restart_seam_starts_the_next_attempt_with_its_settings() -> None:
     assert new_pod["metadata"]["name"] == "job-2-0"
     avoid = new_pod["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert avoid[-1]["preference"]["matchFields"][0]["values"] == ["l40s-0"]
-    assert actions.delete_pods == ["job-1-0"]
+    assert actions.quick_delete_pods == ["job-1-0"] and not actions.delete_pods
 
 
 def test_a_restart_waiting_for_its_backoff_shows_restarting_and_asks_to_be_requeued() -> None:
@@ -239,7 +239,7 @@ def test_a_multi_node_attempt_fails_together_when_one_pod_fails() -> None:
         pod(rank=1, phase="Failed", node="a800-0", status=terminated(1, "Error", "x")),
     ]
     actions = reconcile(then(obs, first, pods=pods), CTX)
-    assert actions.status.phase == "Restarting" and actions.delete_pods == ["job-1-0"]
+    assert actions.status.phase == "Restarting" and actions.quick_delete_pods == ["job-1-0"]
 
 
 def test_an_attempt_records_the_ladder_step_of_the_card_it_landed_on() -> None:

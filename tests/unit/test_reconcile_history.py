@@ -82,7 +82,7 @@ def test_a_new_attempt_is_numbered_past_every_attempt_the_status_or_the_pods_sho
     later = NOW + timedelta(hours=1)
     restarted = reconcile(observed(status=judged.status.to_patch(), pods=[failed], now=later), CTX)
     assert restarted.status.attempt == 4 and pod_names(restarted) == ["job-4-0"]
-    assert restarted.delete_pods == ["job-3-0"]
+    assert restarted.quick_delete_pods == ["job-3-0"]
 
 
 def test_a_missing_pod_is_recreated_under_its_attempts_name_even_when_earlier_records_were_lost() -> None:
@@ -118,7 +118,7 @@ def test_a_vanished_rank_is_judged_by_its_own_node_and_that_node_is_avoided() ->
     ended_now = reconcile(replace(lost, nodes=NODES), CTX)
     ended = ended_now.status.attempts[0]
     assert (ended.reason, ended.node) == ("NodeLost", "a800-1")
-    assert ended_now.delete_pods == ["job-1-0"] and not ended_now.children  # rank 0 stops first
+    assert ended_now.quick_delete_pods == ["job-1-0"] and not ended_now.children  # rank 0 stops first
     actions = reconcile(replace(then(lost, ended_now, pods=[]), nodes=NODES), CTX)
     affinity = next(m for m in actions.children if m["kind"] == "Pod")["spec"]["affinity"]["nodeAffinity"]
     avoid = affinity["preferredDuringSchedulingIgnoredDuringExecution"][-1]["preference"]["matchFields"]

@@ -109,7 +109,7 @@ def test_the_pod_of_an_attempt_ended_by_a_lost_node_is_deleted_with_force_once_t
                    nodes={**NODES, "l40s-0": not_ready("l40s-0", "2026-01-01T12:01:00Z")})  # fmt: skip
     actions = reconcile(lost, CTX)
     assert actions.status.attempts[0].reason == "NodeLost"
-    assert actions.delete_pods == ["job-1-0"] and actions.force_delete_pods == []
+    assert actions.quick_delete_pods == ["job-1-0"] and actions.force_delete_pods == []
     assert actions.status.attempt == 2  # restarts at once: nothing of attempt 1 can still run
     gone = replace(lost, nodes={k: v for k, v in NODES.items() if k != "l40s-0"})
     assert reconcile(gone, CTX).force_delete_pods == ["job-1-0"]
@@ -137,10 +137,10 @@ def test_a_failed_attempts_surviving_rank_is_deleted_again_until_it_has_gone() -
     first = reconcile(obs, CTX)
     failed = pod(rank=1, phase="Failed", node="a800-1", status=terminated(1, "Error", "boom"))
     ended = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), failed]), CTX)
-    assert ended.status.phase == "Restarting" and ended.delete_pods == ["job-1-0"]
+    assert ended.status.phase == "Restarting" and ended.quick_delete_pods == ["job-1-0"]
     # The delete was lost (the operator stopped after writing the status): the next pass sends it again.
     again = then(obs, ended, pods=[pod(rank=0, node="a800-0"), failed], now=NOW + timedelta(seconds=5))
-    assert reconcile(again, CTX).delete_pods == ["job-1-0"]
+    assert reconcile(again, CTX).quick_delete_pods == ["job-1-0"]
 
 
 def test_an_attempt_whose_pod_vanished_with_its_node_counts_the_steps_it_reported_as_lost() -> None:

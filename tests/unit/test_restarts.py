@@ -196,7 +196,7 @@ def test_lost_and_faulty_nodes_and_repeated_nccl_breakers_are_avoided() -> None:
 
 
 def test_a_communication_error_on_pcie_only_gpus_keeps_nccl_p2p_to_nvlink_in_every_candidates_plan() -> None:
-    plans = candidates(plan(A800), plan(L40S))
+    plans = candidates(plan(A800, per_node=4), plan(L40S, per_node=4))
     decision = restart(policy_decision(history_of(FailureClass.COMMUNICATION_ERROR, gpu=L40S), plans=plans))
     # The pod's environment comes from the first plan (the A800 SXM4's) wherever it lands: it must carry it.
     assert decision.plans.first.gpu == A800
@@ -206,13 +206,19 @@ def test_a_communication_error_on_pcie_only_gpus_keeps_nccl_p2p_to_nvlink_in_eve
     assert all("NCCL_P2P_LEVEL" not in p.env for p in nvlink.plans.plans.values())
 
 
+def test_one_gpu_per_node_has_no_p2p_to_turn_off_after_a_communication_error() -> None:
+    history = history_of(FailureClass.COMMUNICATION_ERROR, gpu=L40S)
+    decision = restart(policy_decision(history, plans=candidates(plan(L40S, per_node=1))))
+    assert "NCCL_P2P_LEVEL" not in decision.plans.first.env and "NCCL P2P" not in decision.message
+
+
 def test_a_rendezvous_that_gave_up_on_a_missing_peer_neither_avoids_the_node_nor_disables_p2p() -> None:
     waited = "DistStoreError: Timed out after 86401 seconds waiting for clients. 1/2 clients joined."
     history = [
         r.model_copy(update={"message": waited})
         for r in history_of(FailureClass.COMMUNICATION_ERROR, FailureClass.COMMUNICATION_ERROR, gpu=L40S)
     ]
-    decision = restart(policy_decision(history, plans=candidates(plan(L40S))))
+    decision = restart(policy_decision(history, plans=candidates(plan(L40S, per_node=4))))
     assert decision.avoid_nodes == ()
     assert "NCCL_P2P_LEVEL" not in decision.plans.first.env
     assert decision.not_before is not None  # still a failure of the job's own: it backs off and counts

@@ -119,11 +119,11 @@ def init_distributed(config: TrainerConfig) -> DistContext:
             backend=backend, timeout=PROCESS_GROUP_TIMEOUT, device_id=device if cuda else None
         )
         log.info("process group up: rank %d of %d, backend %s", rank, world, backend)
-        probe_communication(device, world, backend)
+        probe_communication(device, world, backend, local_world=local_world)
     return DistContext(rank, world, local_rank, local_world, device)
 
 
-def probe_communication(device: torch.device, world: int, backend: str) -> None:
+def probe_communication(device: torch.device, world: int, backend: str, *, local_world: int) -> None:
     """One all-reduce over every rank, bounded by ``COMMUNICATION_PROBE_TIMEOUT``: a hang, a failure or a
     wrong sum ends the attempt with COMMUNICATION_ERROR, which the operator answers on PCIe-only GPUs with
     ``NCCL_P2P_LEVEL=NVL`` on the next attempt. ``Work.wait`` does not bound an NCCL collective (it only
@@ -138,19 +138,21 @@ def probe_communication(device: torch.device, world: int, backend: str) -> None:
                 with contextlib.suppress(Exception):
                     dist.distributed_c10d._abort_process_group()
             seconds = COMMUNICATION_PROBE_TIMEOUT.total_seconds()
-            raise _probe_failure(device, world, f"did not finish within {seconds:.0f} s")
+            raise _probe_failure(device, world, local_world, f"did not finish within {seconds:.0f} s")
         time.sleep(_PROBE_POLL_SECONDS)
     try:
         work.wait()
     except Exception as exc:
-        raise _probe_failure(device, world, f"failed ({type(exc).__name__}: {exc})") from exc
+        raise _probe_failure(device, world, local_world, f"failed ({type(exc).__name__}: {exc})") from exc
     if not bool((ones == world).all()):
-        raise _probe_failure(device, world, "returned wrong sums (data corrupted on the way)")
+        raise _probe_failure(device, world, local_world, "returned wrong sums (data corrupted on the way)")
     log.info("communication probe: all-reduce over %d ranks in %.2f s", world, time.monotonic() - started)
 
 
-def _probe_failure(device: torch.device, world: int, what: str) -> TrainerError:
-    """The COMMUNICATION_ERROR of a failed probe, naming the GPUs' interconnect and NCCL_P2P_LEVEL."""
+def _probe_failure(device: torch.device, world: int, local_world: int, what: str) -> TrainerError:
+    """The COMMUNICATION_ERROR of a failed probe, naming the GPUs' interconnect and NCCL_P2P_LEVEL, and what
+    can block the traffic: between nodes (``world`` > ``local_world``) the network between the pods, inside
+    a node the peer-to-peer path of PCIe-only GPUs."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         profile = profile_for_product(name)
@@ -158,11 +160,21 @@ def _probe_failure(device: torch.device, world: int, what: str) -> TrainerError:
     else:
         where = "gloo on the CPU"
     level = os.environ.get("NCCL_P2P_LEVEL", "unset")
+    causes = []
+    if world > local_world:  # the likeliest cause first: the job's status keeps the first 300 characters
+        causes.append(
+            "between nodes, the pods' network (every TCP port must be open between them, not only the"
+            " rendezvous port; MTU; NCCL_SOCKET_IFNAME; the RDMA GID)"
+        )
+    if local_world > 1:
+        causes.append(
+            "inside a node, PCIe ACS or the IOMMU blocking the P2P traffic of PCIe-only GPUs (A40, L40S), on"
+            " which the operator retries with NCCL_P2P_LEVEL=NVL"
+        )
     return TrainerError(
         ExitCode.COMMUNICATION_ERROR,
         f"the first collective between the {world} ranks (a 1 MiB all-reduce) {what} on {where} with"
-        f" NCCL_P2P_LEVEL {level}: PCIe ACS or the IOMMU can block the peer-to-peer traffic of PCIe-only GPUs"
-        " (A40, L40S), on which the operator retries with NCCL_P2P_LEVEL=NVL",
+        f" NCCL_P2P_LEVEL {level}; likely causes: {'; '.join(causes)}",
     )
 
 
