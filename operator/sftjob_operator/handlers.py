@@ -41,7 +41,7 @@ import kopf
 from sftjob import constants as c
 from sftjob.config import JobRef
 from sftjob.job_status import SFTJobStatus
-from sftjob_operator import builders, metrics, observe, pod_lifecycle, workloads
+from sftjob_operator import builders, lookups, metrics, observe, pod_lifecycle, workloads
 from sftjob_operator.conditions import Reason
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.ghosts import Tombstones, is_gone
@@ -66,11 +66,6 @@ ERROR_BACKOFF = (1.0, 30.0)
 # than the one that pass decided from, at most this long: deciding again from the older one would only
 # lose its status write with a 409. Under load the watch is seconds behind.
 CONSISTENCY_TIMEOUT = 30.0
-# A queued attempt's Workload is read again at most this often: it only words a message, and a thousand
-# queued jobs would otherwise cost a read each every pass.
-WORKLOAD_READ_SECONDS = 120.0
-# ... and sooner while it has no reason to give: Kueue has not made it, or not tried to admit it yet.
-WORKLOAD_RETRY_SECONDS = 10.0
 
 JobKey = tuple[str, str]  # (namespace, name)
 
@@ -89,8 +84,7 @@ class Runtime:
     backoff: ClassVar[dict[JobKey, float]] = {}
     gone = Tombstones()  # index entries of jobs the API server said are gone
     gone_pods = Tombstones()  # index entries of trainer pods (by job key) the API server said are gone
-    # Per queued job: the pod group whose Workload was read, Kueue's reason then, and when to read again.
-    queue_reasons: ClassVar[dict[JobKey, tuple[str, str | None, float]]] = {}
+    queue_reasons: ClassVar[lookups.QueueReasons] = {}  # per queued job, Kueue's reason (lookups)
     workers: ClassVar[list[asyncio.Task[None]]] = []
 
 
@@ -269,15 +263,15 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
     )
     group = workloads.queued_group(observed.pods)
     if group is not None:  # Kueue holds the attempt: its Workload says why
-        observed = dataclasses.replace(observed, queue_reason=await _queue_reason(key, group))
+        reason = await lookups.queue_reason(Runtime.kube, Runtime.queue_reasons, key, group)
+        observed = dataclasses.replace(observed, queue_reason=reason)
     actions = reconcile(observed, Runtime.context)
     if actions.read_claims:  # a multi-node job's claims, before its first attempt: read, then decide
-        kube, names = Runtime.kube, actions.read_claims
-        read = await asyncio.gather(*(kube.run(kube.read_claim, job.namespace, n) for n in names))
-        observed = dataclasses.replace(observed, claims=dict(zip(names, read, strict=True)))
+        claims = await lookups.read_claims(Runtime.kube, job.namespace, actions.read_claims)
+        observed = dataclasses.replace(observed, claims=claims)
         actions = reconcile(observed, Runtime.context)
     if actions.check_pods:  # the index lacks pods long after their attempt started: ask, then decide
-        found, gone = await _look_up(job, actions.check_pods)
+        found, gone = await lookups.look_up(Runtime.kube, job, actions.check_pods)
         observed = dataclasses.replace(observed, pods=[*observed.pods, *found], gone=gone)
         actions = reconcile(observed, Runtime.context)
     log.debug(
@@ -296,30 +290,6 @@ async def _pass(job: JobView, pods: kopf.Index[Any, Any], nodes: kopf.Index[Any,
         _wait_for_newer(key, job.resource_version)
     due = Runtime.resync_seconds if actions.requeue_after is None else actions.requeue_after
     return min(due, Runtime.resync_seconds)
-
-
-async def _queue_reason(key: JobKey, group: str) -> str | None:
-    """Kueue's reason for holding pod group ``group`` of job ``key``, read at most every
-    WORKLOAD_READ_SECONDS (WORKLOAD_RETRY_SECONDS while the Workload gives none). Best effort: a failed
-    read only leaves the reason out of the message."""
-    now = time.monotonic()
-    cached = Runtime.queue_reasons.get(key)
-    if cached is not None and cached[0] == group and cached[2] > now:
-        return cached[1]
-    try:
-        workload = await Runtime.kube.run(Runtime.kube.read_workload, key[0], group)
-    except Exception as err:
-        log.warning(
-            "reading Kueue's Workload %s/%s failed (the Queued message goes without it): %s",
-            key[0],
-            group,
-            err,
-        )
-        workload = None
-    reason = workloads.pending_reason(workload)
-    again = WORKLOAD_READ_SECONDS if reason is not None else WORKLOAD_RETRY_SECONDS
-    Runtime.queue_reasons[key] = (group, reason, now + again)
-    return reason
 
 
 async def _release_held(key: JobKey, pods: Sequence[observe.Obj]) -> None:
@@ -410,16 +380,6 @@ async def _post(job: JobView, type: str, reason: str, message: str) -> None:
     stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     manifest = builders.event(ref, type=type, reason=reason, message=message, time=stamp)
     await Runtime.kube.run(Runtime.kube.post_event, manifest)
-
-
-async def _look_up(job: JobView, names: list[str]) -> tuple[list[observe.Obj], frozenset[str]]:
-    """Read the job's pods directly: the trimmed ones that exist, and the names it has no pod of (the API
-    server answers 404, or the pod of that name is another job's, an earlier one of this name)."""
-    kube = Runtime.kube
-    bodies = await asyncio.gather(*(kube.run(kube.read_pod, job.namespace, n) for n in names))
-    found = observe.owned((trim_pod(b) for b in bodies if b is not None), job.uid)
-    there = {observe.name(p) for p in found}
-    return found, frozenset(n for n in names if n not in there)
 
 
 def _now() -> datetime:

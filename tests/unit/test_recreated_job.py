@@ -14,7 +14,7 @@ import pytest
 from sftjob import constants as c
 from sftjob.config import JobRef
 from sftjob.job_status import SFTJobStatus
-from sftjob_operator import builders, handlers
+from sftjob_operator import builders, handlers, lookups
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.kube import CreateFailed, NameTaken
 from sftjob_operator.observe import JobView, trim_pod
@@ -130,7 +130,7 @@ def test_a_child_name_an_earlier_job_still_holds_is_said_in_the_status_and_retri
 def test_a_pod_read_directly_that_is_an_earlier_jobs_is_not_this_jobs(kube: Callable[..., FakeKube]) -> None:
     kube(pods={"job-1-0": pod(owner=OLD_UID), "job-1-1": pod(rank=1)})
     job = JobView.of({"metadata": {"namespace": "team", "name": "job", "uid": UID}})
-    found, gone = asyncio.run(handlers._look_up(job, ["job-1-0", "job-1-1", "job-1-2"]))
+    found, gone = asyncio.run(lookups.look_up(handlers.Runtime.kube, job, ["job-1-0", "job-1-1", "job-1-2"]))
     assert [p["metadata"]["name"] for p in found] == ["job-1-1"]
     assert gone == {"job-1-0", "job-1-2"}
 
