@@ -89,7 +89,8 @@ def classify_pod(
     ``pod`` is None when the pod the attempt created no longer exists; ``node_name`` then names the
     node it was on (from ``status.attempts``). ``node`` is the Node the pod is bound to, or None when
     that node does not exist. ``last_progress`` is the ``updated`` time of the pod's progress report.
-    ``own_image``: the job sets ``spec.image``, so a module its trainer cannot import is its ConfigError.
+    ``own_image``: the job sets ``spec.image``, so a module its trainer cannot import is its ConfigError
+    (and an image fault's message names ``spec.image``, not the operator's ``--image``).
     ``mount_give_up_seconds``: how long a pod may wait for its volumes (None: as long as it takes).
     """
     if pod is None:
@@ -110,7 +111,8 @@ def classify_pod(
     if phase == "Failed" or terminated is not None:
         return _classify_ended(status, terminated, node_name, node_gone, own_image=own_image)
 
-    waiting = waiting_failure(pod, now) or unmounted_failure(pod, now, mount_give_up_seconds)
+    waiting = waiting_failure(pod, now, own_image=own_image)
+    waiting = waiting or unmounted_failure(pod, now, mount_give_up_seconds)
     if waiting is not None:
         return _failed(waiting[0], None, waiting[1], node_name)
     if node_gone:
@@ -256,7 +258,7 @@ def _classify_ended(
             cls = FailureClass.GPU_UNAVAILABLE  # NCCL failed because a GPU or its NVLinks did
         return fail(cls, text or f"trainer exited with code {code} ({ExitCode(code).name})")
     if terminated is not None and terminated.get("reason") in START_FAILURES:
-        runtime = gpu_runtime_failure(terminated["reason"], said.text)
+        runtime = gpu_runtime_failure(terminated["reason"], said.text, own_image=own_image)
         if runtime is not None:
             return fail(*runtime)
     signalled = code is not None and code > 128

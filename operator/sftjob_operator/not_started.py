@@ -63,9 +63,10 @@ SANDBOX_CONDITION = "PodReadyToStartContainers"
 MOUNT_GIVE_UP_SECONDS = 600.0
 
 
-def waiting_failure(pod: Obj, now: datetime) -> Failure | None:
+def waiting_failure(pod: Obj, now: datetime, *, own_image: bool) -> Failure | None:
     """A container that cannot start and will not: its image cannot be had, or its Secret or ConfigMap is
-    missing; a failure that may pass once it has lasted its give-up time."""
+    missing; a failure that may pass once it has lasted its give-up time. ``own_image``: the job sets
+    ``spec.image`` (:func:`~sftjob_operator.termination.gpu_runtime_failure` names the image to fix)."""
     status = pod.get("status") or {}
     waited = _waited(pod, now, since_created=True)
     for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
@@ -82,7 +83,7 @@ def waiting_failure(pod: Obj, now: datetime) -> Failure | None:
             if waited > (CONFIG_MISSING_GIVE_UP_SECONDS if missing else CONFIG_GIVE_UP_SECONDS):
                 return FailureClass.CONFIG_ERROR, _still(said, waited)
         if reason in CREATE_WAITING:
-            runtime = gpu_runtime_failure(reason, message)
+            runtime = gpu_runtime_failure(reason, message, own_image=own_image)
             if waited > (CREATE_GIVE_UP_SECONDS if runtime else CREATE_OTHER_GIVE_UP_SECONDS):
                 cls, what = runtime or (FailureClass.UNKNOWN, said)
                 return cls, _still(what, waited)

@@ -38,9 +38,10 @@ hook, ``nvidia-container-cli: initialization error: nvml error: driver/library v
 device that does not resolve), the node is usually broken, not the job: :func:`gpu_runtime_failure` says
 so. An image that asks for a newer CUDA than the driver has (a requirement error) is a DriverMismatch,
 which the restart policy blames on the job once it has happened on two nodes; an image that holds driver
-files of its own fails on every node, a ConfigError at once, and so does an image without kernels for the
-GPU's architecture or, when the job brought its own image, without a module the trainer imports
-(:func:`image_fault`). Pure functions, no I/O.
+files of its own, or cannot run the trainer's command (no torchrun, another CPU architecture), fails on
+every node, a ConfigError at once, and so does an image without kernels for the GPU's architecture or,
+when the job brought its own image, without a module the trainer imports (:func:`image_fault`). Pure
+functions, no I/O.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ _ALPHANUMERIC = re.compile(r"[A-Za-z0-9]")
 # <rootfs>/usr/bin/nvidia-smi: file exists". (Other file creation failures, such as the persistenced
 # socket's "no such device or address", are the node's.)
 IMAGE_DRIVER_FILE = re.compile(r"mount error: file creation failed: (\S+?): file exists", re.IGNORECASE)
-# The image cannot run the trainer's command at all (a spec.image without torchrun, or built for another
-# CPU architecture): the same on every node and every attempt.
+# The image cannot run the trainer's command at all (no torchrun in it, or built for another CPU
+# architecture; the job's spec.image or the operator's --image): the same on every node and every attempt.
 IMAGE_CANNOT_RUN = re.compile(r"exec: \S+: executable file not found in \$PATH|exec format error")
 _CONTAINER_ROOT = re.compile(r"^.*/(?:rootfs|merged)(?=/)")  # containerd's and CRI-O's container root
 # What the GPU runtime says when it cannot hand a container its GPUs. First match wins. The image's
@@ -142,26 +143,33 @@ def read_message(message: str) -> TerminationMessage:
     return TerminationMessage(code, text, summary)
 
 
-def gpu_runtime_failure(reason: str, message: str) -> tuple[FailureClass, str] | None:
+def gpu_runtime_failure(reason: str, message: str, *, own_image: bool) -> tuple[FailureClass, str] | None:
     """The class of a container the node's GPU runtime could not create or start (``reason``: the
     container's, such as ``StartError``), with a message that keeps the runtime's own words
     (``StartError: nvidia-container-cli: initialization error: ...``) rather than the preamble before
     them; None when the GPU runtime is not what failed. Driver files baked into the image stop the
     runtime too, on every node, and so does an image that cannot run the trainer's command: those are
-    ConfigErrors, with what to change."""
+    ConfigErrors, with what to change in the image the pod ran: ``spec.image`` when the job sets one
+    (``own_image``), else the operator's ``--image``."""
+    image = "spec.image" if own_image else "the trainer image (the operator's --image)"
     baked = IMAGE_DRIVER_FILE.search(message)
     if baked is not None:
         path = _CONTAINER_ROOT.sub("", baked[1])
         return FailureClass.CONFIG_ERROR, (
-            f"{reason}: spec.image holds {path}, a driver file the node's NVIDIA runtime mounts into GPU"
+            f"{reason}: {image} holds {path}, a driver file the node's NVIDIA runtime mounts into GPU"
             " containers (nvidia-container-cli: file creation failed: file exists); build the image without"
             " NVIDIA driver files"
         )
     cannot_run = IMAGE_CANNOT_RUN.search(message)
     if cannot_run is not None:
+        fix = (
+            "build it from the trainer image, which has torchrun and the sftjob_trainer package,"
+            if own_image
+            else "set the operator's --image, or the job's spec.image, to a trainer image built"
+        )
         return FailureClass.CONFIG_ERROR, (
-            f"{reason}: spec.image cannot run the trainer ({cannot_run[0]}); build it from the trainer image,"
-            " which has torchrun and the sftjob_trainer package, for the nodes' CPU architecture"
+            f"{reason}: {image} cannot run the trainer ({cannot_run[0]}); {fix} for the nodes' CPU"
+            " architecture"
         )
     for pattern, cls in GPU_RUNTIME_SIGNATURES:
         match = pattern.search(message)

@@ -1,7 +1,8 @@
 """A container the node could not create or start: a broken GPU runtime (NVIDIA's container hook, a CDI
 device that does not resolve) is the node's fault, avoided by the next attempt and free of maxRestarts; an
 image that asks for a newer CUDA than the driver has is a DriverMismatch, one that holds driver files of
-its own a ConfigError; anything else is Unknown. A create that keeps failing ends the attempt after its
+its own or cannot run the trainer's command a ConfigError naming the image to fix (spec.image, else the
+operator's --image); anything else is Unknown. A create that keeps failing ends the attempt after its
 give-up time, which for errors not the GPU runtime's leaves room for a long image pull."""
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from tests.unit.classify_cases import (
 )
 from tests.unit.restart_cases import candidates, failed, give_up, policy_decision, restart
 
+# An image built for another CPU architecture than the node's.
+WRONG_CPU = NO_TORCHRUN.replace('exec: "torchrun": executable file not found in $PATH', "exec format error")
+
 
 @pytest.mark.parametrize(
     ("message", "failure", "said"),
@@ -56,7 +60,7 @@ def test_a_container_the_gpu_runtime_could_not_start_fails_the_attempt_as_the_no
 
 
 def test_driver_files_baked_into_the_image_fail_the_job_at_once_as_a_config_error_naming_the_file() -> None:
-    result = classify(pod("Failed", state=exited(128, "StartError", DRIVER_FILE_IN_IMAGE)))
+    result = classify(pod("Failed", state=exited(128, "StartError", DRIVER_FILE_IN_IMAGE)), own_image=True)
     assert result.failure_class is FailureClass.CONFIG_ERROR
     assert result.message.startswith("StartError: spec.image holds /usr/bin/nvidia-smi, a driver file")
     assert result.message.endswith("build the image without NVIDIA driver files")
@@ -67,15 +71,30 @@ def test_driver_files_baked_into_the_image_fail_the_job_at_once_as_a_config_erro
 
 
 def test_an_image_that_cannot_run_the_trainers_command_is_a_config_error_not_a_node_fault() -> None:
-    result = classify(pod("Failed", state=exited(128, "StartError", NO_TORCHRUN)))
+    result = classify(pod("Failed", state=exited(128, "StartError", NO_TORCHRUN)), own_image=True)
     assert result.failure_class is FailureClass.CONFIG_ERROR
     assert "spec.image cannot run the trainer" in result.message and '"torchrun"' in result.message
-    wrong_cpu = NO_TORCHRUN.replace(
-        'exec: "torchrun": executable file not found in $PATH', "exec format error"
-    )
-    assert classify(pod("Failed", state=exited(128, "StartError", wrong_cpu))).failure_class is (
+    assert classify(pod("Failed", state=exited(128, "StartError", WRONG_CPU))).failure_class is (
         FailureClass.CONFIG_ERROR
     )
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        exited(128, "StartError", WRONG_CPU),
+        waiting("CreateContainerError", WRONG_CPU),
+        exited(128, "StartError", DRIVER_FILE_IN_IMAGE),
+    ],
+)
+def test_an_image_fault_of_a_job_without_spec_image_names_the_operators_image_not_spec_image(
+    state: dict[str, object],
+) -> None:
+    phase = "Failed" if "terminated" in state else "Pending"
+    result = classify(pod(phase, state=state, kubelet_took_it_seconds_ago=CREATE_GIVE_UP_SECONDS + 10))
+    assert result.failure_class is FailureClass.CONFIG_ERROR
+    assert ": the trainer image (the operator's --image) " in result.message
+    assert "spec.image holds" not in result.message and "spec.image cannot" not in result.message
 
 
 def test_a_start_error_neither_the_image_nor_the_gpu_runtime_explains_is_unknown() -> None:

@@ -38,7 +38,8 @@ ServiceAccount. docs/install.md lists why each rule exists.
   resources: ["roles"]
   verbs: ["create", "get", "patch"]
 # Created once per job and owned by it: the checkpoint volume, the rendezvous Service of multi-node
-# jobs, the trainer's ServiceAccount and its RoleBinding.
+# jobs, the trainer's ServiceAccount and its RoleBinding. A multi-node job's own claims are also read
+# (get) before its first attempt, to refuse one its nodes cannot all mount; one it cannot read is not checked.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims", "services", "serviceaccounts"]
   verbs: ["create", "get"]
