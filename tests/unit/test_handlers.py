@@ -69,6 +69,15 @@ class FakeKube:
         return self.workloads[name]
 
 
+def fresh_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handlers' shared state as a new operator has it, the pass's clock at NOW."""
+    monkeypatch.setattr(handlers.Runtime, "context", CTX, raising=False)
+    monkeypatch.setattr(handlers.Runtime, "expectations", Expectations())
+    monkeypatch.setattr(handlers.Runtime, "outdated", {})
+    monkeypatch.setattr(handlers.Runtime, "queue_reasons", {})
+    monkeypatch.setattr(handlers, "_now", lambda: NOW)
+
+
 @pytest.fixture
 def kube(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeKube]:
     def make(refuse: Callable[[str], Exception | None] = lambda name: None) -> FakeKube:
@@ -76,11 +85,7 @@ def kube(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeKube]:
         monkeypatch.setattr(handlers.Runtime, "kube", fake, raising=False)
         return fake
 
-    monkeypatch.setattr(handlers.Runtime, "context", CTX, raising=False)
-    monkeypatch.setattr(handlers.Runtime, "expectations", Expectations())
-    monkeypatch.setattr(handlers.Runtime, "outdated", {})
-    monkeypatch.setattr(handlers.Runtime, "queue_reasons", {})
-    monkeypatch.setattr(handlers, "_now", lambda: NOW)
+    fresh_runtime(monkeypatch)
     return make
 
 

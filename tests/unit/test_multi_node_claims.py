@@ -13,15 +13,14 @@ import pytest
 
 from sftjob_operator import handlers
 from sftjob_operator.classify import Outcome
-from sftjob_operator.expectations import Expectations
 from sftjob_operator.not_started import MOUNT_GIVE_UP_SECONDS, SANDBOX_CONDITION
 from sftjob_operator.observe import JobView
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.reconcile_io import Actions
 from tests.unit import classify_cases
-from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, condition, observed, pod, then
+from tests.unit.reconcile_cases import CTX, NODES, SPEC, UID, condition, observed, pod, then
 from tests.unit.test_create_errors import FakeApi, api_error, fake_kube
-from tests.unit.test_handlers import FakeKube
+from tests.unit.test_handlers import FakeKube, fresh_runtime
 
 TWO_NODES = {**SPEC, "gpu": {"type": "A800", "count": 8, "nodes": 2}}
 A800: dict[str, Any] = NODES["a800-0"]
@@ -148,10 +147,7 @@ def claims_kube(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, dict[str
         monkeypatch.setattr(handlers.Runtime, "kube", fake, raising=False)
         return fake
 
-    monkeypatch.setattr(handlers.Runtime, "context", CTX, raising=False)
-    monkeypatch.setattr(handlers.Runtime, "expectations", Expectations())
-    monkeypatch.setattr(handlers.Runtime, "outdated", {})
-    monkeypatch.setattr(handlers, "_now", lambda: NOW)
+    fresh_runtime(monkeypatch)
     return make
 
 
