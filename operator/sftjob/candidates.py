@@ -122,12 +122,20 @@ def fixed_choices(request: PlanRequest, gpu: GpuProfile) -> tuple[Fixed, list[st
         )
     else:
         reasons.append("packing off (spec.training.packing): batches are padded, ~48% of tokens wasted")
-    liger = request.architecture.liger_supported
-    reasons.append(
-        "Liger kernels on: fused RMSNorm/RoPE/SwiGLU and linear cross-entropy (no logits buffer)"
-        if liger
-        else "Liger kernels off: the model family is unknown or not supported by Liger"
-    )
+    # Remote code's loss the trainer computes from the logits (never the fused loss), and Liger would replace
+    # the model's own forward and modules with transformers' family's.
+    liger = request.architecture.liger_supported and not request.remote_code
+    if liger:
+        reasons.append(
+            "Liger kernels on: fused RMSNorm/RoPE/SwiGLU and linear cross-entropy (no logits buffer)"
+        )
+    elif request.remote_code:
+        reasons.append(
+            "Liger kernels off: the model runs its own code (spec.model.trustRemoteCode), whose loss the"
+            " trainer computes from the logits"
+        )
+    else:
+        reasons.append("Liger kernels off: the model family is unknown or not supported by Liger")
     eager = request.architecture.eager_attention_reason(sequence if packing else None)
     attention: Attention = "eager" if eager else "sdpa"
     if eager:

@@ -41,7 +41,7 @@ def test_a_change_to_the_trainer_config_contract_comes_with_a_new_schema_version
 
 
 @pytest.mark.parametrize("key", ["schema_version", "schemaVersion"])
-def test_a_config_of_another_schema_version_is_a_config_error_naming_both_versions_and_spec_image(
+def test_a_config_of_another_schema_version_is_a_config_error_naming_both_versions_and_every_image_setting(
     trainer_config: MakeConfig, key: str
 ) -> None:
     path = trainer_config()
@@ -54,6 +54,7 @@ def test_a_config_of_another_schema_version_is_a_config_error_naming_both_versio
         f"the operator wrote trainer config schema {SCHEMA_VERSION + 1}, this trainer image reads"
         f" {SCHEMA_VERSION}: use the trainer image that matches the operator (spec.image"
     )
+    assert "defaults.trainerImage" in raised.value.reason and "--image" in raised.value.reason
 
 
 def test_an_attempt_given_an_older_operators_config_ends_with_the_version_skew_in_its_message(

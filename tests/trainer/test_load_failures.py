@@ -137,6 +137,17 @@ def module_missing() -> BaseException:
     return ModuleNotFoundError("No module named 'einops'")
 
 
+def model_code_needs_packages() -> BaseException:
+    return ImportError(  # transformers' check_imports on a model's own modeling file
+        "This modeling file requires the following packages that were not found in your environment:"
+        " einops, tiktoken. Run `pip install einops tiktoken`"
+    )
+
+
+def dataset_needs_package() -> BaseException:
+    return ImportError("To support decoding images, please install 'Pillow'.")
+
+
 # Each failure with the exit code a restart may fix, or None: the source itself is at fault and the loader
 # ends with its own permanent code (MODEL_LOAD_ERROR, DATA_ERROR).
 FAILURES: list[tuple[Callable[[], BaseException], ExitCode | None]] = [
@@ -155,6 +166,8 @@ FAILURES: list[tuple[Callable[[], BaseException], ExitCode | None]] = [
     (module_missing, ExitCode.UNKNOWN),
     # The image's, on every node: it names spec.image.
     (image_without_kernels, ExitCode.CONFIG_ERROR),
+    (model_code_needs_packages, ExitCode.CONFIG_ERROR),
+    (dataset_needs_package, ExitCode.CONFIG_ERROR),
     (repo_not_found, None),
     (gated, None),
     (offline_and_not_cached, None),

@@ -249,21 +249,50 @@ def test_a_job_created_again_under_its_name_replaces_its_predecessors_output_who
     assert json.loads((out / output.SUMMARY_FILE).read_text())["job"]["uid"] == "uid-2"
 
 
+EARLIER_OUTPUT = [
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "model.safetensors",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+]
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["complete", "set aside by a killed attempt"])
 def test_an_output_moved_into_a_folder_not_the_jobs_own_leaves_no_file_of_an_earlier_output_beside_it(
-    tmp_path: Path,
+    tmp_path: Path, killed: bool
 ) -> None:
     config = _config(tmp_path, output_dir=tmp_path / "checkpoints")  # an earlier output in the same place
     out = Path(config.output_dir)
     out.mkdir()
-    earlier = ["adapter_config.json", "adapter_model.safetensors", "model.safetensors", "tokenizer.model"]
-    for name in [*earlier, "notes.txt"]:
+    for name in [*EARLIER_OUTPUT, "notes.txt", "my_config.json", "tokenizer_notes.txt"]:
         (out / name).write_text("earlier")
+    # A kill after the earlier summary.json was set aside leaves it under its temporary name.
+    (out / (output.EARLIER_SUMMARY_FILE if killed else output.SUMMARY_FILE)).write_text("{}")
 
     shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     new = [*shards, "model.safetensors.index.json", "config.json", "tokenizer.json"]
     output.save(config, ONE_PROCESS, SUMMARY, _writes(dict.fromkeys(new, b"new")))
-    assert _names(out) == sorted([*new, "notes.txt", output.SUMMARY_FILE])
+    kept = ["notes.txt", "my_config.json", "tokenizer_notes.txt"]
+    assert _names(out) == sorted([*new, *kept, output.SUMMARY_FILE])
     assert {(out / name).read_text() for name in new} == {"new"}
+
+
+def test_a_folder_without_an_earlier_output_keeps_the_users_files_of_model_and_tokenizer_names(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, output_dir=tmp_path / "checkpoints")  # a shared volume's root, say
+    out = Path(config.output_dir)
+    out.mkdir()
+    users = ["config.json", "tokenizer_config.json", "vocab.json", "merges.txt", "adapter_notes.txt"]
+    for name in users:
+        (out / name).write_text("mine")
+
+    output.save(config, ONE_PROCESS, SUMMARY, _writes({"adapter_model.safetensors": b"lora"}))
+    assert _names(out) == sorted([*users, "adapter_model.safetensors", output.SUMMARY_FILE])
+    assert {(out / name).read_text() for name in users} == {"mine"}
 
 
 @pytest.mark.parametrize("where", ["a folder with other files", "the checkpoint folder"])

@@ -22,7 +22,7 @@ from sftjob_trainer.loop import micro_batch_loss, model_inputs
 from sftjob_trainer.model import load_model_config, resolve_attention
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.remote_code import computes_own_loss
-from sftjob_trainer.tiny import make_tokenizer
+from sftjob_trainer.tiny import make_tiny_model, make_tokenizer
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig
 
@@ -223,3 +223,25 @@ def test_the_loss_gradient_norm_and_eval_loss_of_remote_code_do_not_depend_on_th
         assert one[step] == pytest.approx(four[step], rel=1e-4), (one, four)
     assert eval_one == pytest.approx(eval_four, rel=1e-5)
     assert 3 < one[1][0] < 8  # about ln(vocabulary), not 4 x it
+
+
+def test_remote_code_importing_a_package_the_image_lacks_ends_the_job_with_a_config_error_naming_it(
+    trainer_config: MakeConfig, termination_log: Path, tmp_path: Path
+) -> None:
+    from sftjob_operator.termination import read_message
+
+    folder = make_tiny_model(tmp_path / "sftjob_test_missing_package", layers=1, hidden=32)
+    (folder / "modeling_missing.py").write_text(
+        "import sftjob_test_package_not_installed\n"
+        "from transformers import LlamaForCausalLM\n\n\n"
+        "class MissingForCausalLM(LlamaForCausalLM):\n    pass\n"
+    )
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_missing.MissingForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    model = {"path": str(folder), "trustRemoteCode": True}
+    assert run(str(trainer_config(model=model, training={"packing": False}))) == ExitCode.CONFIG_ERROR
+    said = read_message(termination_log.read_text())
+    assert said.exit_code == ExitCode.CONFIG_ERROR  # permanent: no restart brings the package
+    assert "sftjob_test_package_not_installed" in said.text and "set spec.image" in said.text

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from sftjob.config import DatasetSource
 from sftjob.failures import ExitCode
 from sftjob_trainer.same_data import DataCounts, difference
 from sftjob_trainer.tiny import write_dataset
-from tests.trainer.runs import RANKS, MakeConfig, torchrun
+from tests.trainer.runs import RANKS, MakeConfig, torchrun, trainer_output
 
 pytestmark = pytest.mark.trainer
 
@@ -25,12 +26,54 @@ main()
 """
 
 
+# Rank 1 reaches the check long after rank 0, with collectives timing out in 3 s (NCCL's 30 min in a pod):
+# one node downloads a big hub dataset that another has cached.
+RANK1_LATE = """
+import os, time
+from datetime import timedelta
+from sftjob_trainer import distributed, train
+
+distributed.PROCESS_GROUP_TIMEOUT = timedelta(seconds=3)
+if os.environ["RANK"] == "1":
+    load_examples = train.load_examples
+
+    def slow_download(*args, **kwargs):
+        time.sleep(8)
+        return load_examples(*args, **kwargs)
+
+    train.load_examples = slow_download
+train.main()
+"""
+
+
 def test_the_first_rank_that_read_other_data_than_rank_0_is_named() -> None:
     same, longer = DataCounts(128, 40, 5000, 0), DataCounts(168, 52, 6600, 0)
-    assert difference([same, same, same]) is None
-    problem = difference([same, longer, same, longer])
+    files = DatasetSource(path="/data/train.jsonl")
+    assert difference([same, same, same], files) is None
+    problem = difference([same, longer, same, longer], files)
     assert problem is not None and problem.startswith("rank 1 (and 1 more ranks) read 168 rows (52 units")
     assert "rank 0 read 128 rows" in problem and "the dataset differs between nodes" in problem
+
+
+def test_ranks_that_read_different_rows_of_a_hub_dataset_are_told_to_pin_its_revision() -> None:
+    same, longer = DataCounts(128, 40, 5000, 0), DataCounts(168, 52, 6600, 0)
+    hub = difference([same, longer], DatasetSource(name="org/data"))
+    assert hub is not None and "pin spec.dataset.revision" in hub and "shared volume" not in hub
+    files = difference([same, longer], DatasetSource(path="/data/train.jsonl"))
+    assert files is not None and "a shared volume" in files and "revision" not in files
+
+
+def test_a_rank_that_reaches_the_data_check_long_after_the_others_is_waited_for(
+    trainer_config: MakeConfig, termination_log: Path, tmp_path: Path
+) -> None:
+    config = trainer_config(
+        training={"maxSteps": 2, "microBatchSize": 2, "gradientAccumulationSteps": 2},
+        distributed={"nprocPerNode": RANKS, "sharding": "ddp"},
+        checkpoints={"everySteps": 100},
+    )
+    script = tmp_path / "rank1_late.py"
+    script.write_text(RANK1_LATE)
+    assert torchrun(config, termination_log, [str(script)]) == ExitCode.OK, trainer_output(config)[-3000:]
 
 
 def test_ranks_that_read_different_rows_all_exit_with_a_data_error_naming_the_rows(

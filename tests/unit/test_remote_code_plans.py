@@ -35,3 +35,11 @@ def test_a_job_trusting_remote_code_asks_the_planner_for_a_remote_code_plan() ->
     model = {"name": "internlm/internlm2_5-7b-chat", "trustRemoteCode": True, "parameters": 7_700_000_000}
     spec = SFTJobSpec.model_validate({"model": model, "dataset": {"name": "tatsu-lab/alpaca"}})
     assert to_plan_request(spec, gpus_per_node=1, nodes=1).remote_code
+
+
+def test_remote_code_of_a_liger_family_is_planned_without_liger_and_with_its_logits_counted() -> None:
+    native, remote = _plan(), _plan(remote_code=True)
+    assert native.training.liger_kernels and not remote.training.liger_kernels
+    assert any("Liger kernels off" in r and "trustRemoteCode" in r for r in remote.reasons), remote.reasons
+    logits = next(term for term in remote.memory.terms if term.name == "logits")
+    assert "vocab" in logits.note  # counted whole: the trainer computes the loss from them

@@ -55,6 +55,7 @@ def check_schema_version(raw: Any) -> None:
         raise TrainerError(
             ExitCode.CONFIG_ERROR,
             f"the operator wrote trainer config schema {version}, this trainer image reads {SCHEMA_VERSION}:"
-            " use the trainer image that matches the operator (spec.image: unset it for the operator's"
-            " default, or build yours from the operator's release)",
+            " use the trainer image that matches the operator (spec.image: unset it, or build yours from the"
+            " operator's release; without spec.image, the operator's default, the chart's"
+            " defaults.trainerImage or the operator's --image, must be of the operator's release)",
         )

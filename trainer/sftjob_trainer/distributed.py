@@ -2,8 +2,9 @@
 every rank (``fsdp``) or over each node's ranks with the nodes holding replicas (``hsdp``).
 
 A plain ``python -m sftjob_trainer.train`` (or the console script) is world size 1 and never touches
-torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs, and the first collective
-is a bounded probe (:func:`probe_communication`), so links that hang fail the attempt in minutes.
+torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs (a rank whose GPU is required
+but CUDA does not start fails before the rendezvous, as preflight would), and the first collective is a
+bounded probe (:func:`probe_communication`), so links that hang fail the attempt in minutes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
+from sftjob_trainer.preflight import check_cuda_starts
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,15 @@ class DistContext:
         dist.all_reduce(t)
         return [float(v) for v in t.tolist()]
 
+    def sum_after_setup(self, values: list[float]) -> list[float]:
+        """:meth:`sum` in the setup group, on the CPU: ranks may arrive up to ``SETUP_TIMEOUT`` apart (one
+        downloading a big dataset that another has cached)."""
+        if not self.active:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=_setup_group())
+        return [float(v) for v in t.tolist()]
+
     def broadcast(self, value: Any) -> Any:
         """Rank 0's value, on every rank."""
         if not self.active:
@@ -109,6 +120,10 @@ def init_distributed(config: TrainerConfig) -> DistContext:
             f"launched with WORLD_SIZE={world} but the plan is for {config.distributed.world_size} processes"
             " (distributed.nnodes x distributed.nprocPerNode)",
         )
+    if config.gpu.required:
+        # Before choosing the backend: a rank whose CUDA is down would pick gloo while its peers pick NCCL,
+        # and they would wait for each other until the collective timeout, blaming no node.
+        check_cuda_starts(config.gpu)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:

@@ -95,6 +95,13 @@ _ADAPTER_TARGET_ERRORS = re.compile(r"Target modules? .*(not found in the base m
 # and GLM mixtures too, even from all-linear), which transformers 5 fuses into 3-D tensors that peft adapts as
 # whole parameters (its ParamWrapper): never with dropout, and gate and up only together.
 _EXPERT_TARGET_ERRORS = re.compile(r"ParamWrapper does not work with lora_dropout|Cannot convert PEFT target")
+# What transformers raises when a model's own code (trust_remote_code) imports packages the image lacks
+# (dynamic_module_utils.check_imports: einops, tiktoken, flash_attn...), and what datasets raises when a hub
+# dataset needs an optional one (Pillow for images, zstandard for .zst files): the same on every restart.
+_MISSING_PACKAGES = re.compile(
+    r"requires the following packages that were not found in your environment: (?P<model>[^.]+)\."
+    r"|[Pp]lease install '(?P<feature>[\w.-]+)'|Please pip install (?P<archive>[\w.-]+)"
+)
 
 
 def one_line(text: str) -> str:
@@ -190,11 +197,20 @@ def _owner(filename: object) -> str:
 def load_failure(exc: BaseException, what: str) -> TrainerError | None:
     """The error to end with when loading ``what`` failed for a reason other than the source, wherever it
     sits in the chain of exceptions libraries wrap it in: the network or the hub on the way (NETWORK_ERROR),
-    a full or failing disk (STORAGE_ERROR), CUDA OOM, a faulty GPU (GPU_UNAVAILABLE) or an image without
-    kernels for it (CONFIG_ERROR); any other CUDA error, or a module the image cannot import, is UNKNOWN
-    (the operator reads the words: a job's own spec.image that cannot import is its ConfigError). None when
-    the source itself is at fault (not found, gated, malformed): the caller ends with its permanent error."""
+    a full or failing disk (STORAGE_ERROR), CUDA OOM, a faulty GPU (GPU_UNAVAILABLE), an image without
+    kernels for it or without the packages the model's code or the dataset needs (CONFIG_ERROR); any other
+    CUDA error, or a module the image cannot import, is UNKNOWN (the operator reads the words: a job's own
+    spec.image that cannot import is its ConfigError). None when the source itself is at fault (not found,
+    gated, malformed): the caller ends with its permanent error."""
     for cause in causes(exc):
+        missing = _MISSING_PACKAGES.search(str(cause)) if isinstance(cause, ImportError) else None
+        if missing is not None:
+            packages = next(group for group in missing.groups() if group)
+            return TrainerError(
+                ExitCode.CONFIG_ERROR,
+                f"{what} needs the Python packages {packages}, which the trainer image lacks: set"
+                f" spec.image to an image that has them ({type(cause).__name__}: {cause})",
+            )
         if is_network_error(cause):
             detail = f"{exc}" if cause is exc else f"{exc} ({type(cause).__name__}: {cause})"
             return TrainerError(

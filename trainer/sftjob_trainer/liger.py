@@ -9,10 +9,19 @@ from typing import Any
 
 import torch
 
+from sftjob_trainer import remote_code
+
 log = logging.getLogger("sftjob_trainer")
 
 
 def apply_liger(model: Any, device: torch.device) -> None:
+    if remote_code.computes_own_loss(model):  # planned for no remote code: a config from elsewhere
+        log.warning(
+            "Liger kernels planned but %s is the model's own code, whose loss the trainer computes from the"
+            " logits: continuing without them",
+            type(model).__name__,
+        )
+        return
     if device.type != "cuda":
         log.info("Liger kernels planned but this is a CPU run: continuing without them")
         return

@@ -15,9 +15,11 @@ job's own: new, holding only the train log (``train_log.jsonl``, written there a
 carried over), or an earlier output of a job of this namespace and name (a restart after the output was
 written, or the job deleted and created again). Any other folder (a volume's root, the checkpoint folder,
 a folder holding other files) keeps its other files: the temporary folder is made inside it and its files
-moved out one by one, ``summary.json`` removed first and put back last, after the model and tokenizer
-files of an earlier output (:data:`MODEL_FILES`), which would load along with the new ones: a stale
-``adapter_config.json`` beside a full model applies the old adapter to it.
+moved out one by one, ``summary.json`` set aside first and put back last. When it held an earlier output
+(its ``summary.json`` was there), that output's model and tokenizer files (:data:`MODEL_FILES`) are removed
+first, as they would load along with the new ones: a stale ``adapter_config.json`` beside a full model
+applies the old adapter to it. Without one, a user's files of those names stay, except those the new
+output writes.
 """
 
 from __future__ import annotations
@@ -47,22 +49,35 @@ log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"  # written last: the output is complete when it is there
 FILE_MODE, DIR_MODE = 0o644, 0o755  # readable by a serving pod's user, whatever its uid
-# What save_pretrained writes for a model, an adapter and a tokenizer: an earlier output's are removed from a
-# folder that is not the job's own before the new output's files are moved in.
+# What save_pretrained writes for a model, an adapter (peft) and a tokenizer, by exact name: an earlier
+# output's are removed from a folder that is not the job's own before the new output's files are moved in.
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
-    "model*.safetensors",
-    "pytorch_model*.bin",
-    "*.index.json",
-    "adapter_*",
-    "tokenizer*",
+    "model.safetensors",
+    "model-*-of-*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model-*-of-*.bin",
+    "pytorch_model.bin.index.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
     "special_tokens_map.json",
     "added_tokens.json",
-    "chat_template.*",
-    "vocab.json",
-    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
 )
+# A BPE tokenizer's vocabulary (a slow GPT-2-style tokenizer's save): an earlier output's only beside its
+# tokenizer_config.json.
+BPE_FILES = ("vocab.json", "merges.txt")
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# The earlier output's summary.json while the new output moves in: a kill before its files are gone leaves
+# the restart knowing they are an output's.
+EARLIER_SUMMARY_FILE = f"{TMP_PREFIX}earlier-{SUMMARY_FILE}"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 
@@ -193,24 +208,35 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def _move_into(tmp: Path, out: Path) -> None:
     """Move each file of ``tmp`` (a folder inside ``out``) into ``out``, ``summary.json`` last, after
-    removing an earlier output's model and tokenizer files (:data:`MODEL_FILES`)."""
-    (out / SUMMARY_FILE).unlink(missing_ok=True)
-    fsync_dir(out)
-    earlier = sorted({p for pattern in MODEL_FILES for p in out.glob(pattern) if p.is_file()})
-    if earlier:
-        log.warning(
-            "removing the files of an earlier output from %s: %s", out, ", ".join(p.name for p in earlier)
-        )
-        for path in earlier:
-            path.unlink()
+    removing an earlier output's model and tokenizer files when one was there."""
+    earlier = out / EARLIER_SUMMARY_FILE
+    if (out / SUMMARY_FILE).is_file():
+        os.replace(out / SUMMARY_FILE, earlier)
         fsync_dir(out)
+    if earlier.is_file():
+        _remove_earlier_output(out)
     for path in tmp.iterdir():
         if path.name != SUMMARY_FILE:
             os.replace(path, out / path.name)
     fsync_dir(out)
     os.replace(tmp / SUMMARY_FILE, out / SUMMARY_FILE)
     fsync_dir(out)
+    earlier.unlink(missing_ok=True)
     tmp.rmdir()
+
+
+def _remove_earlier_output(out: Path) -> None:
+    """The model and tokenizer files of the earlier output in ``out`` (:data:`MODEL_FILES`), its
+    tokenizer_config.json last: what says the BPE files are the output's until they are gone."""
+    patterns = MODEL_FILES + (BPE_FILES if (out / TOKENIZER_CONFIG_FILE).is_file() else ())
+    found = {p for pattern in patterns for p in out.glob(pattern) if p.is_file()}
+    files = sorted(found, key=lambda p: (p.name == TOKENIZER_CONFIG_FILE, p.name))
+    if not files:
+        return
+    log.warning("removing the files of an earlier output from %s: %s", out, ", ".join(p.name for p in files))
+    for path in files:
+        path.unlink()
+    fsync_dir(out)
 
 
 def save_output(

@@ -135,7 +135,10 @@ def check_safetensors_file(path: Path) -> None:
 # --- GPU and driver ------------------------------------------------------------------------------
 
 
-def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) -> None:
+def check_cuda_starts(expect: GpuExpectation) -> DriverInfo | None:
+    """CUDA starts in this container, with a driver that serves the image's PyTorch; returns the driver
+    (None when neither NVML nor nvidia-smi reads it). Else CONFIG_ERROR (a CPU-only PyTorch),
+    DRIVER_MISMATCH, or GPU_UNAVAILABLE (the node's GPU or its driver, :func:`cuda_start_failure`)."""
     if torch.version.cuda is None:  # a CPU-only build: no node's driver can help, whatever it is
         raise TrainerError(
             ExitCode.CONFIG_ERROR,
@@ -149,6 +152,11 @@ def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) ->
         check_driver(driver, expect.min_driver, torch.version.cuda)
     if not torch.cuda.is_available():
         raise cuda_start_failure(driver.version if driver else "?", _cuda_init_error())
+    return driver
+
+
+def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) -> None:
+    driver = check_cuda_starts(expect)
     count = torch.cuda.device_count()
     if count < local_world_size:
         raise TrainerError(

@@ -2,9 +2,10 @@
 
 With a copy of the dataset per node (a ``hostPath`` volume, a node-local cache) the ranks of a multi-node
 job can read different rows. They would then count different steps and wait in collectives the others
-never join, hanging until the operator's stall timeout, in every attempt. Right after the data is
-tokenized and packed the ranks compare what they read (one all-reduce); a difference is a ``DATA_ERROR``
-on every rank, so all of them exit together.
+never join, hanging until the operator's stall timeout, in every attempt; so can the nodes of a job on a hub
+dataset without a pinned revision, downloading it at different times. Right after the data is tokenized and
+packed the ranks compare what they read (one all-reduce in the setup group, which waits for a node still
+downloading); a difference is a ``DATA_ERROR`` on every rank, so all of them exit together.
 """
 
 from __future__ import annotations
@@ -12,10 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
 
+from sftjob.config import DatasetSource
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.batching import Unit
 from sftjob_trainer.data import Example
 from sftjob_trainer.distributed import DistContext
+
+_PATH_ADVICE = "give every node the same files (a shared volume, not a copy per node)"
+_HUB_ADVICE = (
+    "pin spec.dataset.revision to a commit (the nodes downloaded the hub dataset at different times)"
+)
 
 
 @dataclass(frozen=True)
@@ -35,30 +42,33 @@ class DataCounts:
         return f"{self.rows} rows ({self.units} units, {self.tokens} tokens, {self.held_out} held out)"
 
 
-def check_same_data(ctx: DistContext, counts: DataCounts) -> None:
-    """Collective: raises ``DATA_ERROR`` on every rank when any rank read other data than rank 0."""
+def check_same_data(ctx: DistContext, counts: DataCounts, dataset: DatasetSource) -> None:
+    """Collective: raises ``DATA_ERROR`` on every rank when any rank read other data than rank 0 of
+    ``dataset`` (its kind decides the advice)."""
     if not ctx.active:
         return
     width = len(fields(DataCounts))
     mine = [0.0] * (width * ctx.world_size)
     mine[ctx.rank * width : (ctx.rank + 1) * width] = map(float, astuple(counts))
-    everyone = ctx.sum(mine)  # float64: exact for counts below 2**53
+    everyone = ctx.sum_after_setup(mine)  # float64: exact for counts below 2**53
     per_rank = [
         DataCounts(*(int(v) for v in everyone[r * width : (r + 1) * width])) for r in range(ctx.world_size)
     ]
-    problem = difference(per_rank)
+    problem = difference(per_rank, dataset)
     if problem is not None:
         raise TrainerError(ExitCode.DATA_ERROR, problem)
 
 
-def difference(per_rank: Sequence[DataCounts]) -> str | None:
-    """Why the ranks' data differ (the first rank that read other data than rank 0), or None."""
+def difference(per_rank: Sequence[DataCounts], dataset: DatasetSource) -> str | None:
+    """Why the ranks' data differ (the first rank that read other data than rank 0), and what to do about
+    it; None when they do not."""
     others = [rank for rank, counts in enumerate(per_rank) if counts != per_rank[0]]
     if not others:
         return None
     rank = others[0]
     also = f" (and {len(others) - 1} more ranks)" if len(others) > 1 else ""
+    advice = _HUB_ADVICE if dataset.name is not None else _PATH_ADVICE
     return (
         f"rank {rank}{also} read {per_rank[rank]}, rank 0 read {per_rank[0]}: the dataset differs between"
-        " nodes; give every node the same files (a shared volume, not a copy per node)"
+        f" nodes; {advice}"
     )

@@ -130,7 +130,7 @@ class Training:
         units = make_units(examples, packing_length)
         del examples  # the units hold the tokens now; every rank (and its workers) would keep both
         self.stop.during_setup("after loading the data")  # a peer that failed already: torchrun stops us
-        check_same_data(ctx, DataCounts.of(stats.rows, units, held))  # else the ranks' steps differ: a hang
+        check_same_data(ctx, DataCounts.of(stats.rows, units, held), config.dataset)  # else a hang
         schedule = Schedule(
             len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
         )
