@@ -44,7 +44,7 @@ async def read_claims(kube: Kube, namespace: str, names: Sequence[str]) -> dict[
 async def queue_reason(kube: Kube, cache: QueueReasons, key: JobKey, group: str) -> str | None:
     """Kueue's reason for holding pod group ``group`` of job ``key``, read at most every
     WORKLOAD_READ_SECONDS (WORKLOAD_RETRY_SECONDS while the Workload gives none). Best effort: a failed
-    read only leaves the reason out of the message."""
+    read keeps the reason the last one gave (none before the first), and is tried again soon."""
     now = time.monotonic()
     cached = cache.get(key)
     if cached is not None and cached[0] == group and cached[2] > now:
@@ -52,10 +52,10 @@ async def queue_reason(kube: Kube, cache: QueueReasons, key: JobKey, group: str)
     try:
         workload = await kube.run(kube.read_workload, key[0], group)
     except Exception as err:
-        log.warning(
-            "reading Kueue's Workload %s/%s failed (Queued goes without its reason): %s", key[0], group, err
-        )
-        workload = None
+        log.warning("reading Kueue's Workload %s/%s failed: %s", key[0], group, err)
+        kept = cached[1] if cached is not None and cached[0] == group else None  # no flapping message
+        cache[key] = (group, kept, now + WORKLOAD_RETRY_SECONDS)
+        return kept
     reason = workloads.pending_reason(workload)
     again = WORKLOAD_READ_SECONDS if reason is not None else WORKLOAD_RETRY_SECONDS
     cache[key] = (group, reason, now + again)

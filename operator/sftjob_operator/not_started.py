@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from sftjob.failures import FailureClass
+from sftjob_operator.observe import SANDBOX_CONDITION
 from sftjob_operator.termination import gpu_runtime_failure
 
 Obj = Mapping[str, Any]
@@ -59,7 +60,6 @@ CREATE_OTHER_GIVE_UP_SECONDS = IMAGE_PULL_GIVE_UP_SECONDS + CREATE_GIVE_UP_SECON
 # wait for it in the rendezvous, holding their GPUs, so once it has waited this long after the kubelet took
 # it the attempt ends as a StorageError: usually a ReadWriteOnce claim attached to another node ("Multi-Attach
 # error" in the pod's events), which does not resolve on its own while that node keeps it.
-SANDBOX_CONDITION = "PodReadyToStartContainers"
 MOUNT_GIVE_UP_SECONDS = 600.0
 
 

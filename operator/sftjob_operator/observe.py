@@ -24,7 +24,9 @@ Obj = Mapping[str, Any]
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # The pod conditions the reconcile and the failure classifier read, and the fields they read of them.
-POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget", "TerminationTarget"})
+# The kubelet's PodReadyToStartContainers: False while it cannot set the pod up (e.g. mount its volumes).
+SANDBOX_CONDITION = "PodReadyToStartContainers"
+POD_CONDITIONS = frozenset({"PodScheduled", "DisruptionTarget", "TerminationTarget", SANDBOX_CONDITION})
 CONDITION_FIELDS = ("type", "status", "reason", "message")
 # PodScheduled's reason while a pod still has scheduling gates (e.g. Kueue's, until admission).
 SCHEDULING_GATED = "SchedulingGated"

@@ -192,9 +192,14 @@ def _volumes(job: JobRef, spec: SFTJobSpec, plan: Plan) -> tuple[list[Manifest],
     return volumes, mounts
 
 
-def shared_claims(spec: SFTJobSpec) -> list[tuple[str, str, frozenset[str]]]:
-    """The claims each node of a multi-node job mounts: (the spec's field, the claim, the access modes
-    any one of which lets several nodes mount it); none for a single node."""
+KEPT_CLAIM = "kept"  # shared_claims' field for the operator's own checkpoint claim, found already there
+
+
+def shared_claims(spec: SFTJobSpec, job: str) -> list[tuple[str, str, frozenset[str]]]:
+    """The claims each node of multi-node job ``job`` mounts: (the spec's field, the claim, the access
+    modes any one of which lets several nodes mount it); none for a single node. Without
+    ``checkpoints.volume`` that is the operator's own claim, which an earlier job of this name may have
+    left (``keepOnDelete``), made for one node: it is reused as found."""
     if spec.gpu.nodes == 1:
         return []
     named: tuple[tuple[str, VolumeSource | None, frozenset[str]], ...] = (
@@ -203,22 +208,23 @@ def shared_claims(spec: SFTJobSpec) -> list[tuple[str, str, frozenset[str]]]:
         ("spec.model.volume", spec.model.volume, READ_MANY),
         ("spec.dataset.volume", spec.dataset.volume, READ_MANY),
     )
-    return [
+    own = [] if spec.checkpoints.volume is not None else [(KEPT_CLAIM, pvc_name(job), WRITE_MANY)]
+    return own + [
         (field, volume.persistent_volume_claim.claim_name, modes)
         for field, volume, modes in named
         if volume is not None and volume.persistent_volume_claim is not None
     ]
 
 
-def unread_claims(spec: SFTJobSpec, claims: Mapping[str, Obj | None]) -> tuple[str, ...]:
+def unread_claims(spec: SFTJobSpec, job: str, claims: Mapping[str, Obj | None]) -> tuple[str, ...]:
     """The claims of :func:`shared_claims` that ``claims`` (those read so far) lacks."""
-    return tuple(name for _, name, _ in shared_claims(spec) if name not in claims)
+    return tuple(name for _, name, _ in shared_claims(spec, job) if name not in claims)
 
 
-def unshared_claim(spec: SFTJobSpec, claims: Mapping[str, Obj | None]) -> str | None:
+def unshared_claim(spec: SFTJobSpec, job: str, claims: Mapping[str, Obj | None]) -> str | None:
     """Why a claim of a multi-node job cannot be mounted on all its nodes, or None. ``claims`` maps names to
-    the claims as read (None: not read); a claim's access modes are its volume's once bound."""
-    for field, name, needed in shared_claims(spec):
+    the claims as read (None: not read or not there); a claim's access modes are its volume's once bound."""
+    for field, name, needed in shared_claims(spec, job):
         claim = claims.get(name) or {}
         modes = (claim.get("status") or {}).get("accessModes") or (claim.get("spec") or {}).get("accessModes")
         if modes and not needed & set(modes):
@@ -228,10 +234,13 @@ def unshared_claim(spec: SFTJobSpec, claims: Mapping[str, Obj | None]) -> str | 
                 else "its volume would attach to one node, and the other pods wait in ContainerCreating"
                 " (Multi-Attach error)"
             )
+            where, fix = f"{field}.persistentVolumeClaim.claimName: claim {name} has", ""
+            if field == KEPT_CLAIM:
+                where = f"the checkpoint claim {name}, kept by an earlier job of this name, has"
+                fix = "; delete it to have one made for several nodes, or set spec.checkpoints.volume"
             return (
-                f"{field}.persistentVolumeClaim.claimName: claim {name} has accessModes {', '.join(modes)};"
-                f" the {spec.gpu.nodes} nodes of the job (spec.gpu.nodes) all mount it, which needs"
-                f" {' or '.join(sorted(needed))}: {why}"
+                f"{where} accessModes {', '.join(modes)}; the {spec.gpu.nodes} nodes of the job"
+                f" (spec.gpu.nodes) all mount it, which needs {' or '.join(sorted(needed))}: {why}{fix}"
             )
     return None
 

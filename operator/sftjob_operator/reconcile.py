@@ -159,8 +159,8 @@ class _Pass(JobPass):
             self.requeue.append(STOPPING_POLL.total_seconds())
             return self.between_attempts(f"waiting for attempt {stopping}'s pods to stop")
         if not self.status.attempts:  # a multi-node job's claims are read and judged before its first attempt
-            self.read_claims = pods.unread_claims(spec, self.obs.claims)
-            unshared = None if self.read_claims else pods.unshared_claim(spec, self.obs.claims)
+            self.read_claims = pods.unread_claims(spec, self.obs.name, self.obs.claims)
+            unshared = None if self.read_claims else pods.unshared_claim(spec, self.obs.name, self.obs.claims)
             if unshared is not None:
                 return self.fail(Reason.INVALID_SPEC, unshared, admitted=False)
             if self.read_claims:

@@ -163,7 +163,10 @@ def attempt_settings(
     adjusted, changes = _gpu_adjusted(policy, plans, ended, replan)
     if not any(p.fits for p in adjusted.values()):
         ladders = " | ".join(f"{k}: {'; '.join(p.ladder)}" for k, p in adjusted.items() if p.ladder)
-        tries = list(dict.fromkeys(s for p in adjusted.values() for s in p.suggestions))
+        # Only the ladders that ran out say what to try: a card that never fitted planned its suggestions
+        # before any OOM (the very setup that ran out of memory among them).
+        ran_out = [p for k, p in adjusted.items() if plans.plans[k].fits]
+        tries = list(dict.fromkeys(s for p in ran_out for s in p.suggestions))
         advice = f"try: {'; '.join(tries)}" if tries else ADVICE[FailureClass.CUDA_OOM]
         return GiveUp(
             GiveUpReason.OOM_LADDER_EXHAUSTED,

@@ -87,9 +87,10 @@ def observed(
     now: datetime = NOW,
     generation: int = 1,
 ) -> Observed:
+    # A multi-node job's first pass reads its claims: no checkpoint claim is left by an earlier "job".
     return Observed(
         name="job", namespace="team", uid=UID, generation=generation, spec=spec, status=status or {},
-        pods=list(pods), nodes=NODES, now=now,
+        pods=list(pods), nodes=NODES, now=now, claims={"job-checkpoints": None},
     )  # fmt: skip
 
 

@@ -54,6 +54,9 @@ class FakeKube:
     def post_event(self, manifest: dict[str, Any]) -> None:
         pass
 
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return None  # not there: the operator makes it
+
 
 @pytest.fixture(autouse=True)
 def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:

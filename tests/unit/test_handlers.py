@@ -4,6 +4,7 @@ status write, even when what follows (creating the next attempt's pods) fails.""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -61,6 +62,9 @@ class FakeKube:
 
     def release_pod(self, namespace: str, name: str, uid: str) -> None:
         self.released.append(name)
+
+    def read_claim(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return None  # not there: the operator makes it
 
     def read_workload(self, namespace: str, name: str) -> dict[str, Any] | None:
         self.workloads_read.append(name)
@@ -239,3 +243,15 @@ def test_a_workload_that_cannot_be_read_leaves_the_reason_out_and_the_pass_goes_
     assert run_pass(api, [_gated("job-1a2b3c4d-1")]) is None  # the read is refused (HTTP 429)
     assert _scheduled(api)["reason"] == "Queued"
     assert _scheduled(api)["message"].endswith("held by scheduling gates until their gates are removed")
+
+
+def test_a_failed_workload_read_keeps_the_reason_the_last_read_gave() -> None:
+    from sftjob_operator import lookups
+
+    why = "insufficient unused quota for nvidia.com/gpu in flavor a800, 4 more needed"
+    api, cache = FakeKube(), {KEY: ("g", why, 0.0)}  # what the last read said, due again
+    started = time.monotonic()
+    assert asyncio.run(lookups.queue_reason(api, cache, KEY, "g")) == why  # type: ignore[arg-type]
+    assert api.workloads_read == ["g"]  # refused (HTTP 429): the reason stays, read again soon
+    assert cache[KEY][1] == why and cache[KEY][2] <= time.monotonic() + lookups.WORKLOAD_RETRY_SECONDS
+    assert cache[KEY][2] >= started + lookups.WORKLOAD_RETRY_SECONDS

@@ -14,7 +14,7 @@ import pytest
 from sftjob_operator import handlers
 from sftjob_operator.classify import Outcome
 from sftjob_operator.not_started import MOUNT_GIVE_UP_SECONDS, SANDBOX_CONDITION
-from sftjob_operator.observe import JobView
+from sftjob_operator.observe import JobView, trim_pod
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.reconcile_io import Actions
 from tests.unit import classify_cases
@@ -22,6 +22,7 @@ from tests.unit.reconcile_cases import CTX, NODES, SPEC, UID, condition, observe
 from tests.unit.test_create_errors import FakeApi, api_error, fake_kube
 from tests.unit.test_handlers import FakeKube, fresh_runtime
 
+KEPT = "job-checkpoints"  # the operator's own checkpoint claim of job "job"
 TWO_NODES = {**SPEC, "gpu": {"type": "A800", "count": 8, "nodes": 2}}
 A800: dict[str, Any] = NODES["a800-0"]
 NODES_TWO_A800 = {**NODES, "a800-1": {**A800, "metadata": {**A800["metadata"], "name": "a800-1"}}}
@@ -84,9 +85,21 @@ def test_an_output_claim_must_be_writable_on_every_node_and_a_model_or_dataset_c
     field: str, modes: tuple[str, ...], needs: str
 ) -> None:
     obs = observed(spec=claim_spec(2, **{field: "shared"}))
-    failed = reconcile(replace(obs, claims={"shared": pvc(*modes)}), CTX)
+    failed = reconcile(replace(obs, claims={"shared": pvc(*modes), KEPT: None}), CTX)
     assert failed.status.phase == "Failed" and needs in message(failed, "Admitted")
     assert f"spec.{field}.volume.persistentVolumeClaim" in message(failed, "Admitted")
+
+
+def test_a_checkpoint_claim_an_earlier_job_of_the_name_kept_for_one_node_fails_a_multi_node_job() -> None:
+    obs = replace(observed(spec=claim_spec(2)), claims={})  # no checkpoints.volume: the operator's claim
+    assert reconcile(obs, CTX).read_claims == [KEPT]
+    failed = reconcile(replace(obs, claims={KEPT: pvc("ReadWriteOnce")}), CTX)
+    said = message(failed, "Admitted")
+    assert failed.status.phase == "Failed" and not pods_created(failed)
+    assert said.startswith(f"the checkpoint claim {KEPT}, kept by an earlier job of this name, has")
+    assert "delete it to have one made for several nodes, or set spec.checkpoints.volume" in said
+    fresh = reconcile(replace(obs, claims={KEPT: None}), CTX)  # none left: the operator makes one
+    assert pods_created(fresh) == ["job-1-0", "job-1-1"]
 
 
 def test_claims_every_node_can_mount_start_the_attempt() -> None:
@@ -170,7 +183,7 @@ def _waiting_for_volumes(seconds: float) -> dict[str, Any]:
         kubelet_took_it_seconds_ago=seconds,
     )
     stuck["status"]["conditions"].append({"type": SANDBOX_CONDITION, "status": "False"})
-    return stuck
+    return trim_pod(stuck)  # as the watch index and a direct read hand it to a pass
 
 
 def test_a_multi_node_pod_still_waiting_for_its_volumes_after_ten_minutes_is_a_storage_error() -> None:
@@ -191,7 +204,7 @@ def test_a_single_node_pod_mounting_and_a_multi_node_pod_pulling_its_image_are_w
 
 
 def test_a_two_node_attempt_with_a_rank_stuck_mounting_ends_and_its_running_rank_goes_quickly() -> None:
-    obs = replace(observed(spec=TWO_NODES), nodes=NODES_TWO_A800)
+    obs = replace(observed(spec=TWO_NODES), nodes=NODES_TWO_A800, claims={KEPT: None})
     first = reconcile(obs, CTX)
     stuck = pod(rank=1, phase="Pending", node="a800-1", status={
         "startTime": "2026-01-01T11:45:00Z",

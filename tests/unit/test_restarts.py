@@ -304,6 +304,21 @@ def test_an_exhausted_ladder_says_what_the_planner_found_would_fit_rather_than_g
     assert ADVICE[FailureClass.CUDA_OOM] not in result.message
 
 
+def test_an_exhausted_ladder_suggests_nothing_a_card_that_never_fitted_planned_before_any_oom() -> None:
+    spec = SFTJobSpec.model_validate(
+        {"model": {"name": "Qwen/Qwen2.5-32B-Instruct"}, "method": "lora",
+         "dataset": {"name": "org/chats", "maxSeqLength": 2048},
+         "gpu": {"types": ["A800", "L40S"], "count": 2}, "training": {"globalBatchSize": 4, "packing": False}}
+    )  # fmt: skip
+    plans = plan_candidates(spec, default_products())
+    assert plans.plans[A800].fits and not plans.plans[L40S].fits
+    result = give_up(
+        next_attempt(spec, history_of(*[FailureClass.CUDA_OOM] * 4, gpu=A800), plans, nodes={}, now=T0)
+    )
+    assert f"fits on 2 x {A800}" not in result.message  # the setup that ran out of memory
+    assert not [s for s in plans.plans[L40S].suggestions if s in result.message]
+
+
 def test_an_exhausted_ladder_the_planner_has_no_suggestion_for_ends_with_the_generic_advice() -> None:
     plans = candidates(plan(micro_batch=1, accumulation=32))
     result = give_up(policy_decision(history_of(FailureClass.CUDA_OOM), plans=plans))
