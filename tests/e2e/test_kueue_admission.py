@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 from kueue_harness import NAMESPACE_LABEL, Kueue
-from operator_harness import Jobs, sftjob, wait_for
+from operator_harness import REPO, Jobs, sftjob, wait_for
 
 from sftjob_dev.cluster import Cluster
 
@@ -171,6 +171,27 @@ def test_a_job_naming_a_queue_that_does_not_exist_says_so_while_it_waits(queue: 
         ),
     )
     assert jobs.status("typo")["phase"] == "Pending", scheduled
+
+
+def test_the_queue_objects_of_the_queued_example_are_kueues_and_run_the_example_on_their_flavor(
+    cluster: Cluster, kueue: Kueue, namespace: str, jobs: Jobs
+) -> None:
+    example = (REPO / "examples" / "queued-lora.yaml").read_text()
+    block = example[
+        example.index("#   apiVersion: kueue.x-k8s.io") : example.index("\napiVersion: sftjob.io")
+    ]
+    queues = "\n".join(line.removeprefix("#   ") for line in block.splitlines())
+    queues = queues.replace("<the job's namespace>", namespace)
+    cluster.kubectl("label", "namespace", namespace, f"{NAMESPACE_LABEL}=true")
+    cluster.kubectl("apply", "-f", "-", input=queues)  # through Kueue's own validating webhooks
+    try:
+        jobs.apply(yaml.safe_load(example))
+        (pod,) = jobs.running_pods("llama-8b-lora-queued", timeout=60)
+        assert pod["metadata"]["labels"].get("kueue.x-k8s.io/managed") == "true"
+        assert jobs.node_product(pod["spec"]["nodeName"]) == "NVIDIA-L40S"  # the flavor's node label
+    finally:
+        jobs.delete_all()
+        cluster.kubectl("delete", "clusterqueue", "gpus", "--wait=false", check=False)
 
 
 def _group(pods: list[dict[str, Any]]) -> str:
