@@ -12,16 +12,16 @@ from tests.trainer.runs import RANKS, MakeConfig, torchrun, trainer_output
 
 pytestmark = pytest.mark.trainer
 
-# The last rank fails its GPU check at once; the others take a moment longer over theirs, so torchrun's
+# The last rank fails its storage check at once; the others take a moment longer over theirs, so torchrun's
 # SIGTERM finds them in setup, before any collective.
 LAST_RANK_FAILS_PREFLIGHT = """
 import os, time
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import train
 
-def preflight(config, local_rank, local_world_size):
+def preflight(config):
     if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
-        raise TrainerError(ExitCode.GPU_UNAVAILABLE, "GPU 1 has 3.1 GiB free, the plan needs 61.0 GiB")
+        raise TrainerError(ExitCode.STORAGE_ERROR, "output directory /output is not writable: disk full")
     time.sleep(2)
 
 train.run_preflight = preflight
@@ -42,4 +42,4 @@ def test_a_peer_stopped_by_torchrun_keeps_the_failed_ranks_reason_in_the_termina
     log = trainer_output(config)
     assert "exiting with PREEMPTED" in log  # rank 0 was stopped by torchrun, not by the failure itself
     code, reason = read_exit_tag(termination_log.read_text())
-    assert code == ExitCode.GPU_UNAVAILABLE and "3.1 GiB free" in reason, reason
+    assert code == ExitCode.STORAGE_ERROR and "disk full" in reason, reason

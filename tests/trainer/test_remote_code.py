@@ -8,6 +8,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,11 +16,12 @@ import torch
 
 from sftjob.config import ModelSource
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import train
 from sftjob_trainer.attention import VARLEN
 from sftjob_trainer.batching import Layout, collate, make_units
 from sftjob_trainer.data import Example
 from sftjob_trainer.loop import micro_batch_loss, model_inputs
-from sftjob_trainer.model import load_model_config, resolve_attention
+from sftjob_trainer.model import load_model_config, resolve_attention, resolve_model_class
 from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.remote_code import computes_own_loss
 from sftjob_trainer.tiny import make_tiny_model, make_tokenizer
@@ -135,7 +137,9 @@ def _source(folder: Path) -> ModelSource:
 
 def _attention(folder: Path, requested: str, packing: bool) -> str:
     source = _source(folder)
-    return resolve_attention(requested, CPU, packing, load_model_config(source), 64, source)
+    model_config = load_model_config(source)
+    loads_as = resolve_model_class(model_config, packing, source)
+    return resolve_attention(requested, CPU, packing, model_config, 64, loads_as)
 
 
 def _load(folder: Path, attention: str) -> Any:
@@ -188,6 +192,40 @@ def test_the_trainer_computes_the_loss_of_remote_code_as_transformers_computes_i
         torch.testing.assert_close(ours, theirs)
 
 
+class _Logits(torch.nn.Module):
+    """A model whose float32 logits, of every row of the micro-batch, are kept to compare with the loss's."""
+
+    def __init__(self, vocabulary: int) -> None:
+        super().__init__()
+        self.head = torch.nn.Embedding(vocabulary, vocabulary)
+        self.logits: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        self.logits = self.head(input_ids)
+        return SimpleNamespace(logits=self.logits)
+
+
+def test_the_trainers_loss_of_several_rows_reads_their_logits_in_place_without_copying_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cross_entropy = torch.nn.functional.cross_entropy
+    read: list[torch.Tensor] = []
+
+    def recording(logits: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        read.append(logits)
+        return cross_entropy(logits, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", recording)
+    model, ids = _Logits(11), torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 1, 2]])
+    labels = ids.clone()
+    labels[:, :2] = -100
+    loss = micro_batch_loss(model, {"input_ids": ids, "labels": labels}, 1, own_loss=True)
+
+    assert model.logits is not None and read[0].data_ptr() == model.logits.data_ptr()
+    by_hand = cross_entropy(model.logits[:, 1:-1].flatten(0, 1), ids[:, 2:].flatten(), reduction="sum")
+    torch.testing.assert_close(loss, by_hand)  # each position predicts the next label, as before
+
+
 def _steps(config: Path) -> dict[int, tuple[float, float]]:
     out = Path(json.loads(config.read_text())["outputDir"])
     records = [json.loads(line) for line in (out / TRAIN_LOG_FILE).read_text().splitlines()]
@@ -225,10 +263,31 @@ def test_the_loss_gradient_norm_and_eval_loss_of_remote_code_do_not_depend_on_th
     assert 3 < one[1][0] < 8  # about ln(vocabulary), not 4 x it
 
 
+def _data_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    def read(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the dataset was read before the model's code was checked")
+
+    monkeypatch.setattr(train, "load_examples", read)
+
+
+def test_a_packed_run_of_remote_code_with_attention_of_its_own_fails_before_its_data_is_read(
+    trainer_config: MakeConfig,
+    own_attention_model: Path,
+    termination_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _data_never_read(monkeypatch)
+    model = {"path": str(own_attention_model), "trustRemoteCode": True}
+    assert run(str(trainer_config(model=model, training={"packing": True}))) == ExitCode.CONFIG_ERROR
+    assert "spec.training.packing: false" in termination_log.read_text()
+
+
 def test_remote_code_importing_a_package_the_image_lacks_ends_the_job_with_a_config_error_naming_it(
-    trainer_config: MakeConfig, termination_log: Path, tmp_path: Path
+    trainer_config: MakeConfig, termination_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from sftjob_operator.termination import read_message
+
+    _data_never_read(monkeypatch)  # a package no restart brings fails in seconds, not after the data
 
     folder = make_tiny_model(tmp_path / "sftjob_test_missing_package", layers=1, hidden=32)
     (folder / "modeling_missing.py").write_text(

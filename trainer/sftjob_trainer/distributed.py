@@ -2,9 +2,9 @@
 every rank (``fsdp``) or over each node's ranks with the nodes holding replicas (``hsdp``).
 
 A plain ``python -m sftjob_trainer.train`` (or the console script) is world size 1 and never touches
-torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs (a rank whose GPU is required
-but CUDA does not start fails before the rendezvous, as preflight would), and the first collective is a
-bounded probe (:func:`probe_communication`), so links that hang fail the attempt in minutes.
+torch.distributed; under torchrun the backend is NCCL on GPUs and gloo on CPUs, and the first collective is
+a bounded probe (:func:`probe_communication`), so links that hang fail the attempt in minutes. Preflight's
+GPU checks run before any of it, on every rank (:func:`init_distributed`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
-from sftjob_trainer.preflight import check_cuda_starts
+from sftjob_trainer.preflight import check_gpu
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,13 @@ def init_distributed(config: TrainerConfig) -> DistContext:
             " (distributed.nnodes x distributed.nprocPerNode)",
         )
     if config.gpu.required:
-        # Before choosing the backend: a rank whose CUDA is down would pick gloo while its peers pick NCCL,
-        # and they would wait for each other until the collective timeout, blaming no node.
-        check_cuda_starts(config.gpu)
+        # Preflight's GPU checks, before this rank touches its GPU or meets its peers: else a rank whose
+        # CUDA is down picks gloo while its peers pick NCCL (a 30-min wait blaming no node), a missing GPU
+        # fails set_device, a faulty one the probe, and a GPU a stray process holds NCCL's buffers, each
+        # with a class that would not avoid the node (UNKNOWN, CUDA_OOM, COMMUNICATION_ERROR).
+        check_gpu(config.gpu, local_rank, local_world)
+    else:
+        log.info("preflight: GPU checks skipped because gpu.required is false (CPU run)")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:

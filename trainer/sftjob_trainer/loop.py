@@ -269,13 +269,17 @@ def micro_batch_loss(
 ) -> torch.Tensor:
     """The micro-batch's cross-entropy summed over its target tokens, divided by ``divisor``: the model's
     loss (``num_items_in_batch``), or with ``own_loss`` (remote_code.computes_own_loss) the trainer's, in
-    float32 from the logits of a forward pass without labels, each position predicting the next label."""
+    float32 from the logits of a forward pass without labels, each position predicting the next label.
+
+    The labels are shifted, not the logits: a slice of the logits of several rows is not contiguous, and
+    flattening it would copy them all (vocabulary x tokens), beyond what the planner counts for the loss."""
     if not own_loss:
         return model(**inputs, use_cache=False, num_items_in_batch=divisor, **extra).loss
     labels = inputs["labels"]
     logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False).logits
-    terms = logits[:, :-1].flatten(0, 1).float()
-    summed = F.cross_entropy(terms, labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    following = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position predicts nothing
+    terms = logits.flatten(0, 1).float()
+    summed = F.cross_entropy(terms, following.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return summed / divisor
 
 

@@ -46,22 +46,33 @@ def precision_plan(method: Method, precision: Precision) -> PrecisionPlan:
     return PrecisionPlan(compute, load, autocast=half, grad_scaler=precision == "fp16")
 
 
+def resolve_model_class(model_config: Any, packing: bool, source: ModelSource) -> Any:
+    """The class the model loads as, its code fetched from ``source`` for remote code, and checked before
+    the data is read (remote_code.py): code needing a package the image lacks is a ConfigError naming it,
+    and so are packed rows for a model whose attention is its own."""
+    try:
+        found = remote_code.causal_lm_class(model_config, _model_ref(source), **_hub_kwargs(source))
+    except Exception as exc:
+        raise _load_error("model code", source, exc) from exc
+    remote_code.check_packing(found, packing)
+    return found
+
+
 def resolve_attention(
     requested: str,
     device: torch.device,
     packing: bool,
     model_config: Any = None,
     longest_example: int | None = None,
-    source: ModelSource | None = None,
+    model_class: Any = None,
 ) -> str:
     """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask); a
     model whose attention SDPA does not compute exactly (``model_config``, a transformers config), whose
     class has no SDPA attention, or (packed) whose attention is its own code and never sees the examples'
-    boundaries, eager. With ``source`` (``model``) a model of remote code is checked as its own class
-    (remote_code.py): packed rows for one with attention of its own are a ConfigError.
+    boundaries, eager. ``model_class`` is the one :func:`resolve_model_class` found; without it,
+    transformers' class for ``model_config``.
     """
-    model_class = _causal_lm_class(model_config, source)
-    remote_code.check_packing(model_class, packing)
+    model_class = model_class or remote_code.causal_lm_class(model_config)
     if requested == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
 
@@ -100,16 +111,6 @@ def resolve_attention(
         )
         return attention.VARLEN
     return requested
-
-
-def _causal_lm_class(model_config: Any, source: ModelSource | None) -> Any:
-    """The class the model loads as (remote_code.causal_lm_class); without ``source`` None for remote code."""
-    if source is None:
-        return remote_code.causal_lm_class(model_config)
-    try:
-        return remote_code.causal_lm_class(model_config, _model_ref(source), **_hub_kwargs(source))
-    except Exception as exc:
-        raise _load_error("model code", source, exc) from exc
 
 
 def check_positions(model_config: Any, longest_example: int) -> None:

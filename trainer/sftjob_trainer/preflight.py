@@ -41,15 +41,12 @@ class DriverInfo:
     cuda: tuple[int, int] | None  # newest CUDA version the driver supports, e.g. (12, 2)
 
 
-def run_preflight(config: TrainerConfig, local_rank: int, local_world_size: int) -> None:
-    """Run every check in order; the first failure raises :class:`TrainerError`."""
+def run_preflight(config: TrainerConfig) -> None:
+    """The storage and model-file checks in order; the first failure raises :class:`TrainerError`. The GPU
+    checks (:func:`check_gpu`) ran already, before the ranks met (``distributed.init_distributed``)."""
     check_writable(config.checkpoints.dir, "checkpoint directory (checkpoints.dir)")
     check_writable(config.output_dir, "output directory (output_dir)")
     check_model_files(config.model)
-    if config.gpu.required:
-        check_gpu(config.gpu, local_rank, local_world_size)
-    else:
-        log.info("preflight: GPU checks skipped because gpu.required is false (CPU run)")
     log.info("preflight: all checks passed")
 
 
@@ -156,6 +153,8 @@ def check_cuda_starts(expect: GpuExpectation) -> DriverInfo | None:
 
 
 def check_gpu(expect: GpuExpectation, local_rank: int, local_world_size: int) -> None:
+    """CUDA starts (:func:`check_cuda_starts`), the node shows the plan's GPUs, this rank's runs a kernel
+    and has ``expect.memory_gib`` free; else GPU_UNAVAILABLE (or the class of the first kernel's error)."""
     driver = check_cuda_starts(expect)
     count = torch.cuda.device_count()
     if count < local_world_size:

@@ -2,8 +2,9 @@
 trainer cannot take for granted from it.
 
 transformers loads such a model with the class that ``config.auto_map["AutoModelForCausalLM"]`` names,
-from the model's own files; :func:`causal_lm_class` finds it the same way (the code is cached for the load
-that follows). Unlike transformers' own classes, that code
+from the model's own files; :func:`causal_lm_class` finds it the same way, before the data is read
+(``model.resolve_model_class``; the code is cached for the load that follows). Unlike transformers' own
+classes, that code
 
 - may have no SDPA attention: the trainer loads it with eager attention (``model.resolve_attention``);
 - keeps packed examples apart only when its layers take transformers' attention functions and masks

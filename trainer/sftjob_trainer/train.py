@@ -52,6 +52,7 @@ from sftjob_trainer.model import (
     precision_plan,
     prepare_for_training,
     resolve_attention,
+    resolve_model_class,
 )
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.preflight import run_preflight
@@ -113,7 +114,7 @@ class Training:
 
     def run(self) -> dict[str, Any]:
         config, ctx, t = self.config, self.ctx, self.t
-        run_preflight(config, ctx.local_rank, ctx.local_world_size)
+        run_preflight(config)
         from transformers import set_seed
 
         set_seed(t.seed)
@@ -125,6 +126,8 @@ class Training:
         packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
         with heartbeat.downloads(config, Phase.LOADING_DATA, self.metrics):
             tokenizer = load_tokenizer(config.model)
+            model_config = load_model_config(config.model)  # before the data: a bad model fails in seconds
+            model_class = resolve_model_class(model_config, t.packing, config.model)
             examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
             examples, held = held_out(config, examples, stats.rows, fmt, tokenizer, packing_length)
         units = make_units(examples, packing_length)
@@ -137,9 +140,8 @@ class Training:
         schedule.validate()
         planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (loop.continue_course)
         longest = max([n for unit in units for n in unit.lengths] + [len(e.input_ids) for e in held])
-        model_config = load_model_config(config.model)
         check_positions(model_config, longest)
-        attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest, config.model)
+        attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest, model_class)
         # A tokenizer with no pad, EOS or unknown token: padding is masked out and ignored by the loss anyway.
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=pad_id)
@@ -224,12 +226,8 @@ class Training:
         model = wrap_model(model, config, ctx, plan.compute_dtype)
         self.io_seconds = heartbeat.io_seconds(model)
         optimizer = build_optimizer(model, t, ctx.device)
-        parts = Trainables(
-            model,
-            optimizer,
-            build_scheduler(optimizer, t, planned),
-            make_scaler(plan, ctx.device, shards(config, ctx)),
-        )
+        scheduler = build_scheduler(optimizer, t, planned)
+        parts = Trainables(model, optimizer, scheduler, make_scaler(plan, ctx.device, shards(config, ctx)))
         if observer is not None:
             observer.phase("model loaded", checkpoints.newest_complete_step(root), then=Phase.RESTORING)
         self.stop.during_setup("after loading the model")
