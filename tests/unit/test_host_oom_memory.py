@@ -5,7 +5,8 @@ card whose nodes leave no room for a raise is skipped, and the job fails once no
 from __future__ import annotations
 
 from sftjob.failures import FailureClass
-from sftjob_operator.restarts import GiveUpReason, raised_memory
+from sftjob_operator.host_memory import raised_memory
+from sftjob_operator.restarts import GiveUpReason
 from tests.unit.restart_cases import (
     A800,
     L40S,
