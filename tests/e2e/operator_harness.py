@@ -35,15 +35,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0, every: float = 0.25) -> Any:
-    """Poll until ``check()`` returns something truthy and return it; fail with ``what`` on timeout."""
+def wait_for(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float = 30.0,
+    every: float = 0.25,
+    explain: Callable[[], str] | None = None,
+) -> Any:
+    """Poll until ``check()`` returns something truthy and return it; fail with ``what`` on timeout,
+    followed by what ``explain()`` says about the state that was waited on."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}", pytrace=False)
+            detail = f"\n{explain()}" if explain else ""
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{detail}", pytrace=False)
         time.sleep(every)
 
 
@@ -159,7 +167,26 @@ class Jobs:
             pods = [p for p in self.pods(job) if p["status"].get("phase") == "Running"]
             return pods if len(pods) == count else None
 
-        return list(wait_for(f"{count} running pod(s) of {job}", ready, timeout))
+        return list(
+            wait_for(f"{count} running pod(s) of {job}", ready, timeout, explain=lambda: self.explain(job))
+        )
+
+    def explain(self, job: str) -> str:
+        """The job's phase and conditions, its pods' phases and scheduling messages, the namespace's claims:
+        what a timed-out wait shows, so a slow or stuck step is named in the failure itself."""
+        lines = [f"{job}: phase {self.status(job).get('phase')}"]
+        for c in self.status(job).get("conditions", []):
+            lines.append(f"  {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}")
+        for pod in self.pods(job):
+            scheduled = next(
+                (c for c in pod["status"].get("conditions", []) if c["type"] == "PodScheduled"), {}
+            )
+            where = f"{pod['status'].get('phase')} on {pod['spec'].get('nodeName')}"
+            why = f"{scheduled.get('reason', '')} {scheduled.get('message', '')}"
+            lines.append(f"  pod {pod['metadata']['name']}: {where} {why}")
+        claims = json.loads(self.kubectl("get", "pvc", "-o", "json").stdout)["items"]
+        lines += [f"  claim {c['metadata']['name']}: {c['status'].get('phase')}" for c in claims]
+        return "\n".join(lines)
 
     def delete_all(self, timeout: float = 180.0) -> None:
         self.kubectl("delete", "sftjobs", "--all", "--wait=true", f"--timeout={timeout:.0f}s", check=False)

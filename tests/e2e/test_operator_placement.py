@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 import yaml
@@ -23,11 +24,19 @@ def allowed_types(spec: dict[str, object]) -> list[str]:
     return ["A800", "A40", "L40S"] if gpu.get("type", "Any") == "Any" else [str(gpu["type"])]
 
 
+def footprint(manifest: dict[str, Any]) -> tuple[int, int]:
+    gpu = manifest["spec"]["gpu"]
+    return int(gpu.get("nodes", 1)), int(gpu["count"])
+
+
 def test_every_example_lands_only_on_nodes_of_its_gpu_type(jobs: Jobs) -> None:
-    manifests = [yaml.safe_load(p.read_text()) for p in EXAMPLES]
-    jobs.apply(*manifests)
+    # Largest first, each running before the next: all at once, a 1-GPU `Any` pod could take the A800
+    # node the 4-GPU example left half free, and the two 4-GPU ranks of the multi-node example (on
+    # different nodes) would then have only one node with room: a race of the test, not of the operator.
+    manifests = sorted((yaml.safe_load(p.read_text()) for p in EXAMPLES), key=footprint, reverse=True)
     for manifest in manifests:
         name, spec = manifest["metadata"]["name"], manifest["spec"]
+        jobs.apply(manifest)
         nodes = spec["gpu"].get("nodes", 1)
         pods = jobs.running_pods(name, count=nodes, timeout=60)
         products = {p for t in allowed_types(spec) for p in products_for_type(t)}
