@@ -54,7 +54,10 @@ def with_user_resources(spec: SFTJobSpec, plan: Plan, profile: GpuProfile) -> Pl
         if quarter < quantity_gib(shm):
             shm = f"{max(1, math.floor(quarter * 1024))}Mi"
     resources = PodResources(
-        cpu=wanted.cpu or plan.resources.cpu, memory=wanted.memory or plan.resources.memory, shm_size=shm
+        cpu=wanted.cpu or plan.resources.cpu,
+        memory=wanted.memory or plan.resources.memory,
+        shm_size=shm,
+        worker_memory=None if wanted.memory else plan.resources.worker_memory,  # the user's: every pod
     )
     update: dict[str, Any] = {"resources": resources}
     if wanted.cpu is not None:

@@ -37,8 +37,14 @@ class PodResources(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     cpu: str  # Kubernetes quantity, e.g. "16"
-    memory: str  # e.g. "128Gi"
+    memory: str  # e.g. "128Gi": the pod of node rank 0, or every pod when worker_memory is None
     shm_size: str  # size of the /dev/shm emptyDir (medium Memory), e.g. "16Gi"
+    # The other nodes' pods when only global rank 0 loads and saves the whole model (multi-node FSDP/HSDP).
+    worker_memory: str | None = None
+
+    def memory_for(self, node_rank: int) -> str:
+        """The memory request (and limit) of the pod of ``node_rank``."""
+        return self.memory if node_rank == 0 or self.worker_memory is None else self.worker_memory
 
 
 class Plan(BaseModel):

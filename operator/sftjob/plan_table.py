@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sftjob.gpus import PROFILES
-from sftjob.plan import Plan
+from sftjob.plan import Plan, PodResources
 from sftjob.planner import PlanRequest
 
 
@@ -34,6 +34,8 @@ def plan_json(p: Plan, method: str, card_gib: float) -> dict[str, Any]:
         "predictedTokensPerSecond": p.predicted_tokens_per_second,
         "predictedMfu": p.predicted_mfu,
         "checkpointGiB": round(p.checkpoint_gib, 2),
+        "podMemory": p.resources.memory,
+        "podMemoryOtherNodes": p.resources.worker_memory,
         "memory": {term.name: term.gib for term in p.memory.terms},
         "suggestions": p.suggestions,
         "summary": p.summary(),
@@ -102,7 +104,7 @@ def render_plans(plans: list[Plan], request: PlanRequest, model: str) -> str:
     rows.append(
         (
             "pod cpu / memory / shm",
-            each(lambda p: f"{p.resources.cpu} / {p.resources.memory} / {p.resources.shm_size}"),
+            each(lambda p: f"{p.resources.cpu} / {_memory(p.resources)} / {p.resources.shm_size}"),
         )
     )
     out = [title, "", _table(rows, [p.gpu for p in plans]), ""]
@@ -131,3 +133,9 @@ def render_gpus() -> str:
     ]
     header = ["family", "GiB", "GB/s", "bf16 TF", "fp8 TF", "sm", "interconnect", "nvidia.com/gpu.product"]
     return "Dense tensor-core TFLOPS (no 2:4 sparsity); GiB as CUDA reports it.\n\n" + _table(rows, header)
+
+
+def _memory(resources: PodResources) -> str:
+    if resources.worker_memory is None:
+        return resources.memory
+    return f"{resources.memory} (node rank 0), {resources.worker_memory} (other nodes)"

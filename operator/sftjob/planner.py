@@ -75,7 +75,11 @@ def _assemble(
     ladder: list[str],
 ) -> Plan:
     resources, cpus_per_gpu = pod_resources(
-        request.architecture, request.method, request.gpus_per_node, fixed.precision
+        request.architecture,
+        request.method,
+        request.gpus_per_node,
+        fixed.precision,
+        rank0_loads_alone=request.nodes > 1 and c.sharding in ("fsdp", "hsdp") and request.method != "qlora",
     )
     return Plan(
         gpu=gpu.key,

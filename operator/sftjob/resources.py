@@ -56,7 +56,12 @@ def checkpoint_gib(
 
 
 def pod_resources(
-    architecture: Architecture, method: Method, gpus_per_node: int, precision: Precision = "bf16"
+    architecture: Architecture,
+    method: Method,
+    gpus_per_node: int,
+    precision: Precision = "bf16",
+    *,
+    rank0_loads_alone: bool = False,
 ) -> tuple[PodResources, int]:
     """Requests for one node's pod, and the CPUs each GPU's process gets.
 
@@ -74,16 +79,22 @@ def pod_resources(
     - all along: ``HOST_GIB_PER_PROCESS`` per training process, and the memory-backed /dev/shm,
       which counts against the pod's memory limit.
 
-    Every pod of a job gets the same requests, so whichever holds rank 0 can load and save the model.
+    Every pod of a job gets the same requests, so whichever holds rank 0 can load and save the model;
+    except when ``rank0_loads_alone`` (FSDP or HSDP over several nodes, not QLoRA: the trainer's
+    ``loads_on_rank0``): global rank 0 runs in the pod of node rank 0, so the other nodes' pods
+    (``worker_memory``) need neither the load nor the final gather (848 GiB less per pod for a full
+    fine-tune of Mixtral 8x22B on eight nodes).
     """
     cpus = min(CPUS_PER_GPU * gpus_per_node, MAX_CPUS_PER_POD)
     fp32 = method == "full" or precision == "fp32"
     loaded = architecture.parameters * (FULL_STATE_BYTES["weights"] if fp32 else BF16_BYTES) / GIB
     load = LOAD_HEADROOM * loaded
     shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
-    host = max(HOST_MEMORY_FLOOR_GIB, load) + HOST_GIB_PER_PROCESS * gpus_per_node + shm
+    held = HOST_GIB_PER_PROCESS * gpus_per_node + shm
+    memory = f"{_round_up(max(HOST_MEMORY_FLOOR_GIB, load) + held)}Gi"
+    worker = f"{_round_up(HOST_MEMORY_FLOOR_GIB + held)}Gi" if rank0_loads_alone else None
     return PodResources(
-        cpu=str(cpus), memory=f"{_round_up(host)}Gi", shm_size=f"{shm}Gi"
+        cpu=str(cpus), memory=memory, shm_size=f"{shm}Gi", worker_memory=worker if worker != memory else None
     ), cpus // gpus_per_node
 
 

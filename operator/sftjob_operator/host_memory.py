@@ -46,7 +46,14 @@ def raise_host_memory(
             adjusted[key] = plan.model_copy(update={"fits": False})
             changes.append(f"{key}: skipped, no room to raise the memory request within {allocatable}")
         else:
-            resources = plan.resources.model_copy(update={"memory": memory})
+            worker = (
+                plan.resources.worker_memory
+            )  # raised too: the pod that ran out is not known to be rank 0's
+            if worker is not None:
+                worker = min(
+                    raised_memory(worker, len(host_ooms), allocatable) or memory, memory, key=parse_quantity
+                )
+            resources = plan.resources.model_copy(update={"memory": memory, "worker_memory": worker})
             adjusted[key] = plan.model_copy(update={"resources": resources})
     first = next((p for p in adjusted.values() if p.fits), None)
     if first is None:

@@ -272,8 +272,9 @@ def trainer_pod(
     ports = [{"name": "metrics", "containerPort": c.TRAINER_METRICS_PORT}]
     if spec.gpu.nodes > 1:
         ports.append({"name": "rendezvous", "containerPort": c.TORCHRUN_PORT})
-    requests: Manifest = {"cpu": plan.resources.cpu, "memory": plan.resources.memory, c.GPU_RESOURCE: gpus}
-    limits: Manifest = {"memory": plan.resources.memory, c.GPU_RESOURCE: gpus}
+    memory = plan.resources.memory_for(rank)
+    requests: Manifest = {"cpu": plan.resources.cpu, "memory": memory, c.GPU_RESOURCE: gpus}
+    limits: Manifest = {"memory": memory, c.GPU_RESOURCE: gpus}
     rdma = spec.network.rdma
     if rdma is not None and spec.gpu.nodes > 1:
         requests[rdma.resource_name] = limits[rdma.resource_name] = str(rdma.count)

@@ -109,6 +109,29 @@ def test_a_pod_requests_its_gpus_tolerates_the_gpu_taint_and_never_restarts_itse
     assert term["matchExpressions"][0]["values"] == default_products()["L40S"]
 
 
+def test_the_pods_of_nodes_other_than_rank_zeros_ask_for_the_workers_memory_when_the_plan_has_one() -> None:
+    def split_plan(s: SFTJobSpec, profile: GpuProfile) -> Plan:
+        made = fake_plan(s, profile)
+        return made.model_copy(
+            update={"resources": made.resources.model_copy(update={"worker_memory": "40Gi"})}
+        )
+
+    s = spec(gpu={"type": "A800", "count": 4, "nodes": 3})
+    plans = plan_candidates(s, default_products(), split_plan)
+    affinity = node_affinity(s.gpu.candidates(), default_products())
+    memory = [
+        pods.trainer_pod(JOB, s, plans, rank=r, affinity=affinity, image="t")["spec"]["containers"][0][
+            "resources"
+        ]
+        for r in range(3)
+    ]
+    assert [(m["requests"]["memory"], m["limits"]["memory"]) for m in memory] == [
+        ("64Gi", "64Gi"),
+        ("40Gi", "40Gi"),
+        ("40Gi", "40Gi"),
+    ]
+
+
 def test_a_pod_meets_the_restricted_pod_security_profile_as_the_trainer_images_user() -> None:
     p = pod(spec())
     security = p["spec"]["securityContext"]

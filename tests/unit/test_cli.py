@@ -21,6 +21,8 @@ spec:
 
 JSON_KEYS = {
     "gpu",
+    "podMemory",
+    "podMemoryOtherNodes",
     "fits",
     "estimatedPeakGiB",
     "capacityGiB",
@@ -398,3 +400,16 @@ def test_memory_and_checkpoint_sizes_in_kibibytes_are_planned_not_a_traceback(tm
     sizes = "  resources: {memory: 67108864Ki}\n  checkpoints: {size: 104857600Ki}\n"
     code, out, err = _plan_file(tmp_path, capsys, JOB + sizes)
     assert code == 0 and json.loads(out) and "error" not in err
+
+
+def test_a_sharded_multi_node_plan_shows_the_memory_of_node_rank_zeros_pod_and_of_the_others(capsys):
+    flags = ["plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--method", "full", "--gpu", "A800-SXM4-80GB"]
+    code, out, _ = run(capsys, *flags, "--gpus", "4", "--nodes", "2")
+    assert code == 0
+    assert "72Gi (node rank 0), 64Gi (other nodes)" in out
+    code, out, _ = run(capsys, *flags, "--gpus", "4", "--nodes", "2", "-o", "json")
+    (plan,) = json.loads(out)
+    assert (plan["podMemory"], plan["podMemoryOtherNodes"]) == ("72Gi", "64Gi")
+    code, out, _ = run(capsys, *flags, "--gpus", "4", "-o", "json")
+    (plan,) = json.loads(out)
+    assert (plan["podMemory"], plan["podMemoryOtherNodes"]) == ("72Gi", None)

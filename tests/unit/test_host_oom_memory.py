@@ -97,3 +97,28 @@ def test_a_card_that_does_not_fit_anyway_never_makes_a_host_oom_fail_the_job() -
     history = [failed(1, FailureClass.HOST_OOM, node="l40s", gpu=L40S)]
     decision = restart(policy_decision(history, plans=candidates(plan(L40S), unfit), nodes=nodes))
     assert decision.plans.first.resources.memory == "98304Mi"
+
+
+def test_a_host_oom_raises_the_other_nodes_memory_too_never_above_node_rank_zeros() -> None:
+    # Which pod ran out is not recorded: both requests go up, and node rank 0's cap ends the raises.
+    split = plan(memory="64Gi").model_copy(
+        update={"resources": plan().resources.model_copy(update={"worker_memory": "40Gi"})}
+    )
+    nodes = {"gpu-0": node("gpu-0", "100Gi", A800_PRODUCT)}
+    raised = restart(policy_decision(history_of(FailureClass.HOST_OOM), plans=candidates(split), nodes=nodes))
+    assert (raised.plans.first.resources.memory, raised.plans.first.resources.worker_memory) == (
+        "92160Mi",  # 96Gi, capped at 90% of the node's 100Gi
+        "61440Mi",  # 40Gi x 1.5
+    )
+    twice = history_of(FailureClass.HOST_OOM, FailureClass.HOST_OOM)
+    assert give_up(policy_decision(twice, plans=candidates(split), nodes=nodes)).reason == (
+        GiveUpReason.HOST_MEMORY_EXHAUSTED
+    )
+    worker_capped = split.model_copy(
+        update={"resources": split.resources.model_copy(update={"memory": "120Gi", "worker_memory": "80Gi"})}
+    )
+    big = {"gpu-0": node("gpu-0", "200Gi", A800_PRODUCT)}
+    raised = restart(
+        policy_decision(history_of(FailureClass.HOST_OOM), plans=candidates(worker_capped), nodes=big)
+    )
+    assert raised.plans.first.resources.worker_memory == "122880Mi"  # 80Gi x 1.5, within rank 0's 180Gi

@@ -54,6 +54,19 @@ def test_a_users_memory_alone_leaves_the_planned_cpus_alone() -> None:
     assert plan.training.dataloader_workers == 4
 
 
+def test_a_sharded_multi_node_full_fine_tune_asks_for_the_load_memory_on_node_rank_zero_alone() -> None:
+    full = {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "method": "full"}
+    one, two = {"type": "A800", "count": 4}, {"type": "A800", "count": 4, "nodes": 2}
+    one_node, two_nodes = planned(**full, gpu=one), planned(**full, gpu=two)
+    assert two_nodes.distributed.sharding in ("fsdp", "hsdp")
+    assert one_node.resources.worker_memory is None
+    assert two_nodes.resources.memory == one_node.resources.memory == "72Gi"  # 1.5 x the fp32 model, and more
+    assert two_nodes.resources.worker_memory == "64Gi"  # the floor, 4 processes and the /dev/shm
+    # The user's memory is every pod's; their CPUs alone leave the planned split alone.
+    assert planned(**full, gpu=two, resources={"memory": "100Gi"}).resources.worker_memory is None
+    assert planned(**full, gpu=two, resources={"cpu": "16"}).resources.worker_memory == "64Gi"
+
+
 def test_the_operator_plans_exactly_the_cards_sftjob_plan_is_given() -> None:
     for gpu in ({"type": "A800"}, {"type": "Any"}, {"types": ["L40S", "A800"]}):
         spec = SFTJobSpec.model_validate({**SPEC, "gpu": gpu})

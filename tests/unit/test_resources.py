@@ -59,3 +59,23 @@ def test_a_node_holds_one_fp32_copy_of_the_model_not_one_per_gpu():
 def test_lora_on_a_small_model_keeps_the_memory_floor():
     floor = HOST_MEMORY_FLOOR_GIB + HOST_GIB_PER_PROCESS + _shm_gib(1)  # 43 GiB, rounded up to 48
     assert floor <= _memory_gib("lora", 1, architecture=LLAMA_1B) < floor + 8
+
+
+def test_only_node_rank_zeros_pod_asks_for_the_load_memory_when_rank_zero_alone_loads_the_model():
+    # Multi-node FSDP/HSDP: global rank 0 (in node rank 0's pod) loads and gathers the whole model.
+    resources, _ = pod_resources(QWEN_7B, "full", 8, rank0_loads_alone=True)
+    held = 8 * HOST_GIB_PER_PROCESS + _shm_gib(8)
+    assert resources.memory == f"{_memory_gib('full', 8)}Gi"  # the load, as on one node
+    assert resources.worker_memory == "88Gi"  # the floor and what every pod holds all along
+    assert HOST_MEMORY_FLOOR_GIB + held == 88
+    assert (resources.memory_for(0), resources.memory_for(1), resources.memory_for(7)) == (
+        resources.memory,
+        "88Gi",
+        "88Gi",
+    )
+
+
+def test_every_pod_asks_for_the_same_memory_when_each_node_loads_the_model_or_it_is_small():
+    assert pod_resources(QWEN_7B, "full", 8)[0].worker_memory is None  # one node, DDP or QLoRA
+    small, _ = pod_resources(LLAMA_1B, "lora", 1, rank0_loads_alone=True)
+    assert small.worker_memory is None and small.memory_for(1) == small.memory  # the floor is the same
