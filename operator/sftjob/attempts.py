@@ -86,6 +86,7 @@ class AttemptRecord(BaseModel):
 
     attempt: int = Field(ge=1)  # 1 for the first pods
     node: str | None = None  # the node whose pod ended the attempt (rank 0 while it runs)
+    node_rank: int | None = Field(default=None, ge=0)  # that pod's node rank, once the attempt ended
     gpu: str | None = None  # GPU profile key the attempt was planned for (the OOM ladder is per GPU)
     start_time: datetime | None = None
     end_time: datetime | None = None

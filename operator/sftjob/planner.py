@@ -79,7 +79,8 @@ def _assemble(
         request.method,
         request.gpus_per_node,
         fixed.precision,
-        rank0_loads_alone=request.nodes > 1 and c.sharding in ("fsdp", "hsdp") and request.method != "qlora",
+        nodes=request.nodes,
+        sharded=c.sharding in ("fsdp", "hsdp"),
     )
     return Plan(
         gpu=gpu.key,

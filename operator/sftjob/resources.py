@@ -61,40 +61,48 @@ def pod_resources(
     gpus_per_node: int,
     precision: Precision = "bf16",
     *,
-    rank0_loads_alone: bool = False,
+    nodes: int = 1,
+    sharded: bool = False,
 ) -> tuple[PodResources, int]:
     """Requests for one node's pod, and the CPUs each GPU's process gets.
 
-    Host memory is the largest of the transient needs below, plus what the pod holds all along:
+    Host memory is the largest of the transient needs below, plus what the pod holds all along. Global
+    rank 0 runs in the pod of node rank 0 (torchrun's static rendezvous), so only that pod needs the
+    first two; on several nodes the others (``worker_memory``) ask for the rest (848 GiB less per pod for
+    a full fine-tune of Mixtral 8x22B on eight nodes):
 
-    - loading the model: one copy per node as loaded (fp32 for full fine-tuning or an fp32 run, bf16
-      otherwise), times
-      ``LOAD_HEADROOM``. Placed straight on its GPU, the node's processes share the page cache of the
-      mmapped safetensors shards. Under FSDP global rank 0 alone loads the whole model, into its own CPU
-      memory (the copy, plus the page cache of the files it reads), and broadcasts it into every rank's
-      shards; no other rank holds it (trainer/sftjob_trainer/distributed.py ``loads_on_rank0``);
-    - saving the final model: under FSDP rank 0 gathers the whole fp32 model to write it, the size of
-      what it loaded. Checkpoints need no host memory (:func:`checkpoint_gib`);
-    - ``HOST_MEMORY_FLOOR_GIB``, for small models;
+    - loading the model: under FSDP or HSDP (not QLoRA: the trainer's ``loads_on_rank0``) global rank 0
+      alone loads the whole model as loaded (fp32 for full fine-tuning or an fp32 run, bf16 otherwise)
+      into its own CPU memory and broadcasts it into every rank's shards, times ``LOAD_HEADROOM`` for the
+      page cache of the files it reads. Otherwise every process loads straight onto its GPU
+      (``device_map``): the host holds only page cache, which the kernel reclaims before it kills;
+    - saving the final model: under FSDP rank 0 gathers it, the size of what it loaded; a fully
+      fine-tuned model on one GPU or under DDP goes through a host copy in the precision it trained in
+      (bf16, or fp32 for an fp32 run), times ``LOAD_HEADROOM``; adapters are small. Checkpoints need no
+      host memory (:func:`checkpoint_gib`);
+    - ``HOST_MEMORY_FLOOR_GIB``, for small models, the tokenised dataset and the rest;
     - all along: ``HOST_GIB_PER_PROCESS`` per training process, and the memory-backed /dev/shm,
       which counts against the pod's memory limit.
-
-    Every pod of a job gets the same requests, so whichever holds rank 0 can load and save the model;
-    except when ``rank0_loads_alone`` (FSDP or HSDP over several nodes, not QLoRA: the trainer's
-    ``loads_on_rank0``): global rank 0 runs in the pod of node rank 0, so the other nodes' pods
-    (``worker_memory``) need neither the load nor the final gather (848 GiB less per pod for a full
-    fine-tune of Mixtral 8x22B on eight nodes).
     """
     cpus = min(CPUS_PER_GPU * gpus_per_node, MAX_CPUS_PER_POD)
-    fp32 = method == "full" or precision == "fp32"
-    loaded = architecture.parameters * (FULL_STATE_BYTES["weights"] if fp32 else BF16_BYTES) / GIB
-    load = LOAD_HEADROOM * loaded
+    fp32 = precision == "fp32"
+    if sharded and method != "qlora":
+        rank0 = architecture.parameters * (
+            FULL_STATE_BYTES["weights"] if fp32 or method == "full" else BF16_BYTES
+        )
+    elif method == "full":
+        rank0 = architecture.parameters * (FULL_STATE_BYTES["weights"] if fp32 else BF16_BYTES)
+    else:
+        rank0 = 0
     shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
     held = HOST_GIB_PER_PROCESS * gpus_per_node + shm
-    memory = f"{_round_up(max(HOST_MEMORY_FLOOR_GIB, load) + held)}Gi"
-    worker = f"{_round_up(HOST_MEMORY_FLOOR_GIB + held)}Gi" if rank0_loads_alone else None
+    memory = f"{_round_up(max(HOST_MEMORY_FLOOR_GIB, LOAD_HEADROOM * rank0 / GIB) + held)}Gi"
+    worker = f"{_round_up(HOST_MEMORY_FLOOR_GIB + held)}Gi"
     return PodResources(
-        cpu=str(cpus), memory=memory, shm_size=f"{shm}Gi", worker_memory=worker if worker != memory else None
+        cpu=str(cpus),
+        memory=memory,
+        shm_size=f"{shm}Gi",
+        worker_memory=worker if nodes > 1 and worker != memory else None,
     ), cpus // gpus_per_node
 
 

@@ -62,6 +62,7 @@ class Classification:
     exit_code: int | None = None
     message: str = ""
     node: str | None = None
+    node_rank: int | None = None  # the pod's, set by the pass that knows it (``_Pass.classify``)
 
     @property
     def over(self) -> bool:
@@ -191,6 +192,7 @@ def end_record(
             "exit_code": outcome.exit_code,
             "message": outcome.message,
             "node": outcome.node or record.node,
+            "node_rank": outcome.node_rank,
             "lost_steps": lost,
         }
     )

@@ -12,7 +12,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from sftjob import constants as c
 from sftjob.attempts import AttemptRecord
-from sftjob.plan import Plan
+from sftjob.plan import Plan, PodResources
 from sftjob_operator.planning import CandidatePlans
 
 NodeObj = Mapping[str, Any]
@@ -24,6 +24,7 @@ NodeObj = Mapping[str, Any]
 HOST_OOM_MEMORY_FACTOR = 1.5
 HOST_OOM_MEMORY_CAP = 0.9
 HOST_OOM_MIN_RAISE = 0.1
+MIB = 2**20
 
 
 def raise_host_memory(
@@ -33,27 +34,20 @@ def raise_host_memory(
     nodes: Mapping[str, NodeObj],
     changes: list[str],
 ) -> str | None:
-    """Raise every fitting card's memory request in ``adjusted`` once per host OOM; a card whose nodes
-    leave no room for a raise is skipped (said in ``changes``). Why the job ends once no card is left."""
+    """Raise every fitting card's memory requests in ``adjusted`` once per host OOM of their pods; a card
+    whose nodes leave no room for the raise is skipped (said in ``changes``). Why the job ends once no card
+    is left."""
     caps: list[str] = []
     for key, plan in adjusted.items():
         if not plan.fits:
             continue
         allocatable = host_memory_cap(key, plans, nodes, host_ooms[-1])
-        memory = raised_memory(plan.resources.memory, len(host_ooms), allocatable)
-        if memory is None:
+        resources = raised_resources(plan.resources, host_ooms, allocatable)
+        if resources is None:
             caps.append(f"{key}: {allocatable}")
             adjusted[key] = plan.model_copy(update={"fits": False})
             changes.append(f"{key}: skipped, no room to raise the memory request within {allocatable}")
         else:
-            worker = (
-                plan.resources.worker_memory
-            )  # raised too: the pod that ran out is not known to be rank 0's
-            if worker is not None:
-                worker = min(
-                    raised_memory(worker, len(host_ooms), allocatable) or memory, memory, key=parse_quantity
-                )
-            resources = plan.resources.model_copy(update={"memory": memory, "worker_memory": worker})
             adjusted[key] = plan.model_copy(update={"resources": resources})
     first = next((p for p in adjusted.values() if p.fits), None)
     if first is None:
@@ -62,10 +56,42 @@ def raise_host_memory(
             f" raised {HOST_OOM_MIN_RAISE:.0%} more within {HOST_OOM_MEMORY_CAP:.0%} of the smallest"
             f" allocatable of the nodes with its GPU ({', '.join(caps)})"
         )
-    changes.append(
-        f"memory {plans.plans[first.gpu].resources.memory} -> {first.resources.memory} after host OOM"
-    )
+    before, after = plans.plans[first.gpu].resources, first.resources
+    if before.worker_memory is None or after.worker_memory is None:
+        changes.append(f"memory {before.memory} -> {after.memory} after host OOM")
+    else:
+        changes.append(
+            f"memory {before.memory} -> {after.memory} (node rank 0), {before.worker_memory} ->"
+            f" {after.worker_memory} (other nodes) after host OOM"
+        )
     return None
+
+
+def raised_resources(
+    resources: PodResources, host_ooms: Sequence[AttemptRecord], allocatable: str | None
+) -> PodResources | None:
+    """``resources`` after ``host_ooms``; None when the pod that ran out last has no room left.
+
+    One pod shape: raised once per host OOM. Two (node rank 0's and the other nodes', ``worker_memory``):
+    each raised once per host OOM of its own pods (``AttemptRecord.node_rank``; one not known counts for
+    both), and the job goes on while the shape that ran out last can grow (either, when not known).
+    """
+    if resources.worker_memory is None:
+        memory = raised_memory(resources.memory, len(host_ooms), allocatable)
+        return None if memory is None else resources.model_copy(update={"memory": memory})
+    ranks = [r.node_rank for r in host_ooms]
+    first, others = sum(n in (None, 0) for n in ranks), sum(n != 0 for n in ranks)
+    first_grows = raised_memory(resources.memory, first, allocatable) is not None
+    others_grow = raised_memory(resources.worker_memory, others, allocatable) is not None
+    last = ranks[-1]
+    if not (first_grows if last == 0 else others_grow if last is not None else first_grows or others_grow):
+        return None
+    return resources.model_copy(
+        update={
+            "memory": memory_after(resources.memory, first, allocatable),
+            "worker_memory": memory_after(resources.worker_memory, others, allocatable),
+        }
+    )
 
 
 def host_memory_cap(
@@ -90,20 +116,27 @@ def raised_memory(base: str, host_ooms: int, allocatable: str | None) -> str | N
     """``base`` raised once per host OOM, capped at :data:`HOST_OOM_MEMORY_CAP` of ``allocatable``; None
     when that is not :data:`HOST_OOM_MIN_RAISE` more than the failed attempt (the ``host_ooms``-th) ran
     with."""
-    mib = 2**20
-    base_bytes = int(parse_quantity(base))
-    cap = int(int(parse_quantity(allocatable)) * HOST_OOM_MEMORY_CAP) // mib * mib if allocatable else None
-
-    def request(ooms: int) -> int:
-        if ooms == 0:
-            return base_bytes
-        wanted = math.ceil(base_bytes * HOST_OOM_MEMORY_FACTOR**ooms / mib) * mib
-        return wanted if cap is None else min(wanted, cap)
-
-    raised = request(host_ooms)
-    if raised < request(host_ooms - 1) * (1 + HOST_OOM_MIN_RAISE):
+    if host_ooms == 0:
         return None
-    return f"{raised // mib}Mi"
+    raised = _request(base, host_ooms, allocatable)
+    if raised < _request(base, host_ooms - 1, allocatable) * (1 + HOST_OOM_MIN_RAISE):
+        return None
+    return f"{raised // MIB}Mi"
+
+
+def memory_after(base: str, host_ooms: int, allocatable: str | None) -> str:
+    """``base`` after ``host_ooms`` raises, capped: ``base`` itself when there were none."""
+    return base if host_ooms == 0 else f"{_request(base, host_ooms, allocatable) // MIB}Mi"
+
+
+def _request(base: str, host_ooms: int, allocatable: str | None) -> int:
+    base_bytes = int(parse_quantity(base))
+    if host_ooms == 0:
+        return base_bytes
+    wanted = math.ceil(base_bytes * HOST_OOM_MEMORY_FACTOR**host_ooms / MIB) * MIB
+    if allocatable is None:
+        return wanted
+    return min(wanted, int(int(parse_quantity(allocatable)) * HOST_OOM_MEMORY_CAP) // MIB * MIB)
 
 
 def _allocatable_memory(node: NodeObj | None) -> str | None:

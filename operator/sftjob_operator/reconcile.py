@@ -272,7 +272,7 @@ class _Pass(JobPass):
         last = max([t for t in started if t is not None], default=None) if everyone else None
         reported = observe.progress_of(self.current)
         progress = reported.updated if reported else None
-        return classify_pod(
+        verdict = classify_pod(
             pod,
             self.obs.nodes.get(node_name) if node_name else None,
             now=self.now,
@@ -282,6 +282,7 @@ class _Pass(JobPass):
             own_image=spec.image is not None,
             mount_give_up_seconds=MOUNT_GIVE_UP_SECONDS if spec.gpu.nodes > 1 else None,
         )
+        return replace(verdict, node_rank=rank)
 
     def attempt_over(
         self, spec: SFTJobSpec, plans: CandidatePlans | None, record: AttemptRecord, outcome: Classification

@@ -25,6 +25,7 @@ CRD = yaml.safe_load((ROOT / "crds" / "sftjob.io_sftjobs.yaml").read_text())
 SCHEMA_DIGESTS = {
     1: "8069152b7879d11a42e428e305976b57742ef003521a2b1427a2693675c540cc",
     2: "1e5271c30789abbc0e187ed333608fba4c32212e6053fcb1b27c15e9cbc5a2f1",
+    3: "ccc44b79ba8540faf725e852de8482328554ca172e74e05d32c287682ec4ebef",
 }
 
 

@@ -4,7 +4,9 @@ card whose nodes leave no room for a raise is skipped, and the job fails once no
 
 from __future__ import annotations
 
+from sftjob.attempts import AttemptRecord
 from sftjob.failures import FailureClass
+from sftjob.plan import Plan
 from sftjob_operator.host_memory import raised_memory
 from sftjob_operator.restarts import GiveUpReason
 from tests.unit.restart_cases import (
@@ -99,26 +101,41 @@ def test_a_card_that_does_not_fit_anyway_never_makes_a_host_oom_fail_the_job() -
     assert decision.plans.first.resources.memory == "98304Mi"
 
 
-def test_a_host_oom_raises_the_other_nodes_memory_too_never_above_node_rank_zeros() -> None:
-    # Which pod ran out is not recorded: both requests go up, and node rank 0's cap ends the raises.
-    split = plan(memory="64Gi").model_copy(
-        update={"resources": plan().resources.model_copy(update={"worker_memory": "40Gi"})}
+def _split(memory: str, worker: str) -> Plan:
+    """A multi-node sharded plan: node rank 0's pod loads the model, the other nodes' pods do not."""
+    resources = plan().resources.model_copy(update={"memory": memory, "worker_memory": worker})
+    return plan().model_copy(update={"resources": resources})
+
+
+def _ooms(*node_ranks: int | None) -> list[AttemptRecord]:
+    return [
+        r.model_copy(update={"node_rank": n})
+        for r, n in zip(history_of(*[FailureClass.HOST_OOM] * len(node_ranks)), node_ranks, strict=True)
+    ]
+
+
+def _after(history: list[AttemptRecord], split: Plan, allocatable: str) -> tuple[str, str | None]:
+    nodes = {"gpu-0": node("gpu-0", allocatable, A800_PRODUCT)}
+    raised = restart(policy_decision(history, plans=candidates(split), nodes=nodes)).plans.first.resources
+    return raised.memory, raised.worker_memory
+
+
+def test_a_host_oom_raises_the_memory_of_the_pods_that_ran_out_node_rank_zeros_or_the_others() -> None:
+    split = _split("64Gi", "40Gi")
+    assert _after(_ooms(1), split, "1Ti") == ("64Gi", "61440Mi")  # another node's pod: 40Gi x 1.5
+    assert _after(_ooms(0), split, "1Ti") == ("98304Mi", "40Gi")  # node rank 0's: 64Gi x 1.5
+    assert _after(_ooms(1, 2, 0), split, "1Ti") == ("98304Mi", "92160Mi")  # 40Gi x 1.5 x 1.5
+    decision = restart(policy_decision(_ooms(1), plans=candidates(split)))
+    assert (
+        "memory 64Gi -> 64Gi (node rank 0), 40Gi -> 61440Mi (other nodes) after host OOM" in decision.message
     )
-    nodes = {"gpu-0": node("gpu-0", "100Gi", A800_PRODUCT)}
-    raised = restart(policy_decision(history_of(FailureClass.HOST_OOM), plans=candidates(split), nodes=nodes))
-    assert (raised.plans.first.resources.memory, raised.plans.first.resources.worker_memory) == (
-        "92160Mi",  # 96Gi, capped at 90% of the node's 100Gi
-        "61440Mi",  # 40Gi x 1.5
-    )
-    twice = history_of(FailureClass.HOST_OOM, FailureClass.HOST_OOM)
-    assert give_up(policy_decision(twice, plans=candidates(split), nodes=nodes)).reason == (
-        GiveUpReason.HOST_MEMORY_EXHAUSTED
-    )
-    worker_capped = split.model_copy(
-        update={"resources": split.resources.model_copy(update={"memory": "120Gi", "worker_memory": "80Gi"})}
-    )
-    big = {"gpu-0": node("gpu-0", "200Gi", A800_PRODUCT)}
-    raised = restart(
-        policy_decision(history_of(FailureClass.HOST_OOM), plans=candidates(worker_capped), nodes=big)
-    )
-    assert raised.plans.first.resources.worker_memory == "122880Mi"  # 80Gi x 1.5, within rank 0's 180Gi
+
+
+def test_the_other_nodes_pods_grow_after_node_rank_zeros_pod_reached_its_cap() -> None:
+    # Node rank 0's 456Gi (Llama 70B full on 8 nodes) is near the cap of 500Gi nodes; the others' 88Gi is not.
+    split = _split("456Gi", "88Gi")
+    assert _after(_ooms(3), split, "500Gi") == ("456Gi", "135168Mi")
+    assert _after(_ooms(None), split, "500Gi") == ("460800Mi", "135168Mi")  # not known: both, to the cap
+    nodes = {"gpu-0": node("gpu-0", "500Gi", A800_PRODUCT)}
+    ran_out_first = give_up(policy_decision(_ooms(0), plans=candidates(split), nodes=nodes))
+    assert ran_out_first.reason == GiveUpReason.HOST_MEMORY_EXHAUSTED  # 456Gi cannot grow 10% within 450Gi

@@ -240,6 +240,9 @@ def test_a_multi_node_attempt_fails_together_when_one_pod_fails() -> None:
     ]
     actions = reconcile(then(obs, first, pods=pods), CTX)
     assert actions.status.phase == "Restarting" and actions.quick_delete_pods == ["job-1-0"]
+    ended = actions.status.attempts[-1]
+    assert (ended.node, ended.node_rank) == ("a800-0", 1)  # the pod that ended it: its memory is raised alone
+    assert ended.model_dump(by_alias=True)["nodeRank"] == 1
 
 
 def test_an_attempt_records_the_ladder_step_of_the_card_it_landed_on() -> None:

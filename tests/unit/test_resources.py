@@ -13,6 +13,7 @@ from sftjob.resources import (
 
 QWEN_7B = resolve_architecture("Qwen/Qwen2.5-7B-Instruct")
 LLAMA_1B = resolve_architecture("meta-llama/Llama-3.2-1B")
+LLAMA_70B = resolve_architecture("meta-llama/Llama-3.1-70B-Instruct")
 LORA = LoraSettings()
 
 
@@ -43,39 +44,43 @@ def test_an_8bit_optimizer_makes_a_smaller_checkpoint():
 
 
 def test_a_checkpoint_takes_no_host_memory_as_each_rank_writes_its_own_shards_from_the_gpu():
-    fp32_model = QWEN_7B.parameters * 4 / GIB
+    bf16_model = QWEN_7B.parameters * 2 / GIB  # one GPU: the final model's bf16 copy, rank 0's only copy
     checkpoint = checkpoint_gib(QWEN_7B, "full", LORA, "adamw_torch_fused")
     along = HOST_GIB_PER_PROCESS + _shm_gib(1)
-    assert LOAD_HEADROOM * fp32_model + along <= _memory_gib("full", 1) < checkpoint + along
+    assert LOAD_HEADROOM * bf16_model + along <= _memory_gib("full", 1) < checkpoint + along
 
 
-def test_a_node_holds_one_fp32_copy_of_the_model_not_one_per_gpu():
+def test_a_sharded_node_holds_rank_zeros_fp32_copy_of_the_model_not_one_per_gpu():
     fp32_model = QWEN_7B.parameters * 4 / GIB  # rank 0's; the other ranks receive their shards from it
     along = 8 * HOST_GIB_PER_PROCESS + _shm_gib(8)
-    assert _memory_gib("full", 8) >= LOAD_HEADROOM * fp32_model + along
-    assert _memory_gib("full", 8) < 8 * fp32_model  # 8 copies: 227 GiB before the rest
+    memory = int(pod_resources(QWEN_7B, "full", 8, sharded=True)[0].memory.removesuffix("Gi"))
+    assert memory >= LOAD_HEADROOM * fp32_model + along
+    assert memory < 8 * fp32_model  # 8 copies: 227 GiB before the rest
 
 
-def test_lora_on_a_small_model_keeps_the_memory_floor():
+def test_a_model_loaded_straight_onto_its_gpus_takes_no_host_copy_for_adapters():
     floor = HOST_MEMORY_FLOOR_GIB + HOST_GIB_PER_PROCESS + _shm_gib(1)  # 43 GiB, rounded up to 48
+    assert _memory_gib("lora", 1) == _memory_gib("qlora", 1) == 48  # a 7B base: page cache only
     assert floor <= _memory_gib("lora", 1, architecture=LLAMA_1B) < floor + 8
+    sharded_lora, _ = pod_resources(QWEN_7B, "lora", 8, sharded=True)  # rank 0 loads the bf16 base on the CPU
+    assert int(sharded_lora.memory.removesuffix("Gi")) >= LOAD_HEADROOM * QWEN_7B.parameters * 2 / GIB
 
 
-def test_only_node_rank_zeros_pod_asks_for_the_load_memory_when_rank_zero_alone_loads_the_model():
-    # Multi-node FSDP/HSDP: global rank 0 (in node rank 0's pod) loads and gathers the whole model.
-    resources, _ = pod_resources(QWEN_7B, "full", 8, rank0_loads_alone=True)
+def test_only_node_rank_zeros_pod_asks_for_the_load_memory_on_several_nodes():
+    # Global rank 0 (in node rank 0's pod) loads, gathers and saves the whole model.
+    resources, _ = pod_resources(QWEN_7B, "full", 8, nodes=2, sharded=True)
     held = 8 * HOST_GIB_PER_PROCESS + _shm_gib(8)
-    assert resources.memory == f"{_memory_gib('full', 8)}Gi"  # the load, as on one node
-    assert resources.worker_memory == "88Gi"  # the floor and what every pod holds all along
-    assert HOST_MEMORY_FLOOR_GIB + held == 88
-    assert (resources.memory_for(0), resources.memory_for(1), resources.memory_for(7)) == (
-        resources.memory,
-        "88Gi",
-        "88Gi",
-    )
+    assert resources.memory == pod_resources(QWEN_7B, "full", 8, sharded=True)[0].memory  # as on one node
+    assert resources.worker_memory == "88Gi" and HOST_MEMORY_FLOOR_GIB + held == 88
+    assert [resources.memory_for(rank) for rank in (0, 1, 7)] == [resources.memory, "88Gi", "88Gi"]
+    ddp, _ = pod_resources(LLAMA_70B, "full", 8, nodes=2)  # rank 0 saves the final model from a bf16 copy
+    assert ddp.worker_memory == "88Gi"
+    assert int(ddp.memory.removesuffix("Gi")) >= LOAD_HEADROOM * LLAMA_70B.parameters * 2 / GIB + held
 
 
-def test_every_pod_asks_for_the_same_memory_when_each_node_loads_the_model_or_it_is_small():
-    assert pod_resources(QWEN_7B, "full", 8)[0].worker_memory is None  # one node, DDP or QLoRA
-    small, _ = pod_resources(LLAMA_1B, "lora", 1, rank0_loads_alone=True)
+def test_every_pod_asks_for_the_same_memory_on_one_node_or_when_rank_zero_needs_no_more():
+    assert pod_resources(QWEN_7B, "full", 8, sharded=True)[0].worker_memory is None  # one node
+    small, _ = pod_resources(LLAMA_1B, "lora", 1, nodes=2, sharded=True)
     assert small.worker_memory is None and small.memory_for(1) == small.memory  # the floor is the same
+    lora, _ = pod_resources(QWEN_7B, "lora", 8, nodes=2)  # DDP: every process loads onto its own GPU
+    assert lora.worker_memory is None
