@@ -172,6 +172,37 @@ def test_an_oomkilled_trainer_gets_one_and_a_half_times_the_memory_next_time(job
     assert has_event(jobs, "hostoom", "Warning", "HostOOM", "attempt 1")
 
 
+def test_an_oomkilled_pod_of_another_node_gets_more_memory_and_node_rank_zeros_pod_keeps_its_own(
+    jobs: Jobs,
+) -> None:
+    # Sharded over two nodes: node rank 0's pod asks for the memory to load the model, the other's less.
+    two_nodes = {"type": "A800", "count": 4, "nodes": 2}
+    jobs.apply(
+        job(
+            "split",
+            method="full",
+            gpu=two_nodes,
+            training={"globalBatchSize": 32},
+            checkpoints={"size": "400Gi"},
+        )
+    )
+    first = {p["metadata"]["labels"]["sftjob.io/node-rank"]: p for p in jobs.running_pods("split", count=2)}
+    jobs.steer(first["1"]["metadata"]["name"], outcome="oomkill")
+    record = ended(jobs, "split", 1)
+    assert (record["reason"], record["nodeRank"]) == ("HostOOM", 1)
+    second = {
+        p["metadata"]["labels"]["sftjob.io/node-rank"]: p
+        for p in jobs.running_pods("split", count=2, timeout=60)
+    }
+    assert {p["metadata"]["labels"]["sftjob.io/attempt"] for p in second.values()} == {"2"}
+    assert _memory(second["0"]) == _memory(first["0"]) > _memory(first["1"])
+    assert _memory(second["1"]) == 1.5 * _memory(first["1"])
+
+
+def _memory(pod: dict[str, Any]) -> float:
+    return float(parse_quantity(pod["spec"]["containers"][0]["resources"]["requests"]["memory"]))
+
+
 def test_a_data_error_fails_the_job_at_once_with_the_trainers_message(jobs: Jobs) -> None:
     jobs.apply(job("baddata"))
     message = "DataError: 37% of rows are malformed (max 1%): row 12 has no 'messages' column"
