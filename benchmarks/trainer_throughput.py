@@ -17,8 +17,11 @@ that fails (out of memory, say) is recorded as such and the next one runs.
 ``--plans`` is the planner's check (issue 4): every planned config (1.1B full, 7B LoRA, 7B QLoRA for
 A800 at 80 GiB and A40/L40S under a 46 GiB cap) runs 20 optimizer steps of a global batch of 8,
 and its row compares the measured allocator peak with the planner's estimate of it (``peakVsEstimate``,
-``withinEstimate`` at +-15%). ``--profile`` adds a torch profiler table of the last step of every run
+``withinEstimate`` at +-15%, ``fitsCard``: the reserved peak inside the card planned for). ``--profile``
+adds a torch profiler table of one more warm micro-batch and optimizer step per run
 (``<stem>-profile-<run>.txt``: the top kernels and ops by device time), for finding what limits MFU.
+Stopped by SIGINT (``timeout --signal=INT``), it writes the rows so far, the current one included, and
+exits 130.
 
 MFU (``mfu``) follows the anchors' convention so the numbers compare with
 shared/research/h200-anchors.md: 6·N (full) or 4·N (LoRA) FLOPs per real token, N = matmul weights;
@@ -111,6 +114,7 @@ def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]
         "predictedAllocatorGiB": round(chosen.memory.total_gib - outside_allocator, 2),
         "plannedGlobalBatch": chosen.training.global_batch_size,
         "planSummary": chosen.summary(),
+        "requestedGlobalBatch": mode.global_batch,
     }
     return chosen.training.model_copy(update={"dataloader_workers": 0}), details
 
@@ -146,22 +150,28 @@ def measure(
     device: torch.device,
     examples: dict[int, list[Example]],
     peak: float | None,
+    row: dict[str, Any],
     profile: Path | None = None,
-) -> dict[str, Any]:
-    t, details = settings_for(run, mode)
-    t = cap_accumulation(t, mode.max_accumulation)
-    row: dict[str, Any] = {
+) -> None:
+    """Train the run's steps, filling ``row`` as it goes: an interrupt (the time limit) keeps what was
+    measured. ``profile``: then one more warm micro-batch and optimizer step under the profiler."""
+    planned, details = settings_for(run, mode)
+    t = cap_accumulation(planned, mode.max_accumulation)
+    row |= {
         "microBatch": t.micro_batch_size,
         "accumulation": t.gradient_accumulation_steps,
+        "accumulationCapped": t.gradient_accumulation_steps < planned.gradient_accumulation_steps,
         "sequence": t.packing_length if t.packing else "padded",
         "gradientCheckpointing": t.gradient_checkpointing,
         "liger": t.liger_kernels,
         "precision": t.precision,
     } | details
     if details and not details["planFits"]:
-        return row | {"status": "skipped", "note": "the planner found no configuration that fits"}
+        row |= {"status": "skipped", "note": "the planner found no configuration that fits"}
+        return
     if run.method == "qlora" and (device.type != "cuda" or missing("bitsandbytes")):
-        return row | {"status": "skipped", "note": "QLoRA needs a CUDA GPU and bitsandbytes"}
+        row |= {"status": "skipped", "note": "QLoRA needs a CUDA GPU and bitsandbytes"}
+        return
     if t.liger_kernels and (device.type != "cuda" or missing("liger_kernel")):
         row["note"] = "Liger kernels not available here: ran without them"
     attention = resolve_attention(t.attention, device, t.packing)  # as the trainer does
@@ -183,20 +193,17 @@ def measure(
     steps = [batches[i] for i in range(mode.steps)]
     counted = {"seconds": 0.0, "tokens": 0, "pairs": 0}
     if device.type == "cuda":  # the training peak, not building the model (QLoRA builds it in bf16 first)
+        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     for i, micro_batches in enumerate(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         started = time.perf_counter()
-        result = train_step(parts, micro_batches, precision, t.max_grad_norm, ctx)  # ends with a sync
+        result = train_step(parts, micro_batches, precision, t.max_grad_norm, ctx)
+        if device.type == "cuda":  # train_step's own sync comes before the optimizer step: wait for it too
+            torch.cuda.synchronize()
         if i >= mode.discard:
             counted["seconds"] += time.perf_counter() - started
             counted["tokens"] += result.tokens
             counted["pairs"] += result.attention_pairs
-    if profile is not None:  # one more step, warm, under the profiler (not counted above)
-        profiled_step(
-            profile, functools.partial(train_step, parts, steps[-1], precision, t.max_grad_norm, ctx)
-        )
     flops = flops_model(hf_config, run.method, 0)
     rate = counted["tokens"] / counted["seconds"]
     pairs_rate = counted["pairs"] / counted["seconds"]
@@ -212,7 +219,19 @@ def measure(
             "peakGiB": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
             "peakReservedGiB": round(torch.cuda.max_memory_reserved(device) / GIB, 2),
         }
-    return row
+    if profile is not None:  # one micro-batch: a whole 7B LoRA step is ~600k events
+        step = functools.partial(train_step, parts, steps[-1][:1], precision, t.max_grad_norm, ctx)
+        try:
+            profiled_step(profile, step)
+        except Exception as exc:
+            add_note(row, f"no profile: {type(exc).__name__}: {str(exc)[:200]}")
+        except KeyboardInterrupt:
+            add_note(row, "profile cut short by the time limit")
+            raise
+
+
+def add_note(row: dict[str, Any], note: str) -> None:
+    row["note"] = "; ".join(filter(None, (row.get("note"), note)))
 
 
 def run_isolated(
@@ -222,13 +241,15 @@ def run_isolated(
     examples: dict[int, list[Example]],
     peak: float | None,
     card_gib: float | None,
+    row: dict[str, Any],
     profile: Path | None = None,
-) -> dict[str, Any]:
-    """One configuration; its failure (OOM or otherwise) becomes the row, and memory is freed after."""
+) -> None:
+    """One configuration into ``row``; its failure (OOM or otherwise) becomes the row, and memory is
+    freed after. An interrupt (the time limit) marks the row and goes on up, to end the benchmark."""
     import transformers.models.llama.modeling_llama as llama
 
     patched = dict(vars(llama))  # Liger patches module functions; undo that for the next run
-    row: dict[str, Any] = {
+    row |= {
         "model": run.model,
         "method": run.method,
         "config": run.config,
@@ -244,7 +265,7 @@ def run_isolated(
             torch.cuda.set_per_process_memory_fraction(min(1.0, run.cap_gib / card_gib), device)
     started = time.perf_counter()
     try:
-        row |= measure(run, mode, device, examples, peak, profile)
+        measure(run, mode, device, examples, peak, row, profile)
     except torch.OutOfMemoryError as exc:
         row |= {"status": "oom", "note": f"out of memory: {str(exc).splitlines()[0][:200]}"}
     except Exception as exc:  # record and go on to the next configuration
@@ -252,6 +273,11 @@ def run_isolated(
             "status": "error",
             "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
         }
+    except KeyboardInterrupt:
+        if row.get("status") != "ok":
+            row["status"] = "timeout"
+            add_note(row, "stopped by the time limit before its numbers were in")
+        raise
     finally:
         vars(llama).clear()
         vars(llama).update(patched)
@@ -259,25 +285,24 @@ def run_isolated(
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(1.0, device)
-    row["wallSeconds"] = round(time.perf_counter() - started, 1)
-    print(
-        f"{run.name}: {row.get('status')} {row.get('tokensPerSecond', '')} tokens/s"
-        f" mfu {row.get('mfu')} peak {row.get('peakGiB')} GiB {row.get('note', '')}",
-        flush=True,
-    )
-    return row
+        row["wallSeconds"] = round(time.perf_counter() - started, 1)
+        print(
+            f"{run.name}: {row.get('status')} {row.get('tokensPerSecond', '')} tokens/s"
+            f" mfu {row.get('mfu')} peak {row.get('peakGiB')} GiB {row.get('note', '')}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--tiny", action="store_true", help="CPU, tiny model, 3 steps (CI)")
+    size.add_argument("--tiny", action="store_true", help="CPU, tiny model, 2 steps (CI)")
     size.add_argument("--quick", action="store_true", help="GPU, 8 steps (3 discarded), accumulation <= 2")
     size.add_argument(
         "--plans", action="store_true", help="GPU, planned configs only, 20 steps, peak vs estimate"
     )
     parser.add_argument(
-        "--profile", action="store_true", help="write a profiler table of each run's last step"
+        "--profile", action="store_true", help="write a profiler table of one micro-batch per run"
     )
     parser.add_argument(
         "--max-accumulation", type=int, default=None, help="cap every run's accumulation (like for like)"
@@ -308,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[dict[str, Any]] = []
     measured: dict[str, dict[str, Any]] = {}  # A40 and L40S plans are often the same: measure once
+    interrupted = False
     for run in runs:
         settings, details = settings_for(run, mode)
         key = f"{run.model}/{run.method}/{run.cap_gib}/{cap_accumulation(settings, mode.max_accumulation)}"
@@ -317,21 +343,23 @@ def main(argv: list[str] | None = None) -> int:
                 filter(None, (same["config"], same["planFor"]))
             )
             copy = {"config": run.config, "planFor": run.plan_for, "wallSeconds": 0.0, "note": note}
-            rows.append(
-                {k: v for k, v in same.items() if k not in ("verdict", "targetMfu", "meetsTarget")}
-                | details
-                | copy
-            )
+            rows.append(same | details | copy)
         else:
             card = round(card_gib, 1) if card_gib else None
             profile = args.out / f"{stem}-profile-{re.sub(r'[^A-Za-z0-9.]+', '-', run.name)}.txt"
             args.out.mkdir(parents=True, exist_ok=True)
-            measured[key] = run_isolated(
-                run, mode, device, examples, peak, card, profile if args.profile else None
-            )
-            rows.append(measured[key])
+            row: dict[str, Any] = {}
+            try:
+                run_isolated(run, mode, device, examples, peak, card, row, profile if args.profile else None)
+            except KeyboardInterrupt:  # `timeout --signal=INT`: keep this run's row, write, stop
+                interrupted = True
+            measured[key] = row
+            rows.append(row)
         finish_rows(rows)  # written after every run, so a session cut short still leaves its results
         paths = write_results(rows, meta, args.out, stem)
+        if interrupted:
+            print("interrupted: the rows so far are written", flush=True)
+            return 130
     print("wrote " + ", ".join(str(p) for p in paths) if rows else "no run matched --only")
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 

@@ -2,50 +2,71 @@
 # The GPU measurements still owed to issues 4 and 8, as one script for a session lent the H200 (15 minutes
 # of device time, start-up included). Run it through the device tool from the repository root, with the
 # wheels the GPU image lacks in .whl/ (liger-kernel, bitsandbytes, pydantic and its deps; see
-# benchmarks/README.md), e.g. `run --carry .whl --timeout_s 560 -- hack/gpu-check.sh`. Results go to $OUT
-# (the device tool's folder) or benchmarks/results/gpu-check/; every run writes its rows as it ends, so a
-# cut-short session keeps what finished. In priority order:
-#   1. --plans --profile: the planned configs (1.1B full, 7B LoRA, 7B QLoRA; A800 at 80 GiB, A40/L40S under a
-#      46 GiB cap) for 20 steps, peak memory against the planner's estimate, one profiler table per run;
-#   2. 7B LoRA plain+Liger against the planned A40 config, both at accumulation 4 (the anchor's setting).
+# benchmarks/README.md), e.g. the command `SFTJOB_GPU_CHECK_SECONDS=500 hack/gpu-check.sh` with carry .whl
+# and timeout_s 570.
+# Results go to $OUT (the device tool's folder) or benchmarks/results/gpu-check/; every run writes its rows
+# as it ends, and a step stopped by the budget writes the row it was in, so a cut-short session keeps what
+# finished. In order:
+#   1. 7B LoRA plain+Liger against the planned A40 config, both at accumulation 4 (the anchor's setting;
+#      issue 8's only like-for-like 7B LoRA row): about a minute, capped at 150 s, first so it is never
+#      starved;
+#   2. --plans --profile for the rest of the budget: the planned configs (1.1B full, 7B LoRA, 7B QLoRA, in
+#      that order; A800 at 80 GiB, A40/L40S under a 46 GiB cap) for 20 steps, peak memory against the
+#      planner's estimate and the card, a profiler table of one micro-batch per run.
+# The device tool returns at most 8 files: the log, .json/.md/.png per step and one archive of the rest
+# (the profiler tables). GPU and driver are in the log and in each JSON's meta.
 # SFTJOB_GPU_CHECK_DRY=1 runs the same steps on the CPU with the tiny model (to test this script).
-# SFTJOB_GPU_CHECK_SECONDS (default 480) bounds the whole script, so it ends inside the device call and
-# still packs the profiler tables into one archive (the device tool returns at most 8 files).
+# SFTJOB_GPU_CHECK_SECONDS (default 480) bounds the whole script, pip install and packing included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/gpu-check}"
 mkdir -p "$out"
 budget="${SFTJOB_GPU_CHECK_SECONDS:-480}"
+reserve=30 # after a step: timeout's 20 s grace before SIGKILL, then the packing
 exec > >(tee -a "$out/gpu-check.log") 2>&1
 
 if [[ "${SFTJOB_GPU_CHECK_DRY:-}" == 1 ]]; then
   python=(.venv/bin/python)
-  plans=(--tiny --only planned)
   compare=(--tiny --only '^tiny/full/(plain\+liger|planned-A40)$')
+  plans=(--tiny --only planned)
 else
   python=(python3)
   site=/tmp/sftjob-site
   "${python[@]}" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl
   export PYTHONPATH="$site:$PWD/operator:$PWD/trainer:$PWD/benchmarks"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/nvidia-smi.csv"
-  plans=(--plans)
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   compare=(--only '^7B/lora/(plain\+liger|planned-A40)$')
+  plans=(--plans)
 fi
 
 export PYTHONUNBUFFERED=1
-step() {
-  local left=$((budget - SECONDS)) start=$SECONDS
+step() { # step CAP_SECONDS ARGS...: one benchmark run, stopped (SIGINT: it writes its rows) at the cap
+  local cap=$1 start=$SECONDS
+  shift
+  local left=$((budget - SECONDS - reserve))
+  if ((cap < left)); then left=$cap; fi
   if ((left < 30)); then echo "== skipped (budget spent): $*"; return 0; fi
-  echo "== $* (${left}s left)"
+  echo "== $* (${left}s)"
   timeout --signal=INT --kill-after=20 "$left" \
     "${python[@]}" benchmarks/trainer_throughput.py "$@" --out "$out" || echo "== exit $?"
   echo "== $((SECONDS - start))s"
 }
-step "${plans[@]}" --profile
-step "${compare[@]}" --max-accumulation 4
+step 150 "${compare[@]}" --max-accumulation 4
+step "$budget" "${plans[@]}" --profile
+
 shopt -s nullglob
-profiles=("$out"/*-profile-*.txt)
-if ((${#profiles[@]})); then
-  tar -czf "$out/profiles.tar.gz" -C "$out" "${profiles[@]##*/}" && rm -f "${profiles[@]}"
+extras=()
+for path in "$out"/*; do
+  case "$path" in
+    *.log | *.json | *.md | *.png | *.tar.gz) ;;
+    *) extras+=("${path##*/}") ;;
+  esac
+done
+if ((${#extras[@]})); then
+  tar -czf "$out/profiles.tar.gz" -C "$out" "${extras[@]}" || echo "== tar failed: dropping ${extras[*]}"
+  (cd "$out" && rm -f "${extras[@]}")
 fi
 ls -l "$out"
+files=("$out"/*)
+if ((${#files[@]} > 8)); then echo "== ${#files[@]} files in $out: the device tool returns only 8"; fi
+echo "== done in ${SECONDS}s of ${budget}s"
