@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from sftjob.failures import TrainerError
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.trainer
 
 
 def test_packing_never_cuts_an_example() -> None:
-    example = Example(list(range(1500)), [IGNORE_INDEX] * 1200 + list(range(1200, 1500)))
-    assert make_units([example], 2048)[0].labels.tolist() == example.labels
+    labels = np.where(np.arange(1500) < 1200, IGNORE_INDEX, np.arange(1500)).astype(np.int32)
+    example = Example(np.arange(1500, dtype=np.int32), labels)
+    assert make_units([example], 2048)[0].labels.tolist() == labels.tolist()
     with pytest.raises(ValueError, match="does not fit"):
         make_units([example], 1024)  # load_examples cuts to the row length first, counting what it cuts
 

@@ -12,6 +12,7 @@ import pytest
 
 from sftjob.config import DatasetSource
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer import sources
 from sftjob_trainer.data import load_examples
 from sftjob_trainer.sources import BadRow, read_rows
 from sftjob_trainer.tiny import format_row, make_tokenizer
@@ -73,10 +74,50 @@ def test_a_json_file_holding_an_array_is_read_as_rows(
     assert (fmt, stats.rows, stats.bad_rows, len(examples)) == ("alpaca", 5, 0, 5)
 
 
-def test_a_json_file_that_is_a_broken_array_fails_with_where_it_breaks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [3, 4, 7, 1 << 20])
+def test_a_json_array_read_in_chunks_gives_the_rows_json_loads_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    monkeypatch.setattr(sources, "_JSON_CHUNK_BYTES", chunk)  # numbers and UTF-8 characters straddle chunks
+    rows = [ROW, {"output": "é😀\n", "n": -12.5e-3}, 123456789, [1.5e300, None, True], {}, "x", 7]
     path = tmp_path / "rows.json"
-    path.write_text(json.dumps([ROW] * 3, indent=2)[:-10])
-    with pytest.raises(TrainerError, match=r"not a JSON array: .* line") as raised:
+    for text in (json.dumps(rows, ensure_ascii=False), " \n" + json.dumps(rows, indent=3) + "\n", "[]"):
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert [row for _, row in read_rows(DatasetSource(path=str(path)))] == json.loads(text)
+
+
+BREAKS = {
+    "cut short": lambda t: t[:-10],
+    "no comma": lambda t: t.replace("},", "}", 1),
+    "more": lambda t: t + " [",
+}
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 20])
+@pytest.mark.parametrize("broken", BREAKS)
+def test_a_json_file_that_is_a_broken_array_fails_with_where_it_breaks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, broken: str
+) -> None:
+    monkeypatch.setattr(sources, "_JSON_CHUNK_BYTES", chunk)
+    path = tmp_path / "rows.json"
+    path.write_text(BREAKS[broken](json.dumps([ROW] * 3, indent=2)))
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(path.read_text())
+    where = f"{expected.value.msg} at line {expected.value.lineno} column {expected.value.colno}"
+    with pytest.raises(TrainerError, match=f"not a JSON array: {where}$") as raised:
+        list(read_rows(DatasetSource(path=str(path))))
+    assert raised.value.code == ExitCode.DATA_ERROR
+
+
+def test_a_json_array_file_that_is_not_utf8_fails_naming_the_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sources, "_JSON_CHUNK_BYTES", 4)
+    path = tmp_path / "rows.json"
+    data = b'["caf\xc3\xa9", "ab\xe9"]'
+    path.write_bytes(data)
+    bad = data.index(b"ab\xe9") + 2  # in the fifth chunk, after a character split between two
+    with pytest.raises(TrainerError, match=rf"not UTF-8 text \(byte {bad}: ") as raised:
         list(read_rows(DatasetSource(path=str(path))))
     assert raised.value.code == ExitCode.DATA_ERROR
 
@@ -98,7 +139,7 @@ def test_the_fallback_chat_template_starts_chats_with_bos_like_the_text_format(
         path.write_text(json.dumps(format_row("repeat: abc", "abc", fmt)) + "\n")
         (example,), _, _ = load_examples(DatasetSource(path=str(path), format=fmt), tokenizer)
         assert example.input_ids[0] == tokenizer.bos_token_id
-        assert example.input_ids.count(tokenizer.bos_token_id) == 1
+        assert (example.input_ids == tokenizer.bos_token_id).sum() == 1
 
 
 def test_a_hub_dataset_is_read_at_the_revision_the_spec_pins(monkeypatch: pytest.MonkeyPatch) -> None:

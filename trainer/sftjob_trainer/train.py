@@ -25,7 +25,7 @@ from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import checkpoints, heartbeat, output, remote_code, resume, selection
 from sftjob_trainer.attention import FLATTENED
-from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units
+from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units, trim_heap
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.configs import config_for_device, load_config
 from sftjob_trainer.data import load_examples
@@ -132,6 +132,7 @@ class Training:
             examples, held = held_out(config, examples, stats.rows, fmt, tokenizer, packing_length)
         units = make_units(examples, packing_length)
         del examples  # the units hold the tokens now; every rank (and its workers) would keep both
+        trim_heap()  # the examples' freed arrays would otherwise stay resident in the heap
         self.stop.during_setup("after loading the data")  # a peer that failed already: torchrun stops us
         check_same_data(ctx, DataCounts.of(stats.rows, units, held), config.dataset)  # else a hang
         schedule = Schedule(
