@@ -14,6 +14,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kubernetes.utils.quantity import parse_quantity
+
 from sftjob import constants as c
 from sftjob.gpu_products import GpuCards, ProductMap, cards_for_job
 from sftjob.gpus import GpuProfile
@@ -51,6 +53,12 @@ class CandidatePlans:
     def first(self) -> Plan:
         """The plan for the most preferred card that fits."""
         return next(iter(self.fitting.values()))
+
+    def memory_for(self, node_rank: int) -> str:
+        """The memory request of the pod of ``node_rank``: the largest of the fitting cards' plans, as the
+        pod is made before it lands, and its trainer runs the plan of the card it lands on (sharded on one
+        card, rank 0 loads the model on the CPU; replicated on another, straight onto the GPU)."""
+        return max((p.resources.memory_for(node_rank) for p in self.fitting.values()), key=parse_quantity)
 
     def allowed_products(self) -> list[str]:
         return [product for product, key in self.profile_by_product.items() if self.plans[key].fits]

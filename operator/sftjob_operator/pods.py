@@ -262,7 +262,8 @@ def trainer_pod(
 ) -> Manifest:
     """Node ``rank`` of attempt ``job.attempt``, on a node ``affinity`` (a ``nodeAffinity``) allows.
 
-    The most preferred plan sets resources and env; the grace covers every candidate's plan; the config
+    The most preferred plan sets the CPUs and env, the memory is the largest any candidate's plan asks for
+    (:meth:`CandidatePlans.memory_for`); the grace covers every candidate's plan; the config
     itself comes from the ConfigMap, so a pod on any candidate card finds its own plan there.
     """
     plan = plans.first
@@ -272,7 +273,7 @@ def trainer_pod(
     ports = [{"name": "metrics", "containerPort": c.TRAINER_METRICS_PORT}]
     if spec.gpu.nodes > 1:
         ports.append({"name": "rendezvous", "containerPort": c.TORCHRUN_PORT})
-    memory = plan.resources.memory_for(rank)
+    memory = plans.memory_for(rank)
     requests: Manifest = {"cpu": plan.resources.cpu, "memory": memory, c.GPU_RESOURCE: gpus}
     limits: Manifest = {"memory": memory, c.GPU_RESOURCE: gpus}
     rdma = spec.network.rdma

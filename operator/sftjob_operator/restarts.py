@@ -20,6 +20,7 @@ from enum import StrEnum
 from sftjob.attempts import AttemptRecord, RestartPolicy, follows_the_job, not_the_jobs_fault
 from sftjob.failures import NODE_FAULT, PERMANENT, FailureClass
 from sftjob.gpus import profile_for_key
+from sftjob.job_plan import with_user_resources
 from sftjob.plan import Plan
 from sftjob.planner import replan_after_oom
 from sftjob.spec import SFTJobSpec, to_plan_request
@@ -83,7 +84,9 @@ def planner_replanner(spec: SFTJobSpec) -> Replanner:
 
     def replan(plan: Plan) -> Plan:
         request = to_plan_request(spec, spec.gpu.count, spec.gpu.nodes)
-        return replan_after_oom(request, profile_for_key(plan.gpu), plan)
+        profile = profile_for_key(plan.gpu)
+        # The user's CPUs set the workers and threads of each rung too, as they set the first plan's.
+        return with_user_resources(spec, replan_after_oom(request, profile, plan), profile)
 
     return replan
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from sftjob.config import DatasetSource
+from sftjob.failures import TrainerError
 from sftjob_trainer.batching import make_units, trim_heap
 from sftjob_trainer.data import Example, load_examples
 from sftjob_trainer.sources import _JSON_CHUNK_BYTES, _JsonArray
@@ -62,3 +63,12 @@ def test_a_json_array_file_is_decoded_a_row_at_a_time_not_read_whole() -> None:
     assert next(reader) == rows[0]
     assert data.tell() <= _JSON_CHUNK_BYTES < len(data.getvalue()) // 2
     assert [next(reader) for _ in range(len(rows) - 1)] == rows[1:]
+
+
+def test_a_json_array_file_broken_early_fails_without_reading_the_rest() -> None:
+    rows = [{"instruction": f"row {i}", "output": "x" * 100} for i in range(3 * _JSON_CHUNK_BYTES // 100)]
+    text = json.dumps(rows).replace('"row 1"', '"row 1" "extra"', 1)  # a syntax error in the second row
+    data = io.BytesIO(text.encode())
+    with pytest.raises(TrainerError, match="Expecting ',' delimiter at line 1 column 166"):
+        list(_JsonArray(data, Path("rows.json")).rows())
+    assert data.tell() <= _JSON_CHUNK_BYTES

@@ -132,6 +132,21 @@ def test_the_pods_of_nodes_other_than_rank_zeros_ask_for_the_workers_memory_when
     ]
 
 
+def test_a_pod_that_may_land_on_several_cards_asks_for_the_memory_of_the_hungriest_cards_plan() -> None:
+    # Replicated on the A800 (each process loads onto its GPU), sharded on the L40S (rank 0 loads on the CPU).
+    def per_card(s: SFTJobSpec, profile: GpuProfile) -> Plan:
+        made = fake_plan(s, profile)
+        memory = "96Gi" if profile.key == "L40S" else "48Gi"
+        return made.model_copy(update={"resources": made.resources.model_copy(update={"memory": memory})})
+
+    s = spec(gpu={"types": ["A800", "L40S"], "count": 2})
+    plans = plan_candidates(s, default_products(), per_card)
+    assert plans.first.resources.memory == "48Gi"  # the A800's plan comes first
+    affinity = node_affinity(s.gpu.candidates(), default_products())
+    made = pods.trainer_pod(JOB, s, plans, rank=0, affinity=affinity, image="t")
+    assert made["spec"]["containers"][0]["resources"]["limits"]["memory"] == "96Gi"
+
+
 def test_a_pod_meets_the_restricted_pod_security_profile_as_the_trainer_images_user() -> None:
     p = pod(spec())
     security = p["spec"]["securityContext"]

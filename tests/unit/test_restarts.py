@@ -287,6 +287,16 @@ def test_cuda_oom_twice_halves_the_micro_batch_then_turns_on_checkpointing_keepi
     assert len(twice.plans.first.ladder) == 2
 
 
+def test_a_rung_of_the_oom_ladder_keeps_the_workers_and_threads_the_users_cpus_set() -> None:
+    body = qwen7b_spec().model_dump(by_alias=True, exclude_none=True)
+    spec = SFTJobSpec.model_validate(body | {"resources": {"cpu": "2"}})
+    first = restart(planned(spec, [])).plans.first
+    rung = restart(planned(spec, history_of(FailureClass.CUDA_OOM))).plans.first
+    assert rung.ladder and first.training.dataloader_workers == rung.training.dataloader_workers == 1
+    assert first.env["OMP_NUM_THREADS"] == rung.env["OMP_NUM_THREADS"] == "1"
+    assert rung.resources.cpu == "2"
+
+
 def test_a_job_that_cannot_be_made_to_fit_fails_with_the_ladder() -> None:
     spec = qwen7b_spec(packing=False)
     result = give_up(planned(spec, history_of(*[FailureClass.CUDA_OOM] * 3)))

@@ -37,6 +37,7 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 _JSON_CHUNK_BYTES = 1 << 20  # what a JSON array file is read in
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 _NUMBER_LOOKAHEAD = 3
+_CUT_MARGIN = 16  # characters: a value cut at the window's end fails within them ("-Infinit")
 
 
 class BadRow(ValueError):
@@ -190,7 +191,10 @@ class _JsonArray:
             try:
                 value, end = self.decoder.raw_decode(self.text, self.pos)
             except json.JSONDecodeError as exc:
-                if self._more():  # the row may go on in the next chunk
+                # A row cut by the window's end fails at its end, or as a string left open; an error
+                # anywhere else is the file's, and reading on would take the rest of it into memory.
+                cut = exc.pos >= len(self.text) - _CUT_MARGIN or exc.msg.startswith("Unterminated string")
+                if cut and self._more():  # the row goes on in the next chunk
                     continue
                 raise self._broken(exc.msg, exc.pos) from exc
             # A number's end is known once three characters follow it ("1" may be "1.5" or "1e+5").
