@@ -297,7 +297,9 @@ def _plan_command(args: argparse.Namespace) -> int:
         )
     else:
         print(render_plans(plans, request, model))
-    for warning in [memory_problem(spec, profiles[0]), *_warnings(spec, request.architecture)]:
+    # The pods ask for the user's memory wherever they land: said for the first card whose plan needs more.
+    short = next((problem for g in profiles if (problem := memory_problem(spec, g))), None)
+    for warning in [short, *_warnings(spec, request.architecture)]:
         if warning:
             print(f"sftjob: warning: {warning}", file=sys.stderr)
     volume = too_small(spec, plans[0], BUILT_IN_DEFAULT_CLAIM) if args.file else None

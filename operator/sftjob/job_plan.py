@@ -40,8 +40,16 @@ def memory_problem(spec: SFTJobSpec, profile: GpuProfile) -> str | None:
 
 def plan_job(spec: SFTJobSpec, profile: GpuProfile) -> Plan:
     """The job's plan on ``profile``; raises ValueError when the model cannot be sized."""
-    made = planner.plan(to_plan_request(spec, spec.gpu.count, spec.gpu.nodes), profile)
-    return with_user_resources(spec, made, profile)
+    made = with_user_resources(
+        spec, planner.plan(to_plan_request(spec, spec.gpu.count, spec.gpu.nodes), profile), profile
+    )
+    if spec.queue_name and made.resources.worker_memory is not None:
+        # One pod shape, one PodSet: Kueue picks a flavor per PodSet, and two shapes of a pod group could
+        # be given two cards whose nodes the ranks, kept on one GPU product, could then never share.
+        return made.model_copy(
+            update={"resources": made.resources.model_copy(update={"worker_memory": None})}
+        )
+    return made
 
 
 def with_user_resources(spec: SFTJobSpec, plan: Plan, profile: GpuProfile) -> Plan:

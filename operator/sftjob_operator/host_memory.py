@@ -38,11 +38,17 @@ def raise_host_memory(
     whose nodes leave no room for the raise is skipped (said in ``changes``). Why the job ends once no card
     is left."""
     caps: list[str] = []
+    # From what the pods asked for: the most any fitting card's plan needs (``CandidatePlans.memory_for``).
+    asked = _asked(plans)
     for key, plan in adjusted.items():
         if not plan.fits:
             continue
         allocatable = host_memory_cap(key, plans, nodes, host_ooms[-1])
-        resources = raised_resources(plan.resources, host_ooms, allocatable)
+        resources = raised_resources(
+            plan.resources.model_copy(update={"memory": asked.memory, "worker_memory": asked.worker_memory}),
+            host_ooms,
+            allocatable,
+        )
         if resources is None:
             caps.append(f"{key}: {allocatable}")
             adjusted[key] = plan.model_copy(update={"fits": False})
@@ -56,7 +62,7 @@ def raise_host_memory(
             f" raised {HOST_OOM_MIN_RAISE:.0%} more within {HOST_OOM_MEMORY_CAP:.0%} of the smallest"
             f" allocatable of the nodes with its GPU ({', '.join(caps)})"
         )
-    before, after = plans.plans[first.gpu].resources, first.resources
+    before, after = asked, _asked(CandidatePlans(adjusted, plans.profile_by_product))
     if before.worker_memory is None or after.worker_memory is None:
         changes.append(f"memory {before.memory} -> {after.memory} after host OOM")
     else:
@@ -65,6 +71,14 @@ def raise_host_memory(
             f" {after.worker_memory} (other nodes) after host OOM"
         )
     return None
+
+
+def _asked(plans: CandidatePlans) -> PodResources:
+    """The memory the pods of ``plans`` ask for, node rank 0's and the other nodes' (None: the same)."""
+    first, others = plans.memory_for(0), plans.memory_for(1)
+    return plans.first.resources.model_copy(
+        update={"memory": first, "worker_memory": None if others == first else others}
+    )
 
 
 def raised_resources(

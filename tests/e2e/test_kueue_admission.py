@@ -84,8 +84,8 @@ def test_a_queued_job_waits_gated_for_quota_and_its_pod_group_is_admitted_whole(
     (first,) = jobs.running_pods("first")
     assert jobs.wait_phase("first", "Running")["startTime"]
 
-    # A full fine-tune sharded over two nodes: global rank 0 alone loads the model, so node rank 0's pod
-    # asks for more memory than the other (two pod shapes, two PodSets of one Workload).
+    # A full fine-tune sharded over two nodes: global rank 0 alone loads the model, yet under a queue both
+    # pods ask for node rank 0's memory: one pod shape, one PodSet, one flavor for the whole group.
     seven_b = {
         "model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
         "method": "full",
@@ -94,7 +94,7 @@ def test_a_queued_job_waits_gated_for_quota_and_its_pod_group_is_admitted_whole(
     jobs.apply(sftjob("second", **seven_b, gpu={"type": "A800", "count": 4, "nodes": 2}, queueName=queue))
     gated = wait_for("both pods of second to be gated", lambda: _gated(jobs, "second", 2))
     memory = {p["metadata"]["labels"]["sftjob.io/node-rank"]: _memory(p) for p in gated}
-    assert memory == {"0": "72Gi", "1": "64Gi"}
+    assert memory == {"0": "72Gi", "1": "72Gi"}
     group = {p["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] for p in gated}
     assert len(group) == 1  # one attempt, one pod group, one Workload
     scheduled = wait_for(
@@ -108,10 +108,7 @@ def test_a_queued_job_waits_gated_for_quota_and_its_pod_group_is_admitted_whole(
     assert "insufficient unused quota for nvidia.com/gpu" in scheduled["message"]  # Kueue's own words
     assert jobs.status("second").get("startTime") is None  # the deadline has not started
     workload = wait_for("second's Workload", lambda: _workload(jobs, group.pop()))
-    assert sorted(s["count"] for s in workload["spec"]["podSets"]) == [
-        1,
-        1,
-    ]  # admitted together or not at all
+    assert [s["count"] for s in workload["spec"]["podSets"]] == [2]
     reserved = next(c for c in workload["status"]["conditions"] if c["type"] == "QuotaReserved")
     assert (
         reserved["status"] == "False"

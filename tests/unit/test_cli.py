@@ -413,3 +413,16 @@ def test_a_sharded_multi_node_plan_shows_the_memory_of_node_rank_zeros_pod_and_o
     code, out, _ = run(capsys, *flags, "--gpus", "4", "-o", "json")
     (plan,) = json.loads(out)
     assert (plan["podMemory"], plan["podMemoryOtherNodes"]) == ("72Gi", None)
+
+
+def test_a_users_memory_below_what_any_candidate_card_needs_is_warned_about(tmp_path, capsys):
+    # 14B LoRA on 8 GPUs: replicated on the A800s (88Gi), sharded on the 48 GB cards (rank 0 loads on CPU).
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "apiVersion: sftjob.io/v1alpha1\nkind: SFTJob\nmetadata: {name: j}\nspec:\n"
+        "  model: {name: Qwen/Qwen2.5-14B-Instruct}\n  dataset: {name: org/chats}\n  method: lora\n"
+        "  gpu: {type: Any, count: 8}\n  resources: {memory: 96Gi}\n"
+    )
+    code, _, err = run(capsys, "plan", "-f", str(job))
+    assert code == 0
+    assert "spec.resources.memory 96Gi is below the planned 104Gi per pod on A40" in err

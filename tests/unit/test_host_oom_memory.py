@@ -87,10 +87,11 @@ def test_a_card_whose_nodes_leave_no_room_for_a_raise_is_skipped_for_a_card_whos
     decision = restart(
         policy_decision([failed(1, FailureClass.HOST_OOM, node="l40s", gpu=L40S)], plans=plans, nodes=nodes)
     )
-    assert (decision.plans.first.gpu, decision.plans.first.resources.memory) == (A800, "98304Mi")
+    # The pod asked for the L40S plan's 224Gi (the most of the two cards' plans) and ran out with it.
+    assert (decision.plans.first.gpu, decision.plans.first.resources.memory) == (A800, "344064Mi")
     assert not decision.plans.plans[L40S].fits
     assert "L40S: skipped, no room to raise the memory request within 256Gi" in decision.message
-    assert "memory 64Gi -> 98304Mi after host OOM" in decision.message
+    assert "memory 224Gi -> 344064Mi after host OOM" in decision.message
 
 
 def test_a_card_that_does_not_fit_anyway_never_makes_a_host_oom_fail_the_job() -> None:

@@ -65,6 +65,8 @@ def test_a_sharded_multi_node_full_fine_tune_asks_for_the_load_memory_on_node_ra
     # The user's memory is every pod's; their CPUs alone leave the planned split alone.
     assert planned(**full, gpu=two, resources={"memory": "100Gi"}).resources.worker_memory is None
     assert planned(**full, gpu=two, resources={"cpu": "16"}).resources.worker_memory == "64Gi"
+    # Under Kueue every pod takes node rank 0's: one pod shape is one PodSet, given one flavor.
+    assert planned(**full, gpu=two, queueName="team-a").resources.worker_memory is None
 
 
 def test_the_operator_plans_exactly_the_cards_sftjob_plan_is_given() -> None:
