@@ -29,6 +29,9 @@ from sftjob_operator.classify import peer_never_joined
 from sftjob_operator.host_memory import NodeObj, raise_host_memory
 from sftjob_operator.planning import CandidatePlans
 
+# Cards whose memory differs by at most this share share an OOM ladder (L40S 44.42 GiB, A40 44.35).
+SAME_MEMORY_TOLERANCE = 0.01
+
 # Takes the plan that ran out of GPU memory, returns the next rung of the ladder (same global batch;
 # ``fits=False`` once no rung is left).
 Replanner = Callable[[Plan], Plan]
@@ -300,7 +303,9 @@ def _follows_the_job(history: Sequence[AttemptRecord]) -> str | None:
 
 
 def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord], replan: Replanner) -> Plan:
-    """``plan`` one rung down the OOM ladder per CUDA OOM on its GPU; ``fits=False`` once exhausted.
+    """``plan`` one rung down the OOM ladder per CUDA OOM on its GPU, or on a card of the same memory (the
+    A800 SXM4 and PCIe 80GB, the L40S and the A40: their plans fit alike, so they run out alike);
+    ``fits=False`` once exhausted.
 
     The re-planner rebuilds the plan from the request, so the resources (which may carry the user's
     ``spec.resources``) are kept from the plan it was given.
@@ -308,7 +313,7 @@ def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord],
     if policy.on_oom != "Replan" or not plan.fits:
         return plan
     for record in ended:
-        if record.reason is FailureClass.CUDA_OOM and record.gpu == plan.gpu:
+        if record.reason is FailureClass.CUDA_OOM and _same_memory(record.gpu, plan.gpu):
             rung = replan(plan)
             if len(rung.ladder) <= len(plan.ladder):  # the re-planner added no step: nothing left
                 rung = rung.model_copy(update={"fits": False})
@@ -316,3 +321,10 @@ def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord],
             if not plan.fits:
                 break
     return plan
+
+
+def _same_memory(failed: str | None, card: str) -> bool:
+    if failed is None or failed == card:
+        return failed == card
+    ran_out, other = profile_for_key(failed).memory_gib, profile_for_key(card).memory_gib
+    return abs(ran_out - other) <= SAME_MEMORY_TOLERANCE * max(ran_out, other)

@@ -297,6 +297,14 @@ def test_a_rung_of_the_oom_ladder_keeps_the_workers_and_threads_the_users_cpus_s
     assert rung.resources.cpu == "2"
 
 
+def test_a_cuda_oom_steps_down_the_ladder_of_every_card_with_the_same_memory_not_a_smaller_ones() -> None:
+    spec = qwen7b_spec()  # A800: the SXM4 80GB (the OOM), the PCIe 80GB (same memory), the PCIe 40GB
+    plans = restart(planned(spec, history_of(FailureClass.CUDA_OOM))).plans.plans
+    (rung,) = plans["A800-SXM4-80GB"].ladder
+    assert "micro-batch 2 -> 1" in rung and plans["A800-PCIE-80GB"].ladder == [rung]
+    assert plans["A800-PCIE-40GB"].ladder == []
+
+
 def test_a_job_that_cannot_be_made_to_fit_fails_with_the_ladder() -> None:
     spec = qwen7b_spec(packing=False)
     result = give_up(planned(spec, history_of(*[FailureClass.CUDA_OOM] * 3)))
