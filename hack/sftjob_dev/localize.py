@@ -9,6 +9,7 @@ the pod's environment with the same folders mapped. The runner does the I/O arou
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,8 +17,7 @@ from typing import Any
 
 from sftjob import constants as c
 from sftjob.config import DistributedSettings, TrainerConfig
-from sftjob.gpus import profile_for_product
-from sftjob_operator.builders import VARIANT_KEY
+from sftjob.gpu_products import card_config
 
 # Set by the runner itself (or meaningless outside a pod): never copied from the pod spec.
 # The runner sets these itself; HOME and the Triton cache stay the developer's on a local run.
@@ -37,14 +37,10 @@ def localize_path(path: str, mounts: Mapping[str, Path]) -> str:
 
 
 def config_key(data: Mapping[str, str], product: str | None) -> str:
-    """The ConfigMap key the trainer on a node with GPU ``product`` reads: its card's plan, if the
-    operator rendered one per candidate card, else ``config.json``."""
-    profile = profile_for_product(product) if product else None
-    if profile is not None:
-        variant = VARIANT_KEY.format(profile=profile.key)
-        if variant in data:
-            return variant
-    return c.CONFIG_FILE
+    """The ConfigMap key the trainer on a node with GPU ``product`` reads (``card_config``): its card's
+    plan, if the operator rendered one per candidate card, else ``config.json``."""
+    planned = json.loads(data[c.CONFIG_PRODUCTS]) if c.CONFIG_PRODUCTS in data else {}
+    return card_config(list(data), planned, product) or c.CONFIG_FILE
 
 
 def local_config(

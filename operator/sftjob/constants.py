@@ -57,6 +57,9 @@ CONFIG_MOUNT = "/etc/sftjob"
 CONFIG_FILE = "config.json"
 # With several candidate GPU types, one plan per card beside CONFIG_FILE; the trainer loads its card's.
 CONFIG_VARIANT = "config-{profile}.json"
+# Beside them, the operator's map of GPU product labels (GFD's, the device name with '-' for ' ') to the
+# profile keys it planned for, so a product the built-in table does not know still finds its plan.
+CONFIG_PRODUCTS = "products.json"
 CHECKPOINT_MOUNT = "/checkpoints"
 OUTPUT_MOUNT = "/output"
 MODEL_MOUNT = "/model"

@@ -13,7 +13,7 @@ The product mapping is operator configuration (``--gpu-products``); the default 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from sftjob import constants as c
@@ -71,3 +71,17 @@ def cards_for_job(spec: SFTJobSpec, products: ProductMap) -> GpuCards:
 
 def _card(product: str, gpu_type: str) -> GpuProfile:
     return profile_for_product(product) or profile_for_type(gpu_type)
+
+
+def card_config(files: Collection[str], planned: Mapping[str, str], product: str | None) -> str | None:
+    """The trainer config (a key of the job's ConfigMap) for a pod on a GPU whose product label (or CUDA
+    device name) is ``product``: ``config.json`` when the operator rendered one plan, or ran without a
+    GPU; else the card's ``config-<profile>.json``, its profile found in ``planned`` (the operator's
+    product labels, ``products.json``) or the built-in table. None when there are per-card plans and none
+    is this card's: running another card's plan would size memory for the wrong card."""
+    if product is None or not any(name.startswith("config-") for name in files):
+        return c.CONFIG_FILE
+    profile = profile_for_product(product)
+    key = planned.get(product.strip().replace(" ", "-")) or (profile.key if profile else None)
+    variant = c.CONFIG_VARIANT.format(profile=key) if key else None
+    return variant if variant in files else None

@@ -14,6 +14,7 @@ an earlier job's of the same name) and deleting the job lets the garbage collect
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Sequence
 from typing import Any
@@ -39,7 +40,6 @@ MANAGED_BY = "sftjob-operator"
 EVENT_MESSAGE_MAX = 1024
 ROLE_TRAINER = "trainer"
 PROGRESS_INTERVAL_SECONDS = 10.0
-VARIANT_KEY = "config-{profile}.json"
 
 
 def event(job: JobRef, *, type: str, reason: str, message: str, time: str) -> Manifest:
@@ -185,11 +185,14 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
 
 def config_map(job: JobRef, spec: SFTJobSpec, plans: CandidatePlans) -> Manifest:
     """``config.json`` holds the most preferred fitting plan; with several candidate cards,
-    ``config-<profile>.json`` holds each card's plan and the trainer loads the one for its device."""
+    ``config-<profile>.json`` holds each card's plan and the trainer loads the one for its device, found
+    in ``products.json`` (the product labels the operator planned with) or the built-in GPU table."""
     data = {c.CONFIG_FILE: trainer_config(job, spec, plans.first).to_json()}
     if len(plans.fitting) > 1:
         for key, plan in plans.fitting.items():
-            data[VARIANT_KEY.format(profile=key)] = trainer_config(job, spec, plan).to_json()
+            data[c.CONFIG_VARIANT.format(profile=key)] = trainer_config(job, spec, plan).to_json()
+        products = {product: key for product, key in plans.profile_by_product.items() if key in plans.fitting}
+        data[c.CONFIG_PRODUCTS] = json.dumps(products, sort_keys=True)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -1,10 +1,12 @@
 """The trainer loads the plan rendered for the card it landed on when the operator rendered several."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import configs
 
 pytestmark = pytest.mark.trainer
@@ -22,12 +24,27 @@ def test_a_pod_on_an_l40s_loads_the_l40s_plan(tmp_path: Path, monkeypatch: pytes
     assert configs.config_for_device(str(_configs(tmp_path))) == str(tmp_path / "config-L40S.json")
 
 
-def test_a_card_without_a_plan_of_its_own_loads_the_default(
+def test_a_gpu_that_is_none_of_the_planned_cards_is_gpu_unavailable_not_another_cards_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A40")
-    assert configs.config_for_device(str(_configs(tmp_path))) == str(tmp_path / "config.json")
+    with pytest.raises(TrainerError) as raised:
+        configs.config_for_device(str(_configs(tmp_path)))
+    assert raised.value.code == ExitCode.GPU_UNAVAILABLE
+    assert "this pod's GPU (NVIDIA A40) is none of the cards the job was planned for" in raised.value.reason
+
+
+def test_a_product_the_built_in_table_lacks_finds_the_plan_the_operator_mapped_it_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --gpu-products {"A40": ["NVIDIA-A40", "NVIDIA-L40"]}: the L40 is planned as an A40.
+    path = _configs(tmp_path)
+    (tmp_path / "config-A40.json").write_text("{}")
+    (tmp_path / "products.json").write_text(json.dumps({"NVIDIA-L40": "A40", "NVIDIA-L40S": "L40S"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA L40")
+    assert configs.config_for_device(str(path)) == str(tmp_path / "config-A40.json")
 
 
 def test_a_cpu_run_loads_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

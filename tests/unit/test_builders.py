@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from sftjob import constants as c
@@ -230,7 +231,11 @@ def test_the_checkpoint_claim_is_shared_by_all_nodes_and_kept_only_when_asked() 
 def test_the_config_map_holds_a_valid_trainer_config_per_candidate_gpu() -> None:
     s = spec(gpu={"types": ["L40S", "A40"]}, checkpoints={"everySteps": 50})
     cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), fake_plan))
-    assert set(cm["data"]) == {c.CONFIG_FILE, "config-L40S.json", "config-A40.json"}
+    assert set(cm["data"]) == {c.CONFIG_FILE, "config-L40S.json", "config-A40.json", c.CONFIG_PRODUCTS}
+    products = json.loads(cm["data"][c.CONFIG_PRODUCTS])  # what the trainer finds its card's plan by
+    assert products == {p: "L40S" for p in default_products()["L40S"]} | {
+        p: "A40" for p in default_products()["A40"]
+    }
     config = TrainerConfig.model_validate_json(cm["data"][c.CONFIG_FILE])
     assert (
         config.job == JOB

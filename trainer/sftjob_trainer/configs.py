@@ -13,26 +13,36 @@ from typing import Any
 import torch
 
 from sftjob.config import SCHEMA_VERSION, TrainerConfig
-from sftjob.constants import CONFIG_VARIANT
+from sftjob.constants import CONFIG_FILE, CONFIG_PRODUCTS
 from sftjob.failures import ExitCode, TrainerError
-from sftjob.gpus import profile_for_product
+from sftjob.gpu_products import card_config
 
 log = logging.getLogger("sftjob_trainer")
 
 
 def config_for_device(path: str) -> str:
     """The plan for the card this pod landed on: for `gpu.type: Any` or a preference list the operator
-    renders ``config-<profile>.json`` per candidate card beside the default ``config.json``."""
+    renders ``config-<profile>.json`` per candidate card beside the default ``config.json``, and the
+    product labels it planned them for in ``products.json``. A GPU that is none of those cards (its node's
+    product label and its device disagree) is GPU_UNAVAILABLE: the next attempt avoids the node."""
     if not torch.cuda.is_available():
         return path
-    profile = profile_for_product(torch.cuda.get_device_name())
-    if profile is None:
+    folder, name = Path(path).parent, torch.cuda.get_device_name()
+    products = folder / CONFIG_PRODUCTS
+    planned = json.loads(products.read_text()) if products.exists() else {}
+    chosen = card_config([p.name for p in folder.iterdir()], planned, name)
+    if chosen is None:
+        cards = ", ".join(sorted(set(planned.values()))) or "see the job's ConfigMap"
+        raise TrainerError(
+            ExitCode.GPU_UNAVAILABLE,
+            f"this pod's GPU ({name}) is none of the cards the job was planned for ({cards}): the node's"
+            " nvidia.com/gpu.product label does not name its GPU, or the operator's --gpu-products maps it"
+            " to another card",
+        )
+    if chosen == CONFIG_FILE:
         return path
-    variant = Path(path).with_name(CONFIG_VARIANT.format(profile=profile.key))
-    if not variant.exists():
-        return path
-    log.info("using the plan for %s: %s", profile.key, variant)
-    return str(variant)
+    log.info("using the plan for %s: %s", name, chosen)
+    return str(folder / chosen)
 
 
 def load_config(path: str) -> TrainerConfig:
