@@ -298,7 +298,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     else:
         print(render_plans(plans, request, model))
     # The pods ask for the user's memory wherever they land: said for the first card whose plan needs more.
-    short = next((problem for g in profiles if (problem := memory_problem(spec, g))), None)
+    fitting = [g for g, p in zip(profiles, plans, strict=True) if p.fits]
+    short = next((problem for g in fitting if (problem := memory_problem(spec, g))), None)
     for warning in [short, *_warnings(spec, request.architecture)]:
         if warning:
             print(f"sftjob: warning: {warning}", file=sys.stderr)

@@ -17,7 +17,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from sftjob import constants as c
-from sftjob.gpus import GPU_TYPES, GpuProfile, products_for_type, profile_for_product, profile_for_type
+from sftjob.gpus import (
+    GPU_TYPES,
+    GpuProfile,
+    normalise_product,
+    products_for_type,
+    profile_for_product,
+    profile_for_type,
+)
 from sftjob.spec import SFTJobSpec
 
 ProductMap = Mapping[str, Sequence[str]]  # GPU type ("A800") -> GFD product labels
@@ -78,10 +85,11 @@ def card_config(files: Collection[str], planned: Mapping[str, str], product: str
     device name) is ``product``: ``config.json`` when the operator rendered one plan, or ran without a
     GPU; else the card's ``config-<profile>.json``, its profile found in ``planned`` (the operator's
     product labels, ``products.json``) or the built-in table. None when there are per-card plans and none
-    is this card's: running another card's plan would size memory for the wrong card."""
+    is found for this card (the caller then runs ``config.json``, the most preferred card's plan)."""
     if product is None or not any(name.startswith("config-") for name in files):
         return c.CONFIG_FILE
+    labels = {normalise_product(label): key for label, key in planned.items()}
     profile = profile_for_product(product)
-    key = planned.get(product.strip().replace(" ", "-")) or (profile.key if profile else None)
+    key = labels.get(normalise_product(product)) or (profile.key if profile else None)
     variant = c.CONFIG_VARIANT.format(profile=key) if key else None
     return variant if variant in files else None

@@ -108,13 +108,13 @@ _DEFAULT_KEY = {
 }
 
 
-def _normalise(name: str) -> str:
+def normalise_product(name: str) -> str:
     """GFD labels are NVML names with spaces turned into dashes; compare both spellings that way."""
     name = re.sub(r"\s+", "-", name.strip()).casefold()
     return name.removesuffix("-shared")  # GFD's time-slicing suffix; the card is the same
 
 
-_BY_PRODUCT = {_normalise(p): profile for profile in PROFILES for p in profile.products}
+_BY_PRODUCT = {normalise_product(p): profile for profile in PROFILES for p in profile.products}
 
 
 def profile_for_product(name: str) -> GpuProfile | None:
@@ -122,7 +122,7 @@ def profile_for_product(name: str) -> GpuProfile | None:
 
     MIG slices (``...-MIG-1g.10gb``) have a fraction of the card's memory and get no profile.
     """
-    return _BY_PRODUCT.get(_normalise(name))
+    return _BY_PRODUCT.get(normalise_product(name))
 
 
 def _family(gpu_type: str) -> str:

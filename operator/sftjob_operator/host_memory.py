@@ -34,11 +34,11 @@ def raise_host_memory(
     nodes: Mapping[str, NodeObj],
     changes: list[str],
 ) -> str | None:
-    """Raise every fitting card's memory requests in ``adjusted`` once per host OOM of their pods; a card
-    whose nodes leave no room for the raise is skipped (said in ``changes``). Why the job ends once no card
-    is left."""
+    """Raise every fitting card's memory requests in ``adjusted`` once per host OOM of their pods, from
+    what the pods asked for: the most any card fitting in ``plans`` (the cards when the pods that ran out
+    were made) needs (``CandidatePlans.memory_for``). A card whose nodes leave no room for the raise is
+    skipped (said in ``changes``). Why the job ends once no card is left."""
     caps: list[str] = []
-    # From what the pods asked for: the most any fitting card's plan needs (``CandidatePlans.memory_for``).
     asked = _asked(plans)
     for key, plan in adjusted.items():
         if not plan.fits:

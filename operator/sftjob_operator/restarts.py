@@ -168,7 +168,10 @@ def attempt_settings(
 
     host_ooms = [r for r in ended if r.reason is FailureClass.HOST_OOM]
     if host_ooms:
-        exhausted = raise_host_memory(adjusted, plans, host_ooms, nodes, changes)
+        # Raised from what the pods that ran out asked for: the cards that fitted when they were made.
+        earlier = [r for r in ended if r.attempt < host_ooms[-1].attempt]
+        asked = CandidatePlans(_gpu_adjusted(policy, plans, earlier, replan)[0], plans.profile_by_product)
+        exhausted = raise_host_memory(adjusted, asked, host_ooms, nodes, changes)
         if exhausted is not None:
             advice = ADVICE[FailureClass.HOST_OOM]
             return GiveUp(GiveUpReason.HOST_MEMORY_EXHAUSTED, f"{exhausted}; {advice}")
@@ -195,7 +198,7 @@ def _gpu_adjusted(
     """Each card's plan after the OOM ladder its own failures call for, and the NCCL fallback. A card
     whose ladder ran out also rules out every candidate card with no more memory."""
     changes: list[str] = []
-    adjusted = {key: _laddered(policy, plan, ended, replan) for key, plan in plans.plans.items()}
+    adjusted = {key: _laddered(policy, plans, key, ended, replan) for key in plans.plans}
     exhausted = [k for k, p in adjusted.items() if plans.plans[k].fits and not p.fits]
     ceiling = max((profile_for_key(k).memory_gib for k in exhausted), default=0.0)
     for key, plan in adjusted.items():
@@ -302,18 +305,21 @@ def _follows_the_job(history: Sequence[AttemptRecord]) -> str | None:
     )
 
 
-def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord], replan: Replanner) -> Plan:
-    """``plan`` one rung down the OOM ladder per CUDA OOM on its GPU, or on a card of the same memory (the
-    A800 SXM4 and PCIe 80GB, the L40S and the A40: their plans fit alike, so they run out alike);
-    ``fits=False`` once exhausted.
+def _laddered(
+    policy: RestartPolicy, plans: CandidatePlans, key: str, ended: Sequence[AttemptRecord], replan: Replanner
+) -> Plan:
+    """Card ``key``'s plan one rung down the OOM ladder per CUDA OOM on it, or on a twin: a card of the same
+    memory (the A800 SXM4 and PCIe 80GB, the L40S and the A40) planned with the same training settings,
+    which runs out alike; ``fits=False`` once exhausted.
 
     The re-planner rebuilds the plan from the request, so the resources (which may carry the user's
     ``spec.resources``) are kept from the plan it was given.
     """
+    plan = plans.plans[key]
     if policy.on_oom != "Replan" or not plan.fits:
         return plan
     for record in ended:
-        if record.reason is FailureClass.CUDA_OOM and _same_memory(record.gpu, plan.gpu):
+        if record.reason is FailureClass.CUDA_OOM and _twin(plans, record.gpu, key):
             rung = replan(plan)
             if len(rung.ladder) <= len(plan.ladder):  # the re-planner added no step: nothing left
                 rung = rung.model_copy(update={"fits": False})
@@ -323,8 +329,10 @@ def _laddered(policy: RestartPolicy, plan: Plan, ended: Sequence[AttemptRecord],
     return plan
 
 
-def _same_memory(failed: str | None, card: str) -> bool:
-    if failed is None or failed == card:
+def _twin(plans: CandidatePlans, failed: str | None, card: str) -> bool:
+    """``card`` is the card that ran out, or one of its memory planned with its training settings."""
+    if failed is None or failed == card or failed not in plans.plans:
         return failed == card
     ran_out, other = profile_for_key(failed).memory_gib, profile_for_key(card).memory_gib
-    return abs(ran_out - other) <= SAME_MEMORY_TOLERANCE * max(ran_out, other)
+    same_memory = abs(ran_out - other) <= SAME_MEMORY_TOLERANCE * max(ran_out, other)
+    return same_memory and plans.plans[failed].training == plans.plans[card].training

@@ -140,3 +140,15 @@ def test_the_other_nodes_pods_grow_after_node_rank_zeros_pod_reached_its_cap() -
     nodes = {"gpu-0": node("gpu-0", "500Gi", A800_PRODUCT)}
     ran_out_first = give_up(policy_decision(_ooms(0), plans=candidates(split), nodes=nodes))
     assert ran_out_first.reason == GiveUpReason.HOST_MEMORY_EXHAUSTED  # 456Gi cannot grow 10% within 450Gi
+
+
+def test_a_host_oom_raises_from_what_the_pods_asked_for_not_a_card_the_oom_ladder_ruled_out_before() -> None:
+    plans = candidates(plan(A800, memory="64Gi"), plan(L40S, micro_batch=2, memory="200Gi"))
+    history = [
+        failed(1, FailureClass.CUDA_OOM, gpu=L40S),
+        failed(2, FailureClass.CUDA_OOM, gpu=L40S),  # the L40S's ladder is done: the pods ask for 64Gi
+        failed(3, FailureClass.HOST_OOM, gpu=A800),
+    ]
+    decision = restart(policy_decision(history, plans=plans))
+    assert decision.plans.first.resources.memory == "98304Mi"  # 64Gi x 1.5
+    assert "memory 64Gi -> 98304Mi after host OOM" in decision.message

@@ -305,6 +305,12 @@ def test_a_cuda_oom_steps_down_the_ladder_of_every_card_with_the_same_memory_not
     assert plans["A800-PCIE-40GB"].ladder == []
 
 
+def test_a_card_of_the_same_memory_planned_otherwise_keeps_its_plan_after_a_cuda_oom() -> None:
+    plans = candidates(plan(A800, micro_batch=4), plan("A800-PCIE-80GB", micro_batch=16, accumulation=2))
+    adjusted = restart(policy_decision(history_of(FailureClass.CUDA_OOM), plans=plans)).plans.plans
+    assert adjusted[A800].ladder == ["halved"] and adjusted["A800-PCIE-80GB"].ladder == []
+
+
 def test_a_job_that_cannot_be_made_to_fit_fails_with_the_ladder() -> None:
     spec = qwen7b_spec(packing=False)
     result = give_up(planned(spec, history_of(*[FailureClass.CUDA_OOM] * 3)))

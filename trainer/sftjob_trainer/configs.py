@@ -23,8 +23,7 @@ log = logging.getLogger("sftjob_trainer")
 def config_for_device(path: str) -> str:
     """The plan for the card this pod landed on: for `gpu.type: Any` or a preference list the operator
     renders ``config-<profile>.json`` per candidate card beside the default ``config.json``, and the
-    product labels it planned them for in ``products.json``. A GPU that is none of those cards (its node's
-    product label and its device disagree) is GPU_UNAVAILABLE: the next attempt avoids the node."""
+    product labels it planned them for in ``products.json``."""
     if not torch.cuda.is_available():
         return path
     folder, name = Path(path).parent, torch.cuda.get_device_name()
@@ -32,13 +31,13 @@ def config_for_device(path: str) -> str:
     planned = json.loads(products.read_text()) if products.exists() else {}
     chosen = card_config([p.name for p in folder.iterdir()], planned, name)
     if chosen is None:
-        cards = ", ".join(sorted(set(planned.values()))) or "see the job's ConfigMap"
-        raise TrainerError(
-            ExitCode.GPU_UNAVAILABLE,
-            f"this pod's GPU ({name}) is none of the cards the job was planned for ({cards}): the node's"
-            " nvidia.com/gpu.product label does not name its GPU, or the operator's --gpu-products maps it"
-            " to another card",
+        log.warning(
+            "no plan of the job is for this GPU (%s; planned: %s): running the most preferred card's plan."
+            " Its node's nvidia.com/gpu.product label or the operator's --gpu-products names another card",
+            name,
+            ", ".join(sorted(set(planned.values()))) or "see the job's ConfigMap",
         )
+        return path
     if chosen == CONFIG_FILE:
         return path
     log.info("using the plan for %s: %s", name, chosen)
