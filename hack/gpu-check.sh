@@ -10,9 +10,10 @@
 #   1. 7B LoRA plain+Liger against the planned A40 config, both at accumulation 4 (the anchor's setting;
 #      issue 8's only like-for-like 7B LoRA row): about a minute, capped at 150 s, first so it is never
 #      starved;
-#   2. --plans --profile for the rest of the budget: the planned configs (1.1B full, 7B LoRA, 7B QLoRA, in
-#      that order; A800 at 80 GiB, A40/L40S under a 46 GiB cap) for 20 steps, peak memory against the
-#      planner's estimate and the card, a profiler table of one micro-batch per run.
+#   2. --plans --profile for the rest of the budget: the planned configs, the A40 plans first, then L40S,
+#      then A800 (1.1B full, 7B LoRA, 7B QLoRA each; A40/L40S under a 46 GiB cap, A800 at 80 GiB) for 20
+#      steps, peak memory against the planner's estimate and the card, a profiler table of one micro-batch
+#      per run.
 # The device tool returns at most 8 files: the log, .json/.md/.png per step and one archive of the rest
 # (the profiler tables). GPU and driver are in the log and in each JSON's meta.
 # SFTJOB_GPU_CHECK_DRY=1 runs the same steps on the CPU with the tiny model (to test this script).

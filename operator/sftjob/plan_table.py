@@ -8,6 +8,7 @@ from typing import Any
 from sftjob.gpus import PROFILES
 from sftjob.plan import Plan, PodResources
 from sftjob.planner import PlanRequest
+from sftjob.storage import quantity_gib
 
 
 def plan_json(p: Plan, method: str, card_gib: float) -> dict[str, Any]:
@@ -111,6 +112,14 @@ def render_plans(plans: list[Plan], request: PlanRequest, model: str) -> str:
     for p in plans:
         out.append(f"{p.gpu}: {p.verdict}")
         out += [f"  - try: {s}" for s in p.suggestions]
+    fitting = [p.resources for p in plans if p.fits]
+    if len({_memory(r) for r in fitting}) > 1:  # a pod is made before it lands: it asks for the most
+        first = max((r.memory_for(0) for r in fitting), key=quantity_gib)
+        others = max((r.memory_for(1) for r in fitting), key=quantity_gib)
+        asked = PodResources(
+            cpu="", memory=first, shm_size="", worker_memory=None if others == first else others
+        )
+        out.append(f"pods of a job allowed on these cards ask for {_memory(asked)} wherever they land")
     return "\n".join(out)
 
 

@@ -68,8 +68,8 @@ def pod_resources(
 
     Host memory is the largest of the transient needs below, plus what the pod holds all along. Global
     rank 0 runs in the pod of node rank 0 (torchrun's static rendezvous), so only that pod needs the
-    first two; on several nodes the others (``worker_memory``) ask for the rest (848 GiB less per pod for
-    a full fine-tune of Mixtral 8x22B on eight nodes):
+    first two; on several nodes the others (``worker_memory``) ask for the rest (a full fine-tune of
+    Mixtral 8x22B on eight nodes: 88Gi instead of 848Gi per pod):
 
     - loading the model: under FSDP or HSDP (not QLoRA: the trainer's ``loads_on_rank0``) global rank 0
       alone loads the whole model as loaded (fp32 for full fine-tuning or an fp32 run, bf16 otherwise)

@@ -162,7 +162,7 @@ class Jobs:
         pairs = [f"sim.sftjob.dev/{k.replace('_', '-')}={v}" for k, v in annotations.items()]
         self.kubectl("annotate", "--overwrite", "pod", pod, *pairs)
 
-    def running_pods(self, job: str, count: int = 1, timeout: float = 30.0) -> list[dict[str, Any]]:
+    def running_pods(self, job: str, count: int = 1, timeout: float = 60.0) -> list[dict[str, Any]]:
         def ready() -> list[dict[str, Any]] | None:
             pods = [p for p in self.pods(job) if p["status"].get("phase") == "Running"]
             return pods if len(pods) == count else None

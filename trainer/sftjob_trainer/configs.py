@@ -1,5 +1,6 @@
 """Which trainer config a pod reads: the operator's ``config.json``, or, when it rendered one per
-candidate card (``gpu.type: Any`` or a preference list), ``config-<profile>.json`` of the card found;
+candidate card (several cards fit: ``gpu.type: Any``, a preference list, or a type of several cards such as
+the A800's), ``config-<profile>.json`` of the card found;
 and loading it, its schema version checked before anything else.
 """
 
