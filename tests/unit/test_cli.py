@@ -429,8 +429,18 @@ def test_a_users_memory_below_what_any_candidate_card_needs_is_warned_about(tmp_
 
 
 def test_the_table_says_what_the_pods_of_a_job_allowed_on_several_cards_ask_for(capsys):
-    code, out, _ = run(
-        capsys, "plan", "--model", "Qwen/Qwen2.5-14B", "--method", "lora", "--gpu", "Any", "--gpus", "2"
-    )
+    flags = [
+        "--model",
+        "Qwen/Qwen2.5-14B",
+        "--method",
+        "lora",
+        "--gpu",
+        "Any",
+        "--gpus",
+        "2",
+        "--seq",
+        "4096",
+    ]
+    code, out, _ = run(capsys, "plan", *flags)
     assert code == 0
     assert "pods of a job allowed on these cards ask for 56Gi wherever they land" in out  # the A800s' 56Gi
