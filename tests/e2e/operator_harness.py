@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from sftjob_dev.cluster import Cluster
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
 START_TIMEOUT = 60.0
+READY_TIMEOUT = 180.0
+READY_NAMESPACE = "test-operator-ready"  # matches the operator's --namespace test-*
 Completed = subprocess.CompletedProcess[str]
 
 
@@ -84,6 +87,27 @@ class Operator:
                 argv, env={**os.environ, **self.cluster.env()}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
             )
         wait_for("the operator's liveness endpoint", lambda: self._alive(live), timeout=START_TIMEOUT)
+        self._wait_reconciling()
+
+    def _wait_reconciling(self) -> None:
+        """Until the operator has written a job's status. Alive is not ready: after a (re)start kopf first
+        lists every namespace it watches, some still terminating after earlier tests, and a test's job
+        created meanwhile waits; a suspended probe job (no pods) in a namespace of its own tells."""
+        self.cluster.kubectl("create", "namespace", READY_NAMESPACE, check=False)  # kept for the session
+        name = f"ready-{uuid.uuid4().hex[:6]}"
+        probe = sftjob(name, suspend=True)
+        self.cluster.kubectl("-n", READY_NAMESPACE, "apply", "-f", "-", input=yaml.safe_dump(probe))
+
+        def reconciled() -> bool:
+            got = self.cluster.kubectl(
+                "-n", READY_NAMESPACE, "get", "sftjob", name, "-o", "json", check=False
+            )
+            return got.returncode == 0 and bool(
+                (json.loads(got.stdout).get("status") or {}).get("conditions")
+            )
+
+        wait_for(f"the operator to reconcile {READY_NAMESPACE}/{name}", reconciled, timeout=READY_TIMEOUT)
+        self.cluster.kubectl("-n", READY_NAMESPACE, "delete", "sftjob", name, "--wait=false", check=False)
 
     def _alive(self, port: int) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
