@@ -18,7 +18,7 @@ from pydantic.alias_generators import to_camel
 # The version of this contract. Bump it (and TrainerConfig.schema_version's Literal) on every change to what
 # the operator writes or the trainer reads: a trainer image pinned in spec.image checks it before anything
 # else and says which image it needs, rather than failing on the first field it does not know.
-SCHEMA_VERSION: Final = 3
+SCHEMA_VERSION: Final = 4
 Method = Literal["lora", "qlora", "full"]
 # No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -239,8 +239,40 @@ class ReportSettings(_Strict):
     metrics_port: int | None = 9401
 
 
+class MlflowSettings(_Strict):
+    """An MLflow tracking server: the job is one run of ``experiment`` (default: the job's namespace),
+    found again on every attempt by its ``sftjob.io/uid`` tag. Credentials come as the environment MLflow
+    reads (``MLFLOW_TRACKING_TOKEN``, ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``), never in this file."""
+
+    tracking_uri: Annotated[str, StringConstraints(min_length=1, max_length=2048)]
+    experiment: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+
+
+class WandbSettings(_Strict):
+    """A Weights & Biases project: the job is one run whose id is the job's uid, resumed by every attempt.
+    The API key comes as ``WANDB_API_KEY`` (a self-hosted server as ``WANDB_BASE_URL``)."""
+
+    project: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    entity: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+
+
+class TrackingSettings(_Strict):
+    """Experiment trackers rank 0 logs to besides its metrics endpoint and train log: at every logging
+    step, at every evaluation, and the plan each attempt runs. ``tensorboard_dir`` is where TensorBoard's
+    event files go (on the checkpoint volume, so they outlive a pod); None: no TensorBoard. A tracker that
+    fails is logged and dropped for the rest of the attempt: training never stops for one."""
+
+    tensorboard_dir: str | None = None
+    mlflow: MlflowSettings | None = None
+    wandb: WandbSettings | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensorboard_dir is not None or self.mlflow is not None or self.wandb is not None
+
+
 class TrainerConfig(_Strict):
-    schema_version: Literal[3] = SCHEMA_VERSION
+    schema_version: Literal[4] = SCHEMA_VERSION
     job: JobRef = JobRef()
     model: ModelSource
     dataset: DatasetSource
@@ -253,6 +285,7 @@ class TrainerConfig(_Strict):
     output_dir: str = "/output"
     gpu: GpuExpectation = GpuExpectation()
     report: ReportSettings = ReportSettings()
+    tracking: TrackingSettings = TrackingSettings()
 
     @model_validator(mode="after")
     def _batch_is_exact(self) -> TrainerConfig:

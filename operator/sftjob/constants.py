@@ -19,7 +19,7 @@ ANNOTATION_PROGRESS = "sftjob.io/progress"
 ANNOTATION_CHECKPOINT = "sftjob.io/last-checkpoint"
 # The SFTJob CRD's schema revision, its annotation: bumped with every schema change, so that an operator
 # finds a CRD older than its own in the cluster (whose schema drops the fields it writes).
-ANNOTATION_SCHEMA_REVISION, CRD_SCHEMA_REVISION = "sftjob.io/schema-revision", 3
+ANNOTATION_SCHEMA_REVISION, CRD_SCHEMA_REVISION = "sftjob.io/schema-revision", 4
 
 # Kueue's pod integration (spec.queueName): the LocalQueue, and each attempt's pods as one pod group that
 # Kueue admits whole (gang admission) and finishes when one of them fails (the operator starts the next).
@@ -84,10 +84,12 @@ CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
 # In the checkpoint folder: the attempt that owns it; an older attempt still running commits nothing.
 CHECKPOINT_OWNER_FILE = "OWNER"
+# spec.tracking.tensorboard's event files, in the checkpoint volume's root: they outlive every pod.
+TENSORBOARD_FOLDER = "tensorboard"
 # What the checkpoint volume's root holds besides the output (checkpoints, their temporary and set-aside
-# folders, OWNER, the Hugging Face cache): an output path there may not be its root (``.``, ``./``) nor
-# start with one of these, after any leading ``./`` (``./final`` is a folder of its own).
-CHECKPOINT_VOLUME_NAMES = r"^(\./+)*(\.?/*$|(checkpoint-[0-9]+|\.cache|OWNER)(/|$)|\.tmp-|\.bad-)"
+# folders, OWNER, the Hugging Face cache, TensorBoard's events): an output path there may not be its root
+# (``.``, ``./``) nor start with one of these, after any leading ``./`` (``./final`` is a folder of its own).
+CHECKPOINT_VOLUME_NAMES = r"^(\./+)*(\.?/*$|(checkpoint-[0-9]+|\.cache|OWNER|tensorboard)(/|$)|\.tmp-|\.bad-)"
 
 # The seed guide's minimum NVIDIA driver.
 MIN_DRIVER_VERSION = "580.65.06"  # CUDA 13.0's minimum: the default trainer image is CUDA 13.2

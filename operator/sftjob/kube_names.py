@@ -70,6 +70,13 @@ class SpecModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
 
+class SecretKeyRef(SpecModel):
+    """A key of a Secret in the job's namespace, handed to the trainer as an environment variable."""
+
+    name: ObjectName
+    key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)] = "token"
+
+
 def valid_label_key(key: str) -> bool:
     """Whether ``key`` is a Kubernetes label key (what a nodeSelector or a toleration's key must be)."""
     prefix, slash, _ = key.partition("/")

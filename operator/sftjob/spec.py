@@ -36,10 +36,10 @@ from sftjob.kube_names import (
     IMAGE,
     LABEL_KEY_RULE,
     LABEL_VALUE_RULE,
-    SECRET_KEY,
     ObjectName,
     Quantity,
     QueueName,
+    SecretKeyRef,
     SpecModel,
     valid_label_key,
     valid_label_value,
@@ -47,6 +47,7 @@ from sftjob.kube_names import (
 from sftjob.model_shapes import parameters_problem
 from sftjob.network import NetworkSpec, inter_node_gbs
 from sftjob.pod_settings import EnvVar, Toleration, pod_annotation_key
+from sftjob.tracking import TrackingSpec
 from sftjob.volumes import VolumeSource, relative_path, writable
 
 if TYPE_CHECKING:
@@ -76,11 +77,6 @@ def _hub_id(name: str | None, field: str) -> str | None:
     if name is not None and not re.fullmatch(HUB_ID, name):
         raise ValueError(f"{field} {name!r} is not {HUB_ID_RULE}")
     return name
-
-
-class SecretKeyRef(SpecModel):
-    name: ObjectName
-    key: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)] = "token"
 
 
 # Architecture's fields the CRD does not expose (the planner's label for a shape; a mixture of experts,
@@ -256,7 +252,7 @@ class OutputSpec(SpecModel):
         if self.volume is None and re.match(CHECKPOINT_VOLUME_NAMES, self.path):
             raise ValueError(
                 f"spec.output.path {self.path!r} is the checkpoint volume's own (its root, checkpoint-N,"
-                " .tmp-*, .bad-*, .cache, OWNER): choose another folder, or give output a volume"
+                " .tmp-*, .bad-*, .cache, OWNER, tensorboard): choose another folder, or give output a volume"
             )
         return self
 
@@ -312,6 +308,7 @@ class SFTJobSpec(SpecModel):
     suspend: bool = False
     active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
+    tracking: TrackingSpec = TrackingSpec()
 
     @field_validator("node_selector")
     @classmethod

@@ -180,6 +180,7 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
         report=ReportSettings(
             interval_seconds=PROGRESS_INTERVAL_SECONDS, metrics_port=c.TRAINER_METRICS_PORT
         ),
+        tracking=spec.tracking.settings(posixpath.join(c.CHECKPOINT_MOUNT, c.TENSORBOARD_FOLDER)),
     )
 
 

@@ -148,6 +148,7 @@ def _env(job: JobRef, spec: SFTJobSpec, plan: Plan) -> list[Manifest]:
         env.append(
             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}}}
         )
+    env += spec.tracking.env(c.SCRATCH_MOUNT)
     env += [{"name": k, "value": v} for k, v in sorted(plan.env.items())]
     env += [{"name": e.name, "value": e.value} for e in spec.env]  # the user's word is last, and wins
     return env

@@ -236,6 +236,32 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "memory without a unit": (spec_with(resources={"memory": 64}), "must be at least 1Gi"),
     "memory in mebibytes": (spec_with(resources={"memory": "512Mi"}), "spec.resources.memory"),
     "no LoRA target modules": (spec_with(lora={"targetModules": []}), "spec.lora.targetModules"),
+    "an MLflow server that is no URL": (
+        spec_with(tracking={"mlflow": {"trackingUri": "mlflow.mlops:5000"}}),
+        "spec.tracking.mlflow.trackingUri",
+    ),
+    "an MLflow user name without its password": (
+        spec_with(tracking={"mlflow": {"trackingUri": "http://mlflow:5000", "username": "ci"}}),
+        "mlflow.username and passwordSecretRef go together",
+    ),
+    "an MLflow token and a password": (
+        spec_with(
+            tracking={
+                "mlflow": {
+                    "trackingUri": "http://mlflow:5000",
+                    "username": "ci",
+                    "passwordSecretRef": {"name": "m"},
+                    "tokenSecretRef": {"name": "t"},
+                }
+            }
+        ),
+        "mlflow takes tokenSecretRef or username with passwordSecretRef, not both",
+    ),
+    "a W&B project with a slash": (
+        spec_with(tracking={"wandb": {"project": "team/project"}}),
+        "spec.tracking.wandb.project",
+    ),
+    "the output in TensorBoard's folder": (spec_with(output={"path": "tensorboard"}), "spec.output.path"),
 }
 
 
@@ -274,6 +300,22 @@ def test_the_edges_of_the_output_memory_env_and_architecture_rules_are_admitted(
     assert admitted["model"]["architecture"]["slidingWindow"] == 4096
 
 
+def test_a_job_with_every_tracker_is_admitted_with_the_secret_keys_defaulted(jobs: Jobs) -> None:
+    mlflow = {"trackingUri": "https://mlflow.example.com/", "experiment": "Chat models / v2",
+              "username": "ci", "passwordSecretRef": {"name": "mlflow"}}  # fmt: skip
+    wandb = {"project": "support-bot", "entity": "my-team", "apiKeySecretRef": {"name": "wandb"}}
+    manifest = spec_with(tracking={"tensorboard": True, "mlflow": mlflow, "wandb": wandb})
+    result = jobs.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(manifest))
+    admitted = json.loads(result.stdout)["spec"]["tracking"]
+    assert admitted["mlflow"]["passwordSecretRef"] == {"name": "mlflow", "key": "token"}
+    assert admitted["wandb"]["apiKeySecretRef"] == {"name": "wandb", "key": "token"}
+    assert admitted["tensorboard"] is True
+    untracked = jobs.kubectl(
+        "create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(spec_with())
+    )
+    assert json.loads(untracked.stdout)["spec"]["tracking"] == {"tensorboard": False}
+
+
 def test_a_name_too_long_for_its_pod_names_is_rejected(jobs: Jobs) -> None:
     manifest = sftjob("a" * 45)
     result = jobs.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(manifest), check=False)
@@ -296,6 +338,7 @@ def test_the_spec_is_immutable_except_suspend_deadline_and_ttl(jobs: Jobs) -> No
         ('{"spec":{"podAnnotations":{"a":"b"}}}', "spec.podAnnotations"),
         ('{"spec":{"evaluation":{"fraction":0.1}}}', "spec.evaluation"),
         ('{"spec":{"queueName":"team-a"}}', "spec.queueName"),
+        ('{"spec":{"tracking":{"tensorboard":true}}}', "spec.tracking"),
     ):
         result = jobs.kubectl("patch", "sft", "settled", "--type=merge", "-p", patch, check=False)
         assert result.returncode != 0 and field in result.stderr and "immutable" in result.stderr

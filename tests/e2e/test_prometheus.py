@@ -113,6 +113,8 @@ def trainer_config(folder: Path, namespace: str, port: int) -> Path:
         "outputDir": str(folder / "output"),
         "gpu": {"required": False},
         "report": {"enabled": False, "metricsPort": port},
+        # A tracker: the dashboard's tracker-error series exists (at 0) too.
+        "tracking": {"tensorboardDir": str(folder / "tensorboard")},
     }
     path = folder / "config.json"
     path.write_text(json.dumps(config))

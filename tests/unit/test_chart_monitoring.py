@@ -61,6 +61,7 @@ def test_every_alert_has_severity_summary_description_and_a_runbook_section() ->
         "SFTJobCheckpointTooOld",
         "SFTJobThroughputDropped",
         "SFTJobGPUMemoryNearlyFull",
+        "SFTJobTrackerFailing",
     }
     anchors = runbook_anchors()
     for alert in alerts:

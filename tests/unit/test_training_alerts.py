@@ -1,5 +1,6 @@
-"""The training alerts (SFTJobCheckpointTooOld, SFTJobTrainingStalled) over made-up series of one job's
-rank-0 trainer: when they fire and when they stay quiet (a resume, a setup, an evaluation, early stopping)."""
+"""The training alerts (SFTJobCheckpointTooOld, SFTJobTrainingStalled, SFTJobTrackerFailing) over made-up
+series of one job's rank-0 trainer: when they fire and when they stay quiet (a resume, a setup, an
+evaluation, early stopping, a tracker that works)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def fires(minute: int, alert: str, description: str) -> dict[str, Any]:
 
 CHECKPOINT = "SFTJobCheckpointTooOld"
 STALLED = "SFTJobTrainingStalled"
+TRACKER = "SFTJobTrackerFailing"
 
 
 def trained_without_checkpoint(duration: str) -> str:
@@ -165,3 +167,18 @@ def test_a_job_hung_before_its_first_step_is_alerted_as_stalled(tmp_path: Path) 
         "sftjob_train_attempt_start_timestamp_seconds": "60x60",
     }
     run(tmp_path, series, [quiet(15, STALLED), fires(17, STALLED, "n/j has been at step 0 for 15 minutes.")])
+
+
+def test_a_dropped_tracker_is_alerted_until_the_next_attempt_starts(tmp_path: Path) -> None:
+    series = {'sftjob_train_tracking_errors_total{tracker="wandb"}': "0x5 1x10 _x10"}
+    dropped = (
+        "n/j dropped its wandb tracker after an error (its trainer log names it); training goes on, but that"
+        " run gets nothing more from this attempt."
+    )
+    labels = {"sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800", "tracker": "wandb"}
+    checks = [
+        quiet(5, TRACKER),
+        promrules.fires(8, TRACKER, labels, dropped),
+        quiet(25, TRACKER),  # the attempt's pod is gone: its series with it
+    ]
+    run(tmp_path, series, checks)

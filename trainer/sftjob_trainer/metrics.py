@@ -168,6 +168,13 @@ class TrainerMetrics:
         )
         self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (1 = first)")
         self.bad_rows = counter("sftjob_train_bad_rows", "Malformed dataset rows skipped")
+        # A series per configured tracker (spec.tracking), from 0: an error drops its tracker (tracking.py).
+        self._tracking_errors = Counter(
+            "sftjob_train_tracking_errors",
+            "Experiment tracker failures; each drops its tracker for the rest of the attempt",
+            [*names, "tracker"],
+            registry=self.registry,
+        )
         info = Gauge(
             "sftjob_train_info",
             "What is being trained",
@@ -242,6 +249,10 @@ class TrainerMetrics:
         self._eval_step.set(step)
         if seconds is not None:
             self._eval_duration.labels(**self._labels).observe(seconds)
+
+    def tracking_errors(self, tracker: str) -> Any:
+        """The error counter of ``tracker`` (``tensorboard``, ``mlflow``, ``wandb``)."""
+        return self._tracking_errors.labels(**self._labels, tracker=tracker)
 
     def record_checkpoint(self, step: int, seconds: float | None, saved_at: float | None = None) -> None:
         """A save that took ``seconds``; or (``seconds`` None) the checkpoint a run resumed from."""

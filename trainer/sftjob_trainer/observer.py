@@ -1,4 +1,5 @@
-"""Rank 0's view of a run: the human log line, the metrics, the train log and the progress reports.
+"""Rank 0's view of a run: the human log line, the metrics, the train log, the progress reports and the
+experiment trackers (``spec.tracking``: TensorBoard, MLflow, W&B; tracking.py).
 
 Everything here is fed once per optimizer step by the loop in train.py, plus once per setup phase
 (data, model, resume) before the first step; the metrics it writes are served from the start of the
@@ -10,7 +11,9 @@ compute. The ETA and the checkpoint interval count the rest of the loop too (eva
 over this attempt's steps: a run that evaluates for a minute every 50 two-second steps takes 3.2 s a
 step, not 2. Reports are sent from the training thread on purpose: a hung rank goes silent and the
 operator's stall detection (``restartPolicy.stallTimeoutSeconds``) ends the attempt; only a long save or
-load is reported from a thread while it runs (heartbeat.py, bounded).
+load is reported from a thread while it runs (heartbeat.py, bounded), and so is the trackers' start and
+finish. The trackers get what the train log gets, at the same steps, plus each attempt's plan at its
+first step; one that fails is dropped, never raised into training.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from sftjob_trainer.flops import mfu
 from sftjob_trainer.loop import StepResult
 from sftjob_trainer.metrics import Phase, TrainerMetrics, WindowRates, checkpoint_interval
 from sftjob_trainer.report import ProgressReporter
+from sftjob_trainer.tracking import BUSY_SECONDS, Trackers, outcome_of
 
 log = logging.getLogger("sftjob_trainer")
 
@@ -40,7 +44,8 @@ TRAIN_LOG_FILE = "train_log.jsonl"  # one JSON line per reported step (rank 0), 
 
 
 class Observer:
-    """Rank 0's view of the run: the log line, the metrics, the train log and the progress reports."""
+    """Rank 0's view of the run: the log line, the metrics, the train log, the progress reports and the
+    experiment trackers (started by :meth:`start_tracking`, finished by :meth:`close`)."""
 
     def __init__(
         self,
@@ -59,6 +64,7 @@ class Observer:
         self.metrics.total_steps.set(total)
         self.reporter = ProgressReporter(config.report)
         self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
+        self.trackers = Trackers(config, metrics)
         self._window: list[tuple[StepResult, float, float]] = []  # (result, wall seconds, flops)
         self._reported = clock()  # when the last progress report was sent
         self._started = clock()  # this attempt's loop (training_started): its steps, waits and the rest
@@ -112,6 +118,16 @@ class Observer:
             "phase": "stopped early",
         }
         self._progress(record | ({"loss": state.loss} if state.loss is not None else {}))
+
+    def start_tracking(self, step: int) -> None:
+        """Start the experiment trackers for an attempt that goes on from ``step``, reporting progress
+        meanwhile (a tracking server that is slow to answer)."""
+        if not self.trackers:
+            return
+        from sftjob_trainer import heartbeat  # heartbeat imports this module
+
+        with heartbeat.busy(self, "starting the experiment trackers", BUSY_SECONDS):
+            self.trackers.start(step)
 
     def training_started(self) -> None:
         """The training loop starts: the CheckpointTooOld and TrainingStalled alerts count from now."""
@@ -188,6 +204,16 @@ class Observer:
         with self.train_log.open("a", encoding="utf-8") as fh:
             line = record | {"gradNorm": result.grad_norm, "tokens": state.tokens}
             fh.write(strict_json.dumps(line) + "\n")
+        tracked = {
+            "train/loss": result.loss,
+            "train/learning_rate": result.learning_rate,
+            "train/grad_norm": result.grad_norm,
+            "train/tokens_per_second": rates.tokens_per_second,
+            "train/mfu": rates.mfu,
+            "train/epoch": epoch,
+            "train/tokens": state.tokens,
+        }
+        self.trackers.log(state.step, tracked)
 
     def _seconds_per_step(self, stepping: float) -> float:
         """The loop's time a step: ``stepping`` (a step and the wait for its batch, as in the last window)
@@ -228,6 +254,7 @@ class Observer:
         with self.train_log.open("a", encoding="utf-8") as fh:
             line = {"step": state.step, "evalLoss": state.eval_loss, "evalSeconds": round(seconds, 3)}
             fh.write(strict_json.dumps(line) + "\n")
+        self.trackers.log(state.eval_step, {"eval/loss": state.eval_loss})
 
     def _remember_eval(self, state: TrainState) -> None:
         if state.eval_loss is not None and math.isfinite(state.eval_loss):
@@ -254,8 +281,15 @@ class Observer:
             step, str(path), saved_at, eval_loss=_eval_at(state, step), best=_best(state, str(path))
         )
 
-    def close(self) -> None:
-        """The progress reports stop; the metrics endpoint belongs to the whole attempt (``run``)."""
+    def close(self, error: BaseException | None = None) -> None:
+        """The attempt ends, ``error`` what ended it (None: it completed): the trackers finish its part of
+        the run (finished, failed, or killed when preempted), then the progress reports stop; the metrics
+        endpoint belongs to the whole attempt (``run``)."""
+        if self.trackers.live:
+            from sftjob_trainer import heartbeat  # heartbeat imports this module
+
+            with heartbeat.busy(self, "finishing the experiment trackers", BUSY_SECONDS):
+                self.trackers.finish(outcome_of(error))
         self.reporter.close()
 
 
