@@ -39,7 +39,7 @@ from sftjob.spec import (
     to_plan_request,
     valid_job_name,
 )
-from sftjob.spec_rules import batch_problem, packing_problem
+from sftjob.spec_rules import batch_problem, packing_problem, tensorboard_problem
 from sftjob.storage import too_small
 
 EXIT_NOTHING_FITS = 1
@@ -188,7 +188,7 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
         spec = SFTJobSpec.model_validate_json(json.dumps(doc, default=str), strict=True)
     except ValidationError as e:
         raise InputError(where + _name_flags(_problems(e), named)) from e
-    if problem := packing_problem(spec) or batch_problem(spec):  # the CRD's rules, as admission
+    if problem := packing_problem(spec) or batch_problem(spec) or tensorboard_problem(spec):  # as admission
         raise InputError(where + _name_flags(problem, named))
     return spec, where, named
 

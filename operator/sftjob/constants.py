@@ -84,12 +84,14 @@ CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
 # In the checkpoint folder: the attempt that owns it; an older attempt still running commits nothing.
 CHECKPOINT_OWNER_FILE = "OWNER"
-# spec.tracking.tensorboard's event files, in the checkpoint volume's root: they outlive every pod.
-TENSORBOARD_FOLDER = "tensorboard"
 # What the checkpoint volume's root holds besides the output (checkpoints, their temporary and set-aside
-# folders, OWNER, the Hugging Face cache, TensorBoard's events): an output path there may not be its root
-# (``.``, ``./``) nor start with one of these, after any leading ``./`` (``./final`` is a folder of its own).
-CHECKPOINT_VOLUME_NAMES = r"^(\./+)*(\.?/*$|(checkpoint-[0-9]+|\.cache|OWNER|tensorboard)(/|$)|\.tmp-|\.bad-)"
+# folders, OWNER, the Hugging Face cache): an output path there may not be its root (``.``, ``./``) nor
+# start with one of these, after any leading ``./`` (``./final`` is a folder of its own).
+CHECKPOINT_VOLUME_NAMES = r"^(\./+)*(\.?/*$|(checkpoint-[0-9]+|\.cache|OWNER)(/|$)|\.tmp-|\.bad-)"
+# spec.tracking.tensorboard's event files, in the checkpoint volume's root (they outlive every pod); with
+# TensorBoard on, an output path there may not start with it either.
+TENSORBOARD_FOLDER = "tensorboard"
+TENSORBOARD_FOLDER_PATH = r"^(\./+)*tensorboard(/|$)"
 
 # The seed guide's minimum NVIDIA driver.
 MIN_DRIVER_VERSION = "580.65.06"  # CUDA 13.0's minimum: the default trainer image is CUDA 13.2

@@ -57,6 +57,13 @@ class PlanStatus(_Status):
     fits: bool = False
 
 
+class TrackingUrls(_Status):
+    """The pages of the job's runs in its experiment trackers (spec.tracking), as the trainer reports them."""
+
+    mlflow: str | None = None
+    wandb: str | None = None
+
+
 class ProgressStatus(_Status):
     step: int = 0
     total_steps: int = 0
@@ -70,6 +77,7 @@ class ProgressStatus(_Status):
     eval_step: int | None = None
     updated: datetime | None = None
     summary: str = ""  # printer column: "120/1000"
+    tracking_urls: TrackingUrls | None = None
 
 
 class CheckpointStatus(_Status):

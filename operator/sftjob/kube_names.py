@@ -22,7 +22,7 @@ DNS_SUBDOMAIN = f"^{_SUBDOMAIN}$"
 POSITIVE_QUANTITY = r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 SECRET_KEY = r"^\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*$"  # not '.', '..' or starting with '..'
-IMAGE = r"^\S+$"  # the API server refuses a pod whose image has leading or trailing whitespace
+IMAGE = r"^[^\x00-\x20\x7f]+$"  # no space or control character (RE2 and pydantic read \S apart)
 # Label keys and values as Kubernetes validates them (a pod's nodeSelector, a toleration's key and value):
 # an optional DNS-1123 subdomain prefix (at most MAX_LABEL_PREFIX characters) and '/', then a name of at
 # most 63 characters. The CRD's CEL rules use the same two patterns.

@@ -252,7 +252,7 @@ class OutputSpec(SpecModel):
         if self.volume is None and re.match(CHECKPOINT_VOLUME_NAMES, self.path):
             raise ValueError(
                 f"spec.output.path {self.path!r} is the checkpoint volume's own (its root, checkpoint-N,"
-                " .tmp-*, .bad-*, .cache, OWNER, tensorboard): choose another folder, or give output a volume"
+                " .tmp-*, .bad-*, .cache, OWNER): choose another folder, or give output a volume"
             )
         return self
 

@@ -6,6 +6,9 @@ operator plans it as it was planned then).
 
 from __future__ import annotations
 
+import re
+
+from sftjob.constants import TENSORBOARD_FOLDER_PATH
 from sftjob.spec import SFTJobSpec
 
 
@@ -42,5 +45,17 @@ def batch_problem(spec: SFTJobSpec) -> str | None:
         return (
             f"spec.training.microBatchSize {t.micro_batch_size} does not divide each GPU's share"
             f" {t.global_batch_size // gpus} of globalBatchSize {t.global_batch_size}"
+        )
+    return None
+
+
+def tensorboard_problem(spec: SFTJobSpec) -> str | None:
+    """An output in the checkpoint volume's tensorboard folder while TensorBoard writes there: refused at
+    admission by the CRD's rules, and by the CLI."""
+    path = spec.output.path
+    if spec.tracking.tensorboard and spec.output.volume is None and re.match(TENSORBOARD_FOLDER_PATH, path):
+        return (
+            f"spec.output.path {path!r} is the checkpoint volume's tensorboard folder, where"
+            " tracking.tensorboard writes: choose another folder, or give output a volume"
         )
     return None

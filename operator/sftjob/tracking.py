@@ -15,16 +15,19 @@ from pydantic import StringConstraints, model_validator
 from sftjob.config import MlflowSettings, TrackingSettings, WandbSettings
 from sftjob.kube_names import SecretKeyRef, SpecModel
 
-# An MLflow server the pods reach over HTTP(S); the CRD's pattern is the same.
-TRACKING_URI = r"^https?://[^\s/?#]+[^\s]*$"
+# The patterns are the CRD's, written so that the API server's RE2 and pydantic's regex engine read them
+# alike (no \s: RE2's is ASCII, the other's Unicode): no control characters, no spaces.
+# An MLflow server the pods reach over HTTP(S), with no user or password in it (those are Secrets': a URL
+# is printed, logged and sent to W&B's run config).
+TRACKING_URI = r"^https?://[^\x00-\x20\x7f/?#@]+([/?#][^\x00-\x20\x7f]*)?$"
 # What Weights & Biases accepts in a project or entity name.
-WANDB_NAME = r"^[^/\\#?%:\s]+$"
+WANDB_NAME = r"^[^/\\#?%:\x00-\x20\x7f]+$"
 WANDB_DIR_ENV = "WANDB_DIR"  # W&B's local run files: the pod's scratch folder, not the read-only image
 
 TrackingUri = Annotated[str, StringConstraints(min_length=1, max_length=2048, pattern=TRACKING_URI)]
 ExperimentName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
 # Basic auth's user name (the password is a Secret's).
-UserName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^\s:]+$")]
+UserName = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^:\x00-\x20\x7f]+$")]
 WandbName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=WANDB_NAME)]
 
 
@@ -97,4 +100,6 @@ class TrackingSpec(SpecModel):
 
 
 def _from_secret(name: str, ref: SecretKeyRef) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+    """Optional: a Secret or key that is missing leaves the variable unset and the pod starting (the tracker
+    then fails to sign in, and is dropped and alerted on: a tracker never stops training)."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key, "optional": True}}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -17,12 +18,14 @@ from typing import Any
 from pydantic import ValidationError
 
 from sftjob import constants as c
-from sftjob.job_status import CheckpointStatus, ProgressStatus
+from sftjob.job_status import CheckpointStatus, ProgressStatus, TrackingUrls
 from sftjob_operator.driver_floor import driver_too_old
 
 Obj = Mapping[str, Any]
 ACTIVE_PHASES = frozenset({"Pending", "Running", "Unknown"})
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# A tracker's run page as the status may show it (status.progress.trackingUrls; the CRD's bound).
+WEB_ADDRESS, MAX_TRACKING_URL = r"https?://[^\s]+", 2048
 # The pod conditions the reconcile and the failure classifier read, and the fields they read of them.
 # The kubelet's PodReadyToStartContainers: False while it cannot set the pod up (e.g. mount its volumes).
 SANDBOX_CONDITION = "PodReadyToStartContainers"
@@ -336,9 +339,25 @@ def _progress(pod: Obj) -> ProgressStatus | None:
             planned_steps=int(report["plannedSteps"]) if report.get("plannedSteps") is not None else None,
             updated=report.get("updated"),
             summary=f"{step}/{total or '?'}",  # no total yet: a download heartbeat before the data is read
+            tracking_urls=_tracking_urls(report.get("trackingUrls")),
         )
     except (ValueError, TypeError, ValidationError):
         return None
+
+
+def _tracking_urls(reported: Any) -> TrackingUrls | None:
+    """The trackers' run pages of a report, each kept only when it is a web address (the status shows it as a
+    link; the CRD's length bound holds)."""
+    if not isinstance(reported, dict):
+        return None
+    urls = {
+        tracker: url
+        for tracker in ("mlflow", "wandb")
+        if isinstance(url := reported.get(tracker), str)
+        and len(url) <= MAX_TRACKING_URL
+        and re.fullmatch(WEB_ADDRESS, url)
+    }
+    return TrackingUrls(**urls) if urls else None
 
 
 def _rounded(value: Any, digits: int) -> float | None:

@@ -8,7 +8,6 @@ used is a closed loopback port.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -16,26 +15,28 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
 from sftjob.config import TrainerConfig
-from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, tracking
+from sftjob.failures import ExitCode
+from sftjob_trainer import checkpoints, trackers, tracking
 from sftjob_trainer import train as train_module
 from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.metrics import TrainerMetrics
-from sftjob_trainer.tracking import MlflowTracker, Outcome, Trackers, outcome_of
+from sftjob_trainer.trackers import MlflowTracker, WandbTracker
+from sftjob_trainer.tracking import Trackers
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, train_log
+from tests.trainer.test_tracking_rules import PLAN, _bare_config, _sample, _warnings
 
 pytestmark = pytest.mark.trainer
 
 UID = "0b6a3e0c-5a7e-4f7e-9d55-3f1c2a9b8e11"
-PLAN = ("attempt", "plan/micro_batch_size", "plan/gradient_accumulation_steps", "plan/gradient_checkpointing")
 
 
 @pytest.fixture
@@ -49,12 +50,27 @@ def stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    for name in tracking.MLFLOW_HTTP_DEFAULTS:  # restored after the test, whatever the trainer set
+    for name in _defaulted():  # restored after the test, whatever the trainer set
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     (tmp_path / "wandb").mkdir()
+    # Finishing is given up on after seconds in a pod; a test's run must finish whatever the machine's load.
+    for module, name in (
+        (trackers, "FINISH_SECONDS"),
+        (tracking, "FINISH_SECONDS"),
+        (tracking, "PREEMPTED_FINISH_SECONDS"),
+    ):
+        monkeypatch.setattr(module, name, 300.0)
     yield tmp_path
     _wandb_teardown()
+
+
+def _defaulted() -> list[str]:
+    """The environment variables the trainer sets before importing MLflow or W&B, unless already set."""
+    return [
+        *trackers.MLFLOW_HTTP_DEFAULTS,
+        *(name for d in trackers.TELEMETRY_DEFAULTS.values() for name in d),
+    ]
 
 
 def _wandb_teardown() -> None:
@@ -324,127 +340,113 @@ def test_trackers_that_fail_to_start_are_warned_about_counted_and_dropped_while_
     assert [step for step, _ in wandb_run.history("train/loss")] == [1, 2, 3, 4]
 
 
-class Recording:
-    """A tracker that records its calls, and fails the one named ``fail_on``."""
-
-    name: ClassVar[str] = "wandb"
-
-    def __init__(self, fail_on: str = "") -> None:
-        self.fail_on = fail_on
-        self.calls: list[tuple[str, Any]] = []
-
-    def start(self, first_step: int) -> None:
-        self._call("start", first_step)
-
-    def log(self, step: int, values: Mapping[str, float]) -> None:
-        self._call("log", (step, dict(values)))
-
-    def finish(self, outcome: Outcome) -> None:
-        self._call("finish", outcome)
-
-    def _call(self, what: str, arg: Any) -> None:
-        self.calls.append((what, arg))
-        if what == self.fail_on:
-            raise OSError(f"{what} failed")
-
-
-class Failing(Recording):
-    name: ClassVar[str] = "tensorboard"  # another tracker's label
-
-
-def test_a_tracker_failing_to_log_is_warned_about_once_and_the_others_log_on_without_non_finite_values(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    config = TrainerConfig.model_validate(
-        {"model": {"path": "m"}, "dataset": {"path": "d"}, "training": {"globalBatchSize": 1}}
-    )
-    metrics = TrainerMetrics("run", "cpu", "m", "lora", "fp32")
-    works, fails = Recording(), Failing(fail_on="log")
-    trackers = Trackers(config, metrics, [fails, works])
-    trackers.start(40)
-    assert trackers.live == ["wandb"]  # the first log, the plan at step 41, dropped the failing one
-    trackers.log(42, {"train/loss": math.nan, "train/grad_norm": math.inf, "train/learning_rate": 1e-4})
-    trackers.log(43, {"train/loss": math.nan})  # nothing left to log
-    trackers.finish(outcome_of(None))
-
-    plan = dict(zip(PLAN, (0.0, 1.0, 1.0, 0.0), strict=True))  # the config's defaults
-    assert works.calls == [
-        ("start", 41),
-        ("log", (41, plan)),
-        ("log", (42, {"train/learning_rate": 1e-4})),
-        ("finish", "finished"),
-    ]
-    assert fails.calls == [("start", 41), ("log", (41, plan))]  # never logged to nor finished again
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == [
-        "experiment tracker tensorboard failed to log, dropped for the rest of this attempt (training goes"
-        " on): OSError: log failed"
-    ]
-    errors = metrics.registry.get_sample_value(
-        "sftjob_train_tracking_errors_total", {"sftjob": "run", "gpu": "cpu", "tracker": "tensorboard"}
-    )
-    assert errors == 1.0
-
-
-def test_an_mlflow_batch_that_fails_in_the_background_drops_mlflow_at_a_later_logging_step(
+def test_mlflow_batches_failing_in_the_background_are_noticed_at_later_logs_and_the_run_is_ended_after_a_drop(
     stores: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    config = TrainerConfig.model_validate(
-        {
-            "model": {"path": "m"},
-            "dataset": {"path": "d"},
-            "training": {"globalBatchSize": 1},
-            "tracking": {"mlflow": {"trackingUri": f"file://{stores / 'mlruns'}", "experiment": "e"}},
-        }
+    config = _bare_config(mlflow={"trackingUri": f"file://{stores / 'mlruns'}", "experiment": "e"})
+    assert config.tracking.mlflow is not None
+    metrics = TrainerMetrics("run", "cpu", "m", "lora", "fp32")
+    tracker = MlflowTracker(config.tracking.mlflow, config)
+    trackers = Trackers(config, metrics, [tracker])
+    trackers.start(0)
+    assert trackers.live == ["mlflow"]
+
+    def errors() -> float | None:
+        return _sample(metrics, "sftjob_train_tracking_errors_total", "mlflow")
+
+    def settle() -> None:
+        """Every batch sent so far answered (MLflow's file store takes milliseconds)."""
+        futures.wait(tracker._checks, timeout=30)
+
+    def log_until(done: Callable[[], bool], step: int) -> None:
+        deadline = time.monotonic() + 30
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            trackers.log(step, {"train/loss": 1.0})
+        assert done()
+
+    # A batch MLflow refuses fails in its thread: the failure comes at a later log, the tracker is kept.
+    trackers.log(1, {"bad\x00name": 1.0})  # returns at once
+    log_until(lambda: errors() == 1.0, 2)
+    assert trackers.live == ["mlflow"]
+    assert "experiment tracker mlflow failed to log (1 in a row, dropped at 3" in caplog.text
+    settle()
+    trackers.log(2, {"train/loss": 1.0})  # learns that the batches since got through: the count starts again
+    settle()
+
+    # The store goes away: every batch fails, and the third failure in a row drops MLflow.
+    os.rename(stores / "mlruns", stores / "away")
+    log_until(lambda: not trackers.live, 3)
+    assert errors() == 4.0
+    assert "experiment tracker mlflow failed to log 3 times in a row, dropped" in caplog.text
+    assert _sample(metrics, "sftjob_train_tracking_active", "mlflow") == 0.0
+
+    # It comes back before the attempt ends: the dropped tracker's run is ended all the same.
+    os.rename(stores / "away", stores / "mlruns")
+    trackers.finish("failed")
+    client = _mlflow(stores)
+    experiment = client.get_experiment_by_name("e")
+    assert experiment is not None
+    (mlflow_run,) = client.search_runs([experiment.experiment_id])
+    assert mlflow_run.info.status == "FAILED"
+    assert {step for step, _ in _history(stores, mlflow_run.info.run_id, "train/loss")} >= {2}
+    assert errors() == 4.0  # the batches that failed meanwhile were counted when noticed, not again
+
+
+def test_an_mlflow_run_is_ended_even_when_a_batch_still_being_sent_fails(stores: Path) -> None:
+    config = _bare_config(mlflow={"trackingUri": f"file://{stores / 'mlruns'}", "experiment": "e"})
+    assert config.tracking.mlflow is not None
+    tracker = MlflowTracker(config.tracking.mlflow, config)
+    tracker.start(1)
+    assert tracker.log(1, {"train/loss": 1.0}) is False  # sent, not answered yet
+    tracker.log(2, {"bad\x00name": 1.0})  # refused by MLflow in its thread
+    tracker.finish("killed")
+    experiment = _mlflow(stores).get_experiment_by_name("e")
+    assert experiment is not None
+    (mlflow_run,) = _mlflow(stores).search_runs([experiment.experiment_id])
+    assert mlflow_run.info.status == "KILLED"
+
+
+def test_tracker_libraries_get_short_http_timeouts_and_no_telemetry_unless_the_pods_environment_says_else(
+    stores: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # the pod's own (spec.env): kept
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "false")
+    config = _bare_config(
+        mlflow={"trackingUri": f"file://{stores / 'mlruns'}"}, wandb={"project": "sftjob-tests"}
     )
+    assert config.tracking.mlflow is not None and config.tracking.wandb is not None
+    for tracker in (
+        MlflowTracker(config.tracking.mlflow, config),
+        WandbTracker(config.tracking.wandb, config),
+    ):
+        tracker.start(1)
+        tracker.finish("finished")
+    assert {name: os.environ.get(name) for name in _defaulted()} == {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5",
+        "MLFLOW_DISABLE_TELEMETRY": "false",
+        "WANDB_ERROR_REPORTING": "false",
+    }
+
+
+def test_a_deleted_mlflow_experiment_is_named_in_the_warning_with_what_to_do(
+    stores: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = _mlflow(stores)
+    experiment_id = client.create_experiment("support-bot")
+    client.delete_experiment(experiment_id)
+    config = _bare_config(mlflow={"trackingUri": f"file://{stores / 'mlruns'}", "experiment": "support-bot"})
     metrics = TrainerMetrics("run", "cpu", "m", "lora", "fp32")
     trackers = Trackers(config, metrics)
     trackers.start(0)
-    assert trackers.live == ["mlflow"]
-    shutil.rmtree(stores / "mlruns")  # the store is gone: the next batch fails in MLflow's thread
-    trackers.log(1, {"train/loss": 1.0})  # returns at once
-    deadline = time.monotonic() + 30
-    while trackers.live and time.monotonic() < deadline:
-        time.sleep(0.05)
-        trackers.log(2, {"train/loss": 1.0})
-    assert trackers.live == []
-    assert "experiment tracker mlflow failed to log" in caplog.text
-    errors = metrics.registry.get_sample_value(
-        "sftjob_train_tracking_errors_total", {"sftjob": "run", "gpu": "cpu", "tracker": "mlflow"}
-    )
-    assert errors == 1.0
-    trackers.finish("failed")  # nothing left to finish
-
-
-def test_an_attempt_ended_by_preemption_is_killed_and_one_ended_by_any_other_error_failed() -> None:
-    assert outcome_of(None) == "finished"
-    assert outcome_of(TrainerError(ExitCode.PREEMPTED, "preempted (SIGTERM)")) == "killed"
-    assert outcome_of(KeyboardInterrupt()) == "killed"
-    assert outcome_of(TrainerError(ExitCode.CUDA_OOM, "CUDA out of memory")) == "failed"
-    assert outcome_of(RuntimeError("boom")) == "failed"
-
-
-def test_mlflow_requests_time_out_quickly_unless_the_pods_environment_says_otherwise(
-    stores: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")
-    settings = TrainerConfig.model_validate(
-        {
-            "model": {"path": "m"},
-            "dataset": {"path": "d"},
-            "training": {"globalBatchSize": 1},
-            "tracking": {"mlflow": {"trackingUri": f"file://{stores / 'mlruns'}"}},
-        }
-    )
-    assert settings.tracking.mlflow is not None
-    tracker = MlflowTracker(settings.tracking.mlflow, settings)
-    tracker.start(1)
-    tracker.finish("finished")
-    assert (
-        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"]
-        == tracking.MLFLOW_HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
-    )
-    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5"
+    assert trackers.live == [] and trackers.started == []
+    assert _warnings(caplog) == [
+        "experiment tracker mlflow failed to start, dropped for the rest of this attempt (training goes on):"
+        " RuntimeError: MLflow experiment 'support-bot' is deleted: restore it (mlflow experiments restore"
+        f" --experiment-id {experiment_id}) or name another experiment in spec.tracking.mlflow.experiment"
+    ]
+    assert _sample(metrics, "sftjob_train_tracking_active", "mlflow") == 0.0
 
 
 NO_TRACKER_LIBRARIES = """

@@ -169,16 +169,20 @@ def test_a_job_hung_before_its_first_step_is_alerted_as_stalled(tmp_path: Path) 
     run(tmp_path, series, [quiet(15, STALLED), fires(17, STALLED, "n/j has been at step 0 for 15 minutes.")])
 
 
-def test_a_dropped_tracker_is_alerted_until_the_next_attempt_starts(tmp_path: Path) -> None:
-    series = {'sftjob_train_tracking_errors_total{tracker="wandb"}': "0x5 1x10 _x10"}
+def test_a_dropped_tracker_is_alerted_until_the_next_attempt_starts_it_again(tmp_path: Path) -> None:
+    attempt_2 = 'sftjob_train_tracking_active{tracker="wandb",pod="j-2-0"}'
+    attempt_3 = 'sftjob_train_tracking_active{tracker="wandb",pod="j-3-0"}'
+    series = {attempt_2: "_x2 1x3 0x9", attempt_3: "_x18 1x9"}  # none until started
     dropped = (
-        "n/j dropped its wandb tracker after an error (its trainer log names it); training goes on, but that"
-        " run gets nothing more from this attempt."
+        "n/j is not logging to its wandb tracker: it failed to start, or failed to log three times in a row,"
+        " and was dropped (its trainer log says why); training goes on, but that run gets nothing more from"
+        " this attempt."
     )
     labels = {"sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800", "tracker": "wandb"}
     checks = [
+        quiet(2, TRACKER),  # setting up: no tracker started yet
         quiet(5, TRACKER),
         promrules.fires(8, TRACKER, labels, dropped),
-        quiet(25, TRACKER),  # the attempt's pod is gone: its series with it
+        quiet(23, TRACKER),  # attempt 2's series went stale with its pod, attempt 3 logs
     ]
-    run(tmp_path, series, checks)
+    promrules.promtool_test(tmp_path, series, 'sftjob="j",namespace="n",gpu="a800"', checks)

@@ -168,10 +168,19 @@ class TrainerMetrics:
         )
         self.restarts_seen = gauge("sftjob_train_restarts_seen", "Attempt number of this pod (1 = first)")
         self.bad_rows = counter("sftjob_train_bad_rows", "Malformed dataset rows skipped")
-        # A series per configured tracker (spec.tracking), from 0: an error drops its tracker (tracking.py).
+        # A series per configured tracker (spec.tracking), from 0 (tracking.py).
         self._tracking_errors = Counter(
             "sftjob_train_tracking_errors",
-            "Experiment tracker failures; each drops its tracker for the rest of the attempt",
+            "Experiment tracker failures (start, log, finish); training goes on",
+            [*names, "tracker"],
+            registry=self.registry,
+        )
+        # A series per tracker from its start on: 1 started, 0 once it failed to start or was dropped (3
+        # failed logs in a row). None before: an attempt setting up for hours has not started its trackers
+        # yet, which is no failure (the SFTJobTrackerFailing alert fires on 0).
+        self._tracking_active = Gauge(
+            "sftjob_train_tracking_active",
+            "1 while an experiment tracker is logged to; 0 once it failed to start or was dropped",
             [*names, "tracker"],
             registry=self.registry,
         )
@@ -253,6 +262,10 @@ class TrainerMetrics:
     def tracking_errors(self, tracker: str) -> Any:
         """The error counter of ``tracker`` (``tensorboard``, ``mlflow``, ``wandb``)."""
         return self._tracking_errors.labels(**self._labels, tracker=tracker)
+
+    def tracking_active(self, tracker: str) -> Any:
+        """The gauge of ``tracker``: 1 while it is logged to, 0 once it failed to start or was dropped."""
+        return self._tracking_active.labels(**self._labels, tracker=tracker)
 
     def record_checkpoint(self, step: int, seconds: float | None, saved_at: float | None = None) -> None:
         """A save that took ``seconds``; or (``seconds`` None) the checkpoint a run resumed from."""

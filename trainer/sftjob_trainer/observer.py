@@ -36,7 +36,8 @@ from sftjob_trainer.flops import mfu
 from sftjob_trainer.loop import StepResult
 from sftjob_trainer.metrics import Phase, TrainerMetrics, WindowRates, checkpoint_interval
 from sftjob_trainer.report import ProgressReporter
-from sftjob_trainer.tracking import BUSY_SECONDS, Trackers, outcome_of
+from sftjob_trainer.stopping import GracefulStop
+from sftjob_trainer.tracking import BUSY_SECONDS, Outcome, Trackers, outcome_of
 
 log = logging.getLogger("sftjob_trainer")
 
@@ -70,6 +71,7 @@ class Observer:
         self._started = clock()  # this attempt's loop (training_started): its steps, waits and the rest
         self._steps, self._stepping = 0, 0.0  # steps of this attempt, their seconds with their waits
         self._eval: dict[str, Any] = {}  # the last evaluation, in every report from then on
+        self._links: dict[str, Any] = {}  # the trackers' run pages, in every report once they started
         self._last: dict[str, Any] = {}  # the last report, sent again with a new evaluation
 
     def follow(self, schedule: Schedule, total: int) -> None:
@@ -119,15 +121,18 @@ class Observer:
         }
         self._progress(record | ({"loss": state.loss} if state.loss is not None else {}))
 
-    def start_tracking(self, step: int) -> None:
+    def start_tracking(self, step: int, stop: GracefulStop | None = None) -> None:
         """Start the experiment trackers for an attempt that goes on from ``step``, reporting progress
-        meanwhile (a tracking server that is slow to answer)."""
+        meanwhile (a tracking server that is slow to answer); none once ``stop`` got a SIGTERM, which ends
+        the attempt at its next check (its grace period is for the checkpoint and the exit code)."""
         if not self.trackers:
             return
         from sftjob_trainer import heartbeat  # heartbeat imports this module
 
         with heartbeat.busy(self, "starting the experiment trackers", BUSY_SECONDS):
-            self.trackers.start(step)
+            self.trackers.start(step, lambda: stop is not None and stop.requested)
+        urls = self.trackers.urls
+        self._links = {"trackingUrls": urls} if urls else {}
 
     def training_started(self) -> None:
         """The training loop starts: the CheckpointTooOld and TrainingStalled alerts count from now."""
@@ -136,7 +141,7 @@ class Observer:
 
     def _progress(self, record: dict[str, Any]) -> None:
         self._last = record
-        self.reporter.progress(record | self._eval)
+        self.reporter.progress(record | self._eval | self._links)
         self._reported = self.clock()
 
     def _due(self, step: int, seconds: float) -> bool:
@@ -236,7 +241,7 @@ class Observer:
         """A long save or load is under way (``doing``; called from ``heartbeat.busy``'s thread while the
         training thread is in it): the last report again, its ``phase`` saying what is going on, so the
         operator's stall clock sees it progress."""
-        self.reporter.progress(self._last | self._eval | {"phase": doing})
+        self.reporter.progress(self._last | self._eval | self._links | {"phase": doing})
         self._reported = self.clock()
 
     def evaluated(self, state: TrainState, seconds: float, *, stopped: bool = False) -> None:
@@ -281,15 +286,19 @@ class Observer:
             step, str(path), saved_at, eval_loss=_eval_at(state, step), best=_best(state, str(path))
         )
 
-    def close(self, error: BaseException | None = None) -> None:
-        """The attempt ends, ``error`` what ended it (None: it completed): the trackers finish its part of
-        the run (finished, failed, or killed when preempted), then the progress reports stop; the metrics
-        endpoint belongs to the whole attempt (``run``)."""
-        if self.trackers.live:
+    def close(self, error: BaseException | None = None, *, sigterm: bool = False) -> None:
+        """The attempt ends, ``error`` what ended it (None: it completed): the trackers that started, dropped
+        or not, finish its part of the run, then the progress reports stop; the metrics endpoint belongs to
+        the whole attempt (``run``). The run is finished, failed, or killed when preempted; an attempt that
+        got a SIGTERM (``sigterm``) is killed whatever error ended it (a collective a peer's shutdown broke)
+        and finishes its trackers in the preempted time, inside its grace period; one that completed all
+        the same is finished, in that time too."""
+        if self.trackers.started:
             from sftjob_trainer import heartbeat  # heartbeat imports this module
 
+            outcome: Outcome = "killed" if sigterm and error is not None else outcome_of(error)
             with heartbeat.busy(self, "finishing the experiment trackers", BUSY_SECONDS):
-                self.trackers.finish(outcome_of(error))
+                self.trackers.finish(outcome, hurry=sigterm)
         self.reporter.close()
 
 

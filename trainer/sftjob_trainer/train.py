@@ -184,7 +184,7 @@ class Training:
             return summary
         finally:
             if observer is not None:
-                observer.close(sys.exc_info()[1])  # what ends the attempt, if anything: the trackers' outcome
+                observer.close(sys.exc_info()[1], sigterm=self.stop.requested)  # the trackers' outcome
 
     def train(
         self,
@@ -244,7 +244,7 @@ class Training:
             if resumed is not None:
                 observer.resumed_from(state, resumed)
             observer.phase("resumed" if resumed else "starting", state.step, state.loss)
-            observer.start_tracking(state.step)
+            observer.start_tracking(state.step, self.stop)
         settings = config.evaluation
         unevaluated = resumed is not None and state.eval_step != state.step  # a SIGTERM's save: evaluate it
         if evaluation is not None and unevaluated and self.evaluate(parts, evaluation, plan, state, observer):
