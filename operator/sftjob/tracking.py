@@ -18,8 +18,9 @@ from sftjob.kube_names import SecretKeyRef, SpecModel
 # The patterns are the CRD's, written so that the API server's RE2 and pydantic's regex engine read them
 # alike (no \s: RE2's is ASCII, the other's Unicode): no control characters, no spaces.
 # An MLflow server the pods reach over HTTP(S), with no user or password in it (those are Secrets': a URL
-# is printed, logged and sent to W&B's run config).
-TRACKING_URI = r"^https?://[^\x00-\x20\x7f/?#@]+([/?#][^\x00-\x20\x7f]*)?$"
+# is printed, logged and sent to W&B's run config), nor a query or fragment (MLflow appends its API's
+# paths to the URL: a query would end up before them).
+TRACKING_URI = r"^https?://[^\x00-\x20\x7f/?#@]+(/[^\x00-\x20\x7f?#]*)?$"
 # What Weights & Biases accepts in a project or entity name.
 WANDB_NAME = r"^[^/\\#?%:\x00-\x20\x7f]+$"
 WANDB_DIR_ENV = "WANDB_DIR"  # W&B's local run files: the pod's scratch folder, not the read-only image

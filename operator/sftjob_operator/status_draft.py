@@ -16,7 +16,7 @@ from typing import Any
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import FailureClass
-from sftjob.job_status import SFTJobStatus
+from sftjob.job_status import ProgressStatus, SFTJobStatus, TrackingUrls
 from sftjob_operator import observe
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason, set_condition
@@ -121,14 +121,16 @@ class StatusDraft:
     def fold_reports(self, pods: Sequence[Mapping[str, Any]]) -> None:
         """The trainer's latest progress and checkpoint annotations on ``pods`` into the status (the best
         checkpoint with the newest); an older checkpoint report (a pod of an earlier attempt) never
-        replaces a newer one, and the last
-        evaluation stays until a report carries a newer one (a restarted trainer's setup reports carry
-        none)."""
+        replaces a newer one, and the last evaluation stays until a report carries a newer one (a
+        restarted trainer's setup reports carry none); so do the trackers' run pages (one run per job:
+        an attempt that has not started, or could not start, a tracker still has its page)."""
         progress = observe.progress_of(pods)
         before = self.status.progress
         if progress is not None and progress.eval_loss is None and before is not None:
             kept = {"eval_loss": before.eval_loss, "eval_step": before.eval_step}
             progress = progress.model_copy(update=kept)
+        if progress is not None and before is not None and before.tracking_urls is not None:
+            progress = progress.model_copy(update={"tracking_urls": _links(before, progress)})
         if progress is not None:
             self.update(progress=progress)
         checkpoint = observe.checkpoint_of(pods)
@@ -150,3 +152,10 @@ class StatusDraft:
 
 def _false_reason(status: SFTJobStatus, type: str) -> str | None:
     return next((c.reason for c in status.conditions if c.type == type and c.status == "False"), None)
+
+
+def _links(before: ProgressStatus, now: ProgressStatus) -> TrackingUrls:
+    """The run pages of both reports, the newer one's where both have one."""
+    old = before.tracking_urls.model_dump(exclude_none=True) if before.tracking_urls else {}
+    new = now.tracking_urls.model_dump(exclude_none=True) if now.tracking_urls else {}
+    return TrackingUrls(**(old | new))

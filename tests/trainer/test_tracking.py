@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -407,7 +408,41 @@ def test_an_mlflow_run_is_ended_even_when_a_batch_still_being_sent_fails(stores:
     assert mlflow_run.info.status == "KILLED"
 
 
-def test_tracker_libraries_get_short_http_timeouts_and_no_telemetry_unless_the_pods_environment_says_else(
+def test_an_mlflow_run_is_ended_before_the_batches_still_being_sent_are_waited_for(
+    stores: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = _bare_config(mlflow={"trackingUri": f"file://{stores / 'mlruns'}", "experiment": "e"})
+    assert config.tracking.mlflow is not None
+    tracker = MlflowTracker(config.tracking.mlflow, config)
+    tracker.start(1)
+    never: Future[None] = Future()  # a batch a slow server never answers before the finish is given up on
+    monkeypatch.setattr(tracker, "_checks", [never])
+    with pytest.raises(TimeoutError):
+        tracking.within(2, "finishing mlflow", lambda: tracker.finish("failed"))
+    experiment = _mlflow(stores).get_experiment_by_name("e")
+    assert experiment is not None
+    (mlflow_run,) = _mlflow(stores).search_runs([experiment.experiment_id])
+    assert mlflow_run.info.status == "FAILED"
+    never.set_result(None)
+
+
+def test_a_resumed_mlflow_run_without_parameters_gets_them_from_the_next_attempt(stores: Path) -> None:
+    config = TrainerConfig.model_validate(
+        _bare_config(mlflow={"trackingUri": f"file://{stores / 'mlruns'}", "experiment": "e"}).model_dump()
+        | {"job": {"namespace": "team-a", "name": "job", "uid": UID, "attempt": 1}}
+    )
+    client = _mlflow(stores)
+    experiment_id = client.create_experiment("e")
+    client.create_run(experiment_id, tags={"sftjob.io/uid": UID})  # its attempt failed before the parameters
+    assert config.tracking.mlflow is not None
+    tracker = MlflowTracker(config.tracking.mlflow, config)
+    tracker.start(5)
+    tracker.finish("finished")
+    (mlflow_run,) = client.search_runs([experiment_id])
+    assert mlflow_run.data.params["method"] == "lora" and mlflow_run.info.status == "FINISHED"
+
+
+def test_the_trainer_sets_short_mlflow_timeouts_and_no_telemetry_unless_the_pods_environment_says_else(
     stores: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "5")  # the pod's own (spec.env): kept

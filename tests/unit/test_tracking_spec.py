@@ -13,11 +13,14 @@ from pydantic import ValidationError
 from sftjob import constants as c
 from sftjob.cli import main
 from sftjob.config import MlflowSettings, TrackingSettings, TrainerConfig, WandbSettings
+from sftjob.job_status import SFTJobStatus, TrackingUrls
 from sftjob.spec import SFTJobSpec
 from sftjob.spec_rules import tensorboard_problem
 from sftjob_operator import builders, observe
 from sftjob_operator.planning import CandidatePlans, plan_candidates
 from sftjob_operator.scheduling import default_products
+from sftjob_operator.status_draft import StatusDraft
+from tests.unit.reconcile_cases import NOW
 from tests.unit.test_builders import JOB, env_of, fake_plan, pod, spec
 
 TENSORBOARD_DIR = f"{c.CHECKPOINT_MOUNT}/{c.TENSORBOARD_FOLDER}"
@@ -164,9 +167,12 @@ def test_the_status_links_the_runs_the_trainer_reports_and_drops_what_is_not_a_w
     assert observe.progress_of([_reporting({"step": 3, "trackingUrls": "x"})]).tracking_urls is None  # type: ignore[union-attr]
 
 
-def test_a_tracking_uri_may_carry_a_path_a_query_and_an_at_sign_after_its_host() -> None:
-    uri = "https://mlflow.example.com:8443/prefix/api?team=a@b#x"
+def test_a_tracking_uri_may_carry_a_port_and_a_path_but_no_query_nor_fragment() -> None:
+    uri = "https://mlflow.example.com:8443/prefix/a@b/"
     assert spec(tracking={"mlflow": {"trackingUri": uri}}).tracking.mlflow.tracking_uri == uri  # type: ignore[union-attr]
+    for bad in ("https://mlflow.example.com/prefix?token=s3cret", "https://mlflow.example.com/#x"):
+        with pytest.raises(ValidationError, match="should match pattern"):
+            spec(tracking={"mlflow": {"trackingUri": bad}})
 
 
 def test_sftjob_plan_refuses_an_output_in_the_folder_tensorboard_writes_to(
@@ -183,3 +189,18 @@ def test_sftjob_plan_refuses_an_output_in_the_folder_tensorboard_writes_to(
     )
     job.write_text(JOB + "  tracking: {tensorboard: true, wandb: {project: p, apiKeySecretRef: {name: w}}}\n")
     assert main(["plan", "-f", str(job)]) == 0
+
+
+def test_the_status_keeps_the_run_pages_through_reports_without_them_and_takes_newer_ones() -> None:
+    wandb, mlflow = "https://wandb.ai/t/p/runs/uid-1", "https://mlflow.example.com/#/experiments/3/runs/abc"
+    draft = StatusDraft(SFTJobStatus(), generation=1, now=NOW)
+    draft.fold_reports([_reporting({"step": 40, "totalSteps": 90, "trackingUrls": {"wandb": wandb}})])
+    draft.fold_reports([_reporting({"step": 40, "totalSteps": 90, "phase": "data ready"})])  # a restart
+    assert draft.status.progress is not None and draft.status.progress.tracking_urls == TrackingUrls(
+        wandb=wandb
+    )
+    draft.fold_reports(
+        [_reporting({"step": 41, "trackingUrls": {"mlflow": mlflow, "wandb": wandb + "?v=2"}})]
+    )
+    assert draft.status.progress.tracking_urls == TrackingUrls(mlflow=mlflow, wandb=wandb + "?v=2")
+    assert draft.status.progress.step == 41

@@ -169,7 +169,9 @@ def test_a_job_hung_before_its_first_step_is_alerted_as_stalled(tmp_path: Path) 
     run(tmp_path, series, [quiet(15, STALLED), fires(17, STALLED, "n/j has been at step 0 for 15 minutes.")])
 
 
-def test_a_dropped_tracker_is_alerted_until_the_next_attempt_starts_it_again(tmp_path: Path) -> None:
+def test_a_dropped_tracker_is_alerted_until_its_attempts_series_ends_and_not_during_setup(
+    tmp_path: Path,
+) -> None:
     attempt_2 = 'sftjob_train_tracking_active{tracker="wandb",pod="j-2-0"}'
     attempt_3 = 'sftjob_train_tracking_active{tracker="wandb",pod="j-3-0"}'
     series = {attempt_2: "_x2 1x3 0x9", attempt_3: "_x18 1x9"}  # none until started

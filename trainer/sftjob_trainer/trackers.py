@@ -139,10 +139,15 @@ class MlflowTracker:
             tags = {NAMESPACE_TAG: job.namespace, NAME_TAG: job.name, UID_TAG: job.uid}
             run = client.create_run(experiment_id, run_name=job.name, tags=tags)
             self._run_id = run.info.run_id
-            # Parameters cannot change once logged: the first attempt's settings, never the plan's.
-            params = [Param(key, value) for key, value in mlflow_params(self.config).items()]
-            client.log_batch(self._run_id, params=params)
             log.info("MLflow: run %s created in experiment %s", self._run_id, experiment_id)
+        # Parameters cannot change once logged: the first attempt's settings, never the plan's; logged by
+        # the attempt that created the run, or by a later one when that attempt could not.
+        if not found or not found[0].data.params:
+            params = [Param(key, value) for key, value in mlflow_params(self.config).items()]
+            try:
+                client.log_batch(self._run_id, params=params)
+            except Exception as exc:  # the run exists: this attempt logs to it, the next logs them
+                log.warning("MLflow: the run's parameters not logged (the next attempt tries again): %s", exc)
         self.url = mlflow_run_url(self.settings.tracking_uri, experiment_id, self._run_id)
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-batches")
 
@@ -182,13 +187,15 @@ class MlflowTracker:
         return bool(answered)
 
     def finish(self, outcome: Outcome) -> None:
-        """Waits for the batches still being sent (one that fails is not this call's failure: it was, or
-        would have been, counted at a logging step), then ends the run, even after a failed batch."""
+        """Ends the run first (MLflow takes metrics on an ended run: a slow batch still being sent must
+        not leave it RUNNING when the finish is given up on), then waits for the batches still being
+        sent; one that fails is not this call's failure (it was, or would have been, counted at a logging
+        step)."""
         try:
+            self._client.set_terminated(self._run_id, _MLFLOW_STATUS[outcome])
             for check in self._checks:
                 with contextlib.suppress(Exception):
                     check.result()
-            self._client.set_terminated(self._run_id, _MLFLOW_STATUS[outcome])
         finally:
             if self._waiter is not None:
                 self._waiter.shutdown(wait=False, cancel_futures=True)
