@@ -50,8 +50,10 @@ def test_a_pod_that_fails_makes_the_job_failed_with_its_exit_code_and_message(jo
 def test_the_trainers_progress_annotations_show_in_status(jobs: Jobs) -> None:
     jobs.apply(sftjob("talkative"))
     (pod,) = jobs.running_pods("talkative")
+    run_page = "https://wandb.ai/my-team/support-bot/runs/uid-1"  # spec.tracking's run, kept by the schema
     progress = {"step": 120, "totalSteps": 1000, "epoch": 0.12, "loss": 1.2345, "learningRate": 2e-4,
-                "tokensPerSecond": 5120.5, "etaSeconds": 3600, "updated": "2026-01-01T00:00:00Z"}  # fmt: skip
+                "tokensPerSecond": 5120.5, "etaSeconds": 3600, "updated": "2026-01-01T00:00:00Z",
+                "trackingUrls": {"wandb": run_page}}  # fmt: skip
     checkpoint = {"step": 100, "path": "/checkpoints/checkpoint-100", "time": "2026-01-01T00:00:00Z"}
     jobs.kubectl(
         "annotate", "pod", pod["metadata"]["name"],
@@ -60,6 +62,7 @@ def test_the_trainers_progress_annotations_show_in_status(jobs: Jobs) -> None:
     status = wait_for("progress in status", lambda: (s := jobs.status("talkative")).get("progress") and s, 30)
     assert status["progress"]["summary"] == "120/1000" and status["progress"]["loss"] == pytest.approx(1.2345)
     assert status["lastCheckpoint"]["step"] == 100
+    assert status["progress"]["trackingUrls"] == {"wandb": run_page}
     printed = jobs.kubectl("get", "sft", "talkative").stdout
     assert "120/1000" in printed and "1.2345" in printed
 
