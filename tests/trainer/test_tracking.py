@@ -55,11 +55,13 @@ def stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     (tmp_path / "wandb").mkdir()
-    # Finishing is given up on after seconds in a pod; a test's run must finish whatever the machine's load.
+    # Starting and finishing are given up on after seconds in a pod; a test's run must not be, whatever the
+    # machine's load.
     for module, name in (
         (trackers, "FINISH_SECONDS"),
         (tracking, "FINISH_SECONDS"),
         (tracking, "PREEMPTED_FINISH_SECONDS"),
+        (trackers, "WANDB_INIT_TIMEOUT_SECONDS"),
     ):
         monkeypatch.setattr(module, name, 300.0)
     yield tmp_path
