@@ -26,14 +26,13 @@ import pytest
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode
 from sftjob_trainer import checkpoints, trackers, tracking
-from sftjob_trainer import train as train_module
 from sftjob_trainer.checkpoints import TrainState
 from sftjob_trainer.metrics import TrainerMetrics
 from sftjob_trainer.trackers import MlflowTracker, WandbTracker
 from sftjob_trainer.tracking import Trackers
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, train_log
-from tests.trainer.test_tracking_rules import PLAN, _bare_config, _sample, _warnings
+from tests.trainer.test_tracking_rules import PLAN, _bare_config, _sample, _warnings, metrics_of_the_run
 
 pytestmark = pytest.mark.trainer
 
@@ -310,16 +309,7 @@ def test_trackers_that_fail_to_start_are_warned_about_counted_and_dropped_while_
             mlflow={"trackingUri": "http://127.0.0.1:9"},  # the discard port: nothing listens
         ),
     )
-    started: list[TrainerMetrics] = []
-
-    def start_metrics(settings: TrainerConfig) -> TrainerMetrics | None:
-        metrics = real_start_metrics(settings)
-        assert metrics is not None
-        started.append(metrics)
-        return metrics
-
-    real_start_metrics = train_module.start_metrics
-    monkeypatch.setattr(train_module, "start_metrics", start_metrics)
+    started = metrics_of_the_run(monkeypatch)
     began = time.monotonic()
     assert run(str(config)) == ExitCode.OK
     assert time.monotonic() - began < 60

@@ -78,6 +78,21 @@ class Flaky(Recording):
         return outcome == "W"
 
 
+def metrics_of_the_run(monkeypatch: pytest.MonkeyPatch) -> list[TrainerMetrics]:
+    """The metrics the next in-process run starts, kept for the test to read after the run."""
+    started: list[TrainerMetrics] = []
+    real_start_metrics = train_module.start_metrics
+
+    def start_metrics(settings: TrainerConfig) -> TrainerMetrics | None:
+        metrics = real_start_metrics(settings)
+        assert metrics is not None
+        started.append(metrics)
+        return metrics
+
+    monkeypatch.setattr(train_module, "start_metrics", start_metrics)
+    return started
+
+
 def _bare_config(**tracking_settings: Any) -> TrainerConfig:
     return TrainerConfig.model_validate(
         {
@@ -282,22 +297,15 @@ def test_no_tracker_is_started_once_a_sigterm_came_before_they_start(
 ) -> None:
     config = trainer_config("text", training={"maxSteps": 4})
     stub = Recording()
-    started: list[TrainerMetrics] = []
-
-    def start_metrics(settings: TrainerConfig) -> TrainerMetrics | None:
-        metrics = real_start_metrics(settings)
-        assert metrics is not None
-        started.append(metrics)
-        return metrics
+    started = metrics_of_the_run(monkeypatch)
 
     def restore(*args: Any, **kwargs: Any) -> Any:
         os.kill(os.getpid(), signal.SIGTERM)  # while the checkpoint loads, just before the trackers start
         return real_restore(*args, **kwargs)
 
     caplog.set_level(logging.INFO, logger="sftjob_trainer")
-    real_start_metrics, real_restore = train_module.start_metrics, resume.restore
+    real_restore = resume.restore
     monkeypatch.setattr(tracking, "configured", lambda settings: [stub])
-    monkeypatch.setattr(train_module, "start_metrics", start_metrics)
     monkeypatch.setattr(resume, "restore", restore)
     assert run(str(config)) == ExitCode.PREEMPTED
     assert stub.calls == []
