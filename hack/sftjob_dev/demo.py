@@ -227,6 +227,7 @@ Everything keeps running. Look around:
   kubectl describe sft {DEMO_JOB:<19}# conditions, plan, progress, events
   kubectl get pods -o wide                # trainer pods on the fake A800/A40/L40S nodes
   cat {job_dir}/checkpoints/final/summary.json   # the trainer's summary (spec.output.path "final")
+  .venv/bin/tensorboard --logdir {job_dir}/checkpoints/tensorboard   # spec.tracking.tensorboard's curves
 Logs: {self.cluster.logs_dir}/{{operator,runner,...}}.log; the real trainer: {job_dir}/*.log
 Stop everything: hack/demo.sh down""",
             flush=True,

@@ -48,12 +48,16 @@ def local_config(
 ) -> tuple[TrainerConfig, list[str]]:
     """The operator's config for a CPU run on this machine, and one note per change worth logging."""
     notes = [f"{mount} -> {local}" for mount, local in mounts.items()]
+    tensorboard = config.tracking.tensorboard_dir
+    if tensorboard is not None:
+        tensorboard = localize_path(tensorboard, mounts)
     update: dict[str, Any] = {
         "checkpoints": config.checkpoints.model_copy(
             update={"dir": localize_path(config.checkpoints.dir, mounts)}
         ),
         "output_dir": localize_path(config.output_dir, mounts),
         "gpu": config.gpu.model_copy(update={"required": False}),
+        "tracking": config.tracking.model_copy(update={"tensorboard_dir": tensorboard}),
         "report": config.report.model_copy(update={"metrics_port": metrics_port}),
     }
     notes.append("gpu.required false: a CPU run, the trainer skips its GPU checks")

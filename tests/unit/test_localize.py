@@ -43,6 +43,14 @@ def test_the_local_config_is_the_operators_with_local_folders_a_cpu_run_and_its_
     assert config.training.dataloader_workers == 0
     assert config.training.learning_rate == injected().training.learning_rate
     assert any("gpu.required false" in n for n in notes)
+    assert config.tracking.tensorboard_dir is None
+
+
+def test_tensorboards_folder_on_the_checkpoint_volume_maps_to_the_local_one() -> None:
+    tracking = {"tensorboard_dir": "/checkpoints/tensorboard", "wandb": {"project": "p"}}
+    config, _ = local_config(injected(tracking=tracking), MOUNTS, metrics_port=None)
+    assert config.tracking.tensorboard_dir == "/w/local/ns/job/checkpoints/tensorboard"
+    assert config.tracking.wandb is not None and config.tracking.wandb.project == "p"
 
 
 def test_a_multi_gpu_plan_runs_as_one_process_with_the_same_global_batch() -> None:
