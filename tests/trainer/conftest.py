@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from sftjob_trainer import trackers, tracking  # noqa: E402
 from sftjob_trainer.tiny import make_tiny_model, make_tokenizer, write_dataset  # noqa: E402
 from tests.trainer.runs import MakeConfig  # noqa: E402
 
@@ -118,3 +121,44 @@ def trainer_config(tmp_path: Path, tiny_model: Path, termination_log: Path) -> M
         return path
 
     return make
+
+
+@pytest.fixture
+def stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Local stores only: MLflow's file store allowed, W&B offline in its own folder. W&B reads its
+    environment once per process (a trainer's attempt is one): torn down around each test, it reads
+    this one's."""
+    _wandb_teardown()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    for name in tracker_env_defaults():  # restored after the test, whatever the trainer set
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    (tmp_path / "wandb").mkdir()
+    # Starting and finishing are given up on after seconds in a pod; a test's run must not be, whatever the
+    # machine's load.
+    for module, name in (
+        (trackers, "FINISH_SECONDS"),
+        (tracking, "FINISH_SECONDS"),
+        (tracking, "PREEMPTED_FINISH_SECONDS"),
+        (trackers, "WANDB_INIT_TIMEOUT_SECONDS"),
+    ):
+        monkeypatch.setattr(module, name, 300.0)
+    yield tmp_path
+    _wandb_teardown()
+
+
+def tracker_env_defaults() -> list[str]:
+    """The environment variables the trainer sets before importing MLflow or W&B, unless already set."""
+    return [
+        *trackers.MLFLOW_HTTP_DEFAULTS,
+        *(name for d in trackers.TELEMETRY_DEFAULTS.values() for name in d),
+    ]
+
+
+def _wandb_teardown() -> None:
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
