@@ -26,6 +26,8 @@ ATTEMPTS_KEPT_NEWEST = 100
 # A GPU or driver fault class that ended attempts on this many distinct nodes follows the job, not a node.
 NODE_FAULTS_FOLLOW_THE_JOB = 2
 GPU_FAULT = frozenset({FailureClass.GPU_UNAVAILABLE, FailureClass.DRIVER_MISMATCH})
+# The largest restartPolicy.maxBackoffSeconds a job may set.
+MAX_BACKOFF_LIMIT = 86400
 
 
 class RestartPolicy(BaseModel):
@@ -39,7 +41,9 @@ class RestartPolicy(BaseModel):
     backoff_seconds: int = Field(
         default=10, ge=0, le=3600, description="Wait before the first retry; doubles each retry."
     )
-    max_backoff_seconds: int = Field(default=600, ge=1, le=86400, description="Upper bound on the wait.")
+    max_backoff_seconds: int = Field(
+        default=600, ge=1, le=MAX_BACKOFF_LIMIT, description="Upper bound on the wait."
+    )
     on_oom: OnOOM = Field(
         default="Replan",
         description="After CUDA OOM: Replan down the memory ladder, Retry the same plan, or Fail the job.",

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sftjob.attempts import MAX_BACKOFF_LIMIT
 from sftjob.job_status import EffectiveCheckpoints, EffectiveRestartPolicy, EffectiveSettings
 from sftjob.spec import CheckpointSpec, RestartPolicySpec, SFTJobSpec
 
@@ -39,12 +40,17 @@ class JobDefaults:
         backoff_seconds: int | None = None,
         on_oom: str | None = None,
     ) -> JobDefaults:
-        """From operator flags (None: the built-in default); raises pydantic's ValidationError."""
+        """From operator flags (None: the built-in default); raises pydantic's ValidationError. Each field
+        is validated alone: a default backoff is no error above the built-in ``maxBackoffSeconds`` (a job
+        may allow more, and :meth:`fill` caps it at the job's own)."""
         checkpoints = {"storage_class_name": storage_class_name or None, "size": size}
         restarts = {"max_restarts": max_restarts, "backoff_seconds": backoff_seconds, "on_oom": on_oom}
+        given = {k: v for k, v in restarts.items() if v is not None}
+        # The widest cap, so that only the bounds of each field are checked here.
+        restart_policy = RestartPolicySpec.model_validate({**given, "max_backoff_seconds": MAX_BACKOFF_LIMIT})
         return cls(
             CheckpointSpec.model_validate({k: v for k, v in checkpoints.items() if v is not None}),
-            RestartPolicySpec.model_validate({k: v for k, v in restarts.items() if v is not None}),
+            _defaulted(RestartPolicySpec(), {k: getattr(restart_policy, k) for k in given}),
         )
 
     @classmethod

@@ -133,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     except ValidationError as err:
         problems = "; ".join(
-            f"{DEFAULT_FLAGS.get(str(e['loc'][0]), e['loc'][0])}: {e['msg']}" for e in err.errors()
+            f"{DEFAULT_FLAGS.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'the defaults'}: {e['msg']}"
+            for e in err.errors()
         )
         p.error(f"invalid job default: {problems}")
     if not (math.isfinite(args.resync_seconds) and args.resync_seconds >= MIN_RESYNC_SECONDS):

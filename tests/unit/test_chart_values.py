@@ -40,6 +40,12 @@ CASES = [
     ("defaults.checkpoints.storageClassName=fast..ssd", False),
     ("defaults.restartPolicy.maxRestarts=100", True),
     ("defaults.restartPolicy.maxRestarts=101", False),
+    (
+        "defaults.restartPolicy.backoffSeconds=601",
+        True,
+    ),  # above the built-in maxBackoffSeconds: capped per job
+    ("defaults.restartPolicy.backoffSeconds=3600", True),
+    ("defaults.restartPolicy.backoffSeconds=3601", False),
     ("defaults.restartPolicy.backoffSeconds=null", False),  # helm drops the key; the template renders ""
     ("defaults.restartPolicy.onOOM=null", False),
     ("defaults.trainerImage=registry.example.com/sftjob/trainer:0.2.0", True),
@@ -56,7 +62,8 @@ def operator_starts(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> boo
         monkeypatch.setenv(name, value)
     try:
         parse_args([])
-    except SystemExit:
+    except SystemExit as exit:  # argparse's error: a message and status 2, never a traceback
+        assert exit.code == 2
         return False
     return True
 

@@ -9,7 +9,7 @@ import pytest
 
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.conditions import Reason
-from sftjob_operator.defaults import JobDefaults
+from sftjob_operator.defaults import JobDefaults, effective
 from sftjob_operator.planning import PlanningError, check_checkpoint_volume, plan_candidates
 from sftjob_operator.scheduling import default_products
 
@@ -50,3 +50,18 @@ def test_filled_defaults_are_in_force_but_still_count_as_unset() -> None:
     cp, rp = filled.checkpoints, filled.restart_policy
     assert (cp.storage_class_name, cp.size, rp.max_restarts, rp.backoff_seconds) == ("fast", "7Gi", 9, 5)
     assert cp.model_fields_set == set() and rp.model_fields_set == {"max_backoff_seconds"}
+
+
+def test_a_default_backoff_above_the_built_in_cap_is_capped_by_each_jobs_own_cap() -> None:
+    defaults = JobDefaults.of(backoff_seconds=900)
+    assert defaults.fill(SFTJobSpec.model_validate(FULL_8B)).restart_policy.backoff_seconds == 600
+    allowing = SFTJobSpec.model_validate({**FULL_8B, "restartPolicy": {"maxBackoffSeconds": 3600}})
+    assert defaults.fill(allowing).restart_policy.backoff_seconds == 900
+
+
+def test_a_job_admitted_with_a_backoff_above_the_built_in_cap_keeps_reading_its_recorded_defaults() -> None:
+    spec = SFTJobSpec.model_validate(
+        {**FULL_8B, "restartPolicy": {"backoffSeconds": 1000, "maxBackoffSeconds": 3600}}
+    )
+    recorded = JobDefaults.recorded(effective(JobDefaults.of().fill(spec)))
+    assert recorded.fill(spec).restart_policy.backoff_seconds == 1000
