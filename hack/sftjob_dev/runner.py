@@ -303,13 +303,18 @@ class Runner:
             log.info(
                 "pod %s/%s: trainer exited with %d: %s", trainer.namespace, trainer.pod, exit_code, message
             )
-            self._steer(trainer.namespace, trainer.pod, exit_code, message)
+            # A SIGTERM this runner did not send (a test's) stands for a preemption: the pod says so.
+            preempted = code == ExitCode.PREEMPTED
+            self._steer(trainer.namespace, trainer.pod, exit_code, message, preempted=preempted)
 
-    def _steer(self, namespace: str, pod: str, exit_code: int, message: str) -> None:
-        """Have KWOK end the pod as the process ended: Succeeded with 0, else Failed with the code."""
+    def _steer(self, namespace: str, pod: str, exit_code: int, message: str, *, preempted: bool) -> None:
+        """Have KWOK end the pod as the process ended: Succeeded with 0, else Failed with the code (and
+        the DisruptionTarget condition of a preempted pod)."""
         annotations = {c.SIM_OUTCOME: "succeed" if exit_code == 0 else "fail", c.SIM_MESSAGE: message}
         if exit_code:
             annotations[c.SIM_EXIT_CODE] = str(exit_code)
+        if preempted:
+            annotations[c.SIM_DISRUPTION] = "PreemptionByScheduler"
         try:
             self.core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
         except client.ApiException as exc:

@@ -47,6 +47,7 @@ GPU_TAINT_KEY = "nvidia.com/gpu"
 SIM_OUTCOME = "sim.sftjob.dev/outcome"  # succeed | fail | oomkill
 SIM_EXIT_CODE = "sim.sftjob.dev/exit-code"
 SIM_MESSAGE = "sim.sftjob.dev/message"
+SIM_DISRUPTION = "sim.sftjob.dev/disruption"  # a DisruptionTarget reason for `fail` (PreemptionByScheduler)
 SIM_RUN_FOR = "sim.sftjob.dev/run-for"  # Go duration, e.g. "2s"
 # On an SFTJob: the local trainer runner (hack/sftjob_dev/runner.py) backs its pods with real CPU trainers.
 LOCAL_TRAINER = "sftjob.dev/local-trainer"

@@ -37,6 +37,18 @@ GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/
 # DisruptionTarget reasons that mean the node went away rather than someone asking the pod to leave.
 NODE_GONE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 
+# Pod reasons that mean the kubelet stopped the pod (node shutdown, node affinity or preemption at admission).
+STOP_REASONS = frozenset({"Terminated", "Shutdown", "NodeAffinity", "Preempting"})
+# What a trainer says while its pod is being stopped: its SIGTERM code, or the broken collectives of ranks
+# stopping at once. On a pod asked to stop they are a preemption, not the trainer's failure.
+STOPPING_SYMPTOMS = frozenset({FailureClass.PREEMPTED, FailureClass.COMMUNICATION_ERROR})
+# The trainer's SIGTERM code on a pod nothing asked to stop: torchrun stops a pod's other ranks when one
+# dies without a message (a segfault), and those ranks then report the SIGTERM.
+UNASKED_SIGTERM = (
+    "the trainer was stopped (SIGTERM) though nothing asked its pod to stop: torchrun stops a pod's ranks"
+    " when one of them dies (see the pod's log for the first rank that failed)"
+)
+
 # The trainer's documented failure codes: the container's own code when it is one of these, else the
 # code the trainer tagged its message with (torchrun, the container's PID 1, exits 1 for any of them).
 TRAINER_FAILURE_CODES = frozenset(code for code in EXIT_CODE_CLASS if code != ExitCode.UNKNOWN)
@@ -109,8 +121,11 @@ def classify_pod(
         terminated is not None and terminated.get("exitCode") == 0 and phase != "Failed"
     ):
         return Classification(Outcome.SUCCEEDED, exit_code=0, node=node_name)
+    deleting = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
     if phase == "Failed" or terminated is not None:
-        return _classify_ended(status, terminated, node_name, node_gone, own_image=own_image)
+        return _classify_ended(
+            status, terminated, node_name, node_gone, deleting=deleting, own_image=own_image
+        )
 
     waiting = waiting_failure(pod, now, own_image=own_image)
     waiting = waiting or unmounted_failure(pod, now, mount_give_up_seconds)
@@ -118,8 +133,7 @@ def classify_pod(
         return _failed(waiting[0], None, waiting[1], node_name)
     if node_gone:
         return _failed(FailureClass.NODE_LOST, None, f"node {node_name} is gone or NotReady", node_name)
-    terminating = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
-    if phase == "Running" and stall_timeout_seconds is not None and not terminating:
+    if phase == "Running" and stall_timeout_seconds is not None and not deleting:
         since = max((t for t in (last_progress, running_since(status)) if t is not None), default=None)
         if since is not None and (now - since).total_seconds() > stall_timeout_seconds:
             return _failed(
@@ -157,6 +171,12 @@ ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
 )
 
 
+# Failures a healthy rank reports when another rank dies: while a peer pod is still stopping, the
+# attempt waits this long after the first pod ended for the peer's own account (a CudaOOM, a crash).
+PEER_SYMPTOMS = frozenset({FailureClass.COMMUNICATION_ERROR, FailureClass.UNKNOWN})
+PEER_SETTLE_SECONDS = 30.0
+
+
 def classify_attempt(pods: Sequence[Classification]) -> Classification:
     """One attempt's outcome from its pods': any failure ends it (all pods restart together) and the
     most specific failure is its cause; it succeeded only when every pod did."""
@@ -166,6 +186,29 @@ def classify_attempt(pods: Sequence[Classification]) -> Classification:
     if pods and all(p.outcome is Outcome.SUCCEEDED for p in pods):
         return pods[0]
     return RUNNING
+
+
+def peers_settling(
+    outcome: Classification, verdicts: Sequence[Classification], pods: Mapping[int, Obj], *, now: datetime
+) -> float | None:
+    """Seconds to wait before taking ``outcome`` as the attempt's: its failure is one a rank reports when
+    another rank dies (``PEER_SYMPTOMS``) and a peer pod has not ended yet, within ``PEER_SETTLE_SECONDS``
+    of the failed pod's end. The peer may be the one that died (its torchrun still stopping its other
+    ranks): judged now, its cause would be lost with the pod. None: decide now."""
+    if outcome.failure_class not in PEER_SYMPTOMS or not any(v.outcome is Outcome.RUNNING for v in verdicts):
+        return None
+    ended = [finished_at(pods[v.node_rank]) for v in verdicts if v.over and v.node_rank in pods]
+    first = min((t for t in ended if t is not None), default=None)
+    if first is None:
+        return None
+    left = PEER_SETTLE_SECONDS - (now - first).total_seconds()
+    return left if left > 0 else None
+
+
+def finished_at(pod: Obj) -> datetime | None:
+    """When the pod's trainer container ended (None: it has not, or the pod does not say)."""
+    terminated = _terminated_state(pod.get("status") or {})
+    return parse_time(terminated.get("finishedAt")) if terminated else None
 
 
 def end_record(
@@ -227,7 +270,13 @@ def describe_failure(record: AttemptRecord) -> str:
 
 
 def _classify_ended(
-    status: Obj, terminated: Obj | None, node_name: str | None, node_gone: bool, *, own_image: bool
+    status: Obj,
+    terminated: Obj | None,
+    node_name: str | None,
+    node_gone: bool,
+    *,
+    deleting: bool,
+    own_image: bool,
 ) -> Classification:
     pod_reason = status.get("reason") or ""
     pod_message = status.get("message") or ""
@@ -244,6 +293,10 @@ def _classify_ended(
     if code not in TRAINER_FAILURE_CODES and said.exit_code in TRAINER_FAILURE_CODES:
         code = said.exit_code  # the trainer's own code, behind torchrun's 1 (or a signal after it)
     text = said.summary
+    # Something asked the pod to stop (the operator deletes only the pods of attempts already ended):
+    # whatever its trainer said while stopping, or a kill at the end of the grace period, follows from it.
+    stopped_by = disruption_reason or (pod_reason if pod_reason in STOP_REASONS else "")
+    stopped_by = stopped_by or ("the pod was deleted outside the operator" if deleting else "")
 
     def fail(cls: FailureClass, message: str) -> Classification:
         return _failed(cls, code, message, node_name)
@@ -256,6 +309,13 @@ def _classify_ended(
         )
     if code is not None and code in TRAINER_FAILURE_CODES:
         cls = EXIT_CODE_CLASS[code]
+        if cls in STOPPING_SYMPTOMS and stopped_by and not node_gone:
+            said_stopped = cls is FailureClass.PREEMPTED and text  # e.g. "checkpoint saved at step N"
+            return fail(
+                FailureClass.PREEMPTED, text if said_stopped else _disruption_message(stopped_by, code, text)
+            )
+        if cls is FailureClass.PREEMPTED:  # a SIGTERM nothing sent to the pod: torchrun stopping its ranks
+            return fail(FailureClass.UNKNOWN, f"{UNASKED_SIGTERM}: {text}" if text else UNASKED_SIGTERM)
         if cls is FailureClass.COMMUNICATION_ERROR and GPU_FAULT_SIGNATURE.search(said.text):
             cls = FailureClass.GPU_UNAVAILABLE  # NCCL failed because a GPU or its NVLinks did
         return fail(cls, text or f"trainer exited with code {code} ({ExitCode(code).name})")
@@ -269,10 +329,12 @@ def _classify_ended(
         return fail(FailureClass.HOST_OOM if memory else FailureClass.PREEMPTED, f"evicted: {pod_message}")
     if disruption_reason in NODE_GONE_DISRUPTIONS and node_gone:
         return fail(FailureClass.NODE_LOST, f"node {node_name} lost ({disruption_reason})")
-    if disruption_reason or pod_reason in {"Terminated", "Shutdown", "NodeAffinity", "Preempting"}:
+    if disruption_reason or pod_reason in STOP_REASONS:
         return fail(FailureClass.PREEMPTED, _disruption_message(disruption_reason or pod_reason, code, text))
     if node_gone and (code is None or signalled):
         return fail(FailureClass.NODE_LOST, f"node {node_name} is gone or NotReady")
+    if deleting and (code is None or signalled):
+        return fail(FailureClass.PREEMPTED, _disruption_message(stopped_by, code, text))
     said_so = message_class(said, own_image=own_image)
     if said_so is not None:
         return fail(*said_so)

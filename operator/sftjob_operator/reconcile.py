@@ -14,7 +14,7 @@ running one. The steps, in order:
    card can run fails; after it, either is said in ``Admitted``/``Planned`` and the running attempt
    is kept and judged, but no new attempt starts (an invalid spec, which can no longer change, fails the
    job when its attempt ends without success or misses a pod it never had; without a plan it waits);
-2. ``spec.suspend``: delete the pods, keep everything else; ``activeDeadlineSeconds`` exceeded: Failed;
+2. ``spec.suspend``: delete the pods, keep everything else;
 3. no attempt under way: ask the attempt policy for the next one and start it (status first, so the
    attempt number is recorded before its pods exist), or wait for its backoff, or for an earlier
    attempt's pods to stop (a trainer saving its SIGTERM checkpoint), or fail (also a multi-node job with
@@ -22,6 +22,8 @@ running one. The steps, in order:
 4. an attempt under way: fold in its pods' progress reports, classify its pods; when it is over, record
    how it ended (the pods left of a failed one go with a short grace: ``actions``) and go to 3;
    otherwise create whatever pod is missing and report scheduling, GPU, plan and progress.
+   ``activeDeadlineSeconds`` exceeded fails the job, in 3 or 4, once the pods have been judged: an
+   attempt whose pods have ended keeps its outcome (a success stays one) however late the pass that sees it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from sftjob_operator.classify import (
     cut_short,
     describe_failure,
     end_record,
+    peers_settling,
     running_since,
 )
 from sftjob_operator.conditions import ConditionType as T
@@ -109,12 +112,8 @@ class _Pass(JobPass):
         if spec.suspend:
             return self.suspend()
         self.cond(T.SUSPENDED, False, Reason.NOT_SUSPENDED, "")
-        if self.deadline_passed(spec):
-            return self.fail(
-                Reason.DEADLINE_EXCEEDED,
-                f"the job ran longer than activeDeadlineSeconds {spec.active_deadline_seconds}",
-                ended_as=FailureClass.DEADLINE_EXCEEDED,
-            )
+        # activeDeadlineSeconds is judged after the attempt's pods: an attempt that ended before the
+        # pass saw it ended as it did (a success stays one), and only what would come next is refused.
         record = self.record()
         if record is None or record.ended:
             return self.next_attempt(spec, plans)
@@ -135,6 +134,8 @@ class _Pass(JobPass):
         if plans is None:
             if (final := self.ctx.final_failure(spec, self.status.attempts)) is not None:
                 return self.fail(final.reason, final.message)
+            if self.deadline_passed(spec):
+                return self.deadline_exceeded(spec)
             return self.between_attempts(
                 f"no new attempt starts until the job can be planned: {self.unplanned}"
             )
@@ -143,6 +144,8 @@ class _Pass(JobPass):
         )
         if isinstance(decision, GiveUp):
             return self.fail(decision.reason, decision.message)
+        if self.deadline_passed(spec):
+            return self.deadline_exceeded(spec)
         decision = numbered(decision, self.status.attempts, current=self.attempt)
         if decision.not_before is not None and decision.not_before > self.now:
             self.requeue.append((decision.not_before - self.now).total_seconds())
@@ -239,16 +242,25 @@ class _Pass(JobPass):
             if r in by_rank or grace_over
         ]
         outcome = classify_attempt(verdicts)
-        if outcome.over and (outcome.outcome is Outcome.FAILED or not missing):
+        settling = None if missing else peers_settling(outcome, verdicts, by_rank, now=self.now)
+        if settling is not None:  # a peer still stopping may say what really happened
+            self.requeue.append(settling)
+        elif outcome.over and (outcome.outcome is Outcome.FAILED or not missing):
             # Where it ran, even when no pass saw it running: the OOM ladder steps down that card.
             _, _, landed = self.landed(spec, attempt_plans, record)
             return self.attempt_over(spec, plans, landed, outcome)
+        if self.deadline_passed(spec):
+            return self.deadline_exceeded(spec)
         age = self.now - record.start_time if record.start_time else POD_INDEX_SETTLE
         if missing and rendering is not None and age >= POD_INDEX_SETTLE:
             self.children = self.render(spec, rendering, ranks=missing)
         elif missing and age < POD_INDEX_SETTLE:
             self.requeue.append((POD_INDEX_SETTLE - age).total_seconds())
         self.observe_running(spec, attempt_plans, record)
+
+    def deadline_exceeded(self, spec: SFTJobSpec) -> None:
+        message = f"the job ran longer than activeDeadlineSeconds {spec.active_deadline_seconds}"
+        return self.fail(Reason.DEADLINE_EXCEEDED, message, ended_as=FailureClass.DEADLINE_EXCEEDED)
 
     def own_progress(self, record: AttemptRecord) -> ProgressStatus | None:
         """This attempt's last progress report, never an earlier one's: on its pods, or (its pods gone with

@@ -80,6 +80,12 @@ def terminated(code: int, reason: str, message: str = "") -> dict[str, Any]:
     return {"containerStatuses": [{"name": "trainer", "state": state}]}
 
 
+def preempted_status(message: str = "preempted") -> dict[str, Any]:
+    """A trainer that saved on SIGTERM, in a pod the scheduler preempted (DisruptionTarget)."""
+    disruption = {"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}
+    return {**terminated(20, "Error", message), "conditions": [disruption]}
+
+
 def observed(
     spec: Mapping[str, Any] = SPEC,
     status: Mapping[str, Any] | None = None,

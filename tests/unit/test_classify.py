@@ -32,7 +32,6 @@ from tests.unit.classify_cases import NODE, NOW, classify, exited, node, pod, ru
         (ExitCode.COMMUNICATION_ERROR, FailureClass.COMMUNICATION_ERROR),
         (ExitCode.STORAGE_ERROR, FailureClass.STORAGE_ERROR),
         (ExitCode.NETWORK_ERROR, FailureClass.NETWORK_ERROR),
-        (ExitCode.PREEMPTED, FailureClass.PREEMPTED),
     ],
 )
 def test_documented_trainer_exit_codes_map_to_their_class(exit_code: int, expected: FailureClass) -> None:
@@ -83,6 +82,42 @@ def test_sigkill_after_a_drain_is_preempted_not_host_oom() -> None:
 def test_the_trainers_own_exit_code_wins_over_a_disruption() -> None:
     result = classify(pod("Failed", state=exited(ExitCode.CUDA_OOM), disruption="PreemptionByScheduler"))
     assert result.failure_class is FailureClass.CUDA_OOM
+
+
+def test_the_trainers_sigterm_code_is_a_preemption_when_the_pod_was_asked_to_stop() -> None:
+    said = "preempted (SIGTERM): checkpoint saved at step 40"
+    for stopped in (
+        pod("Failed", state=exited(1, message=f"[exit 20] {said}"), disruption="PreemptionByScheduler"),
+        pod("Failed", state=exited(1, message=f"[exit 20] {said}"), deleting=True),
+        pod("Failed", state=exited(ExitCode.PREEMPTED, message=said), reason="Terminated"),
+    ):
+        result = classify(stopped)
+        assert (result.failure_class, result.exit_code) == (FailureClass.PREEMPTED, ExitCode.PREEMPTED)
+        assert said in result.message
+
+
+def test_the_trainers_sigterm_code_on_a_pod_nothing_asked_to_stop_is_a_crash_of_another_rank() -> None:
+    # torchrun stops a pod's other ranks when one dies without a message: they report the SIGTERM.
+    result = classify(pod("Failed", state=exited(1, message="[exit 20] preempted (SIGTERM)")))
+    assert (result.failure_class, result.exit_code) == (FailureClass.UNKNOWN, ExitCode.PREEMPTED)
+    assert "nothing asked its pod to stop" in result.message
+
+
+def test_a_pod_deleted_by_a_user_is_preempted_however_its_trainer_ended() -> None:
+    for state in (exited(137), exited(143), exited(1, message="[exit 16] NCCL error: remote process exited")):
+        result = classify(pod("Failed", state=state, deleting=True))
+        assert result.failure_class is FailureClass.PREEMPTED, state
+        assert result.message.startswith("the pod was deleted outside the operator")
+
+
+def test_a_deleted_pods_own_failure_keeps_its_class() -> None:
+    result = classify(pod("Failed", state=exited(ExitCode.CUDA_OOM), deleting=True))
+    assert result.failure_class is FailureClass.CUDA_OOM
+
+
+def test_a_deleted_pod_on_a_lost_node_is_node_lost() -> None:
+    p = pod("Failed", state=exited(137), deleting=True)
+    assert classify(p, node("Unknown", since_seconds=600)).failure_class is FailureClass.NODE_LOST
 
 
 def test_sigkill_without_oom_or_disruption_is_unknown() -> None:

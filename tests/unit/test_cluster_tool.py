@@ -172,7 +172,7 @@ def test_the_pod_stages_use_the_contract_annotations() -> None:
     stages = [doc for path in components.stage_files() for doc in yaml.safe_load_all(path.read_text()) if doc]
     pod_stages = {s["metadata"]["name"]: s for s in stages if s["spec"]["resourceRef"]["kind"] == "Pod"}
     text = json.dumps(pod_stages)
-    for key in (c.SIM_OUTCOME, c.SIM_EXIT_CODE, c.SIM_MESSAGE, c.SIM_RUN_FOR):
+    for key in (c.SIM_OUTCOME, c.SIM_EXIT_CODE, c.SIM_MESSAGE, c.SIM_RUN_FOR, c.SIM_DISRUPTION):
         assert key in text
     outcomes = {
         value

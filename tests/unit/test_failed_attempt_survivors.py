@@ -19,7 +19,18 @@ from sftjob_operator.expectations import Expectations
 from sftjob_operator.observe import JobView
 from sftjob_operator.reconcile import reconcile
 from sftjob_operator.reconcile_io import SURVIVOR_GRACE_SECONDS, Actions, Observed
-from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, observed, pod, terminated, then
+from tests.unit.reconcile_cases import (
+    CTX,
+    NODES,
+    NOW,
+    SPEC,
+    UID,
+    observed,
+    pod,
+    preempted_status,
+    terminated,
+    then,
+)
 from tests.unit.test_handlers import FakeKube
 
 TWO_NODES = {**SPEC, "gpu": {"type": "A800", "count": 8, "nodes": 2}}
@@ -53,9 +64,44 @@ def test_the_running_rank_of_an_attempt_whose_other_rank_died_is_deleted_with_a_
     assert ended.quick_delete_pods == ["job-1-0"] and ended.delete_pods == []
 
 
+def ended_seconds_ago(p: dict[str, Any], seconds: float) -> dict[str, Any]:
+    (container,) = p["status"]["containerStatuses"]
+    ended = (NOW - timedelta(seconds=seconds)).isoformat().replace("+00:00", "Z")
+    container["state"]["terminated"]["finishedAt"] = ended
+    return p
+
+
+def test_a_peers_nccl_error_waits_for_the_rank_still_stopping_and_takes_its_own_cause() -> None:
+    obs, first = two_nodes()
+    broken = ended_seconds_ago(rank_one_ended(1, "[exit 16] NCCL error: remote process exited"), 5)
+    waiting = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), broken]), CTX)
+    assert not waiting.status.attempts[0].ended and not waiting.delete_pods and not waiting.quick_delete_pods
+    assert waiting.requeue_after is not None and waiting.requeue_after <= 25
+    oom = pod(
+        rank=0, phase="Failed", node="a800-0", status=terminated(1, "Error", "[exit 15] CUDA out of memory")
+    )
+    ended = reconcile(then(obs, waiting, pods=[oom, broken], now=NOW + timedelta(seconds=3)), CTX)
+    assert ended.status.attempts[0].reason == "CudaOOM"
+
+
+def test_a_peers_nccl_error_ends_the_attempt_once_the_other_rank_has_had_its_time() -> None:
+    obs, first = two_nodes()
+    broken = ended_seconds_ago(rank_one_ended(1, "[exit 16] NCCL error: remote process exited"), 31)
+    ended = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), broken]), CTX)
+    assert ended.status.attempts[0].reason == "CommunicationError"
+    assert ended.quick_delete_pods == ["job-1-0"]
+
+
+def test_a_ranks_own_failure_ends_the_attempt_at_once() -> None:
+    obs, first = two_nodes()
+    oom = ended_seconds_ago(rank_one_ended(1, "[exit 15] CUDA out of memory"), 1)
+    ended = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), oom]), CTX)
+    assert ended.status.attempts[0].reason == "CudaOOM"
+
+
 def test_a_preempted_attempts_other_rank_keeps_its_grace_to_save_with_the_others() -> None:
     obs, first = two_nodes()
-    preempted = rank_one_ended(20, "preempted (SIGTERM)")
+    preempted = pod(rank=1, phase="Failed", node="a800-1", status=preempted_status("preempted (SIGTERM)"))
     ended = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), preempted]), CTX)
     assert ended.status.attempts[0].reason == "Preempted"
     assert ended.delete_pods == ["job-1-0"] and ended.quick_delete_pods == []

@@ -16,7 +16,7 @@ from sftjob_operator.expectations import Expectations
 from sftjob_operator.ghosts import Tombstones
 from sftjob_operator.observe import JobView
 from sftjob_operator.workqueue import WorkQueue
-from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, pod, terminated
+from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, pod, preempted_status
 
 KEY = ("team", "job")
 TWO_NODES = {**SPEC, "gpu": {"type": "A800", "count": 8, "nodes": 2}}
@@ -89,7 +89,7 @@ def test_a_pod_whose_delete_finds_it_gone_no_longer_holds_back_the_next_attempt(
     api = runtime
     run_pass(api, [])
     survivor = pod(rank=0, node="a800-0")  # deleted during a watch gap: the index keeps it
-    preempted = pod(rank=1, phase="Failed", node="a800-1", status=terminated(20, "Error", "preempted"))
+    preempted = pod(rank=1, phase="Failed", node="a800-1", status=preempted_status("preempted"))
     run_pass(api, [survivor, preempted])
     assert api.deleted == [("job-1-0", "pod-1-0")]
     assert len(handlers.Runtime.queue) == 1  # decided again at once
@@ -104,7 +104,7 @@ def test_a_gone_pods_tombstone_is_dropped_once_the_index_no_longer_holds_it(runt
     api = runtime
     run_pass(api, [])
     survivor = pod(rank=0, node="a800-0")
-    preempted = pod(rank=1, phase="Failed", node="a800-1", status=terminated(20, "Error", "preempted"))
+    preempted = pod(rank=1, phase="Failed", node="a800-1", status=preempted_status("preempted"))
     run_pass(api, [survivor, preempted])
     assert len(handlers.Runtime.gone_pods) == 1
     run_pass(api, [preempted])
@@ -118,7 +118,7 @@ def test_a_pod_still_there_when_deleted_is_not_left_out(
     api.gone.clear()
     run_pass(api, [])
     survivor = pod(rank=0, node="a800-0")
-    preempted = pod(rank=1, phase="Failed", node="a800-1", status=terminated(20, "Error", "preempted"))
+    preempted = pod(rank=1, phase="Failed", node="a800-1", status=preempted_status("preempted"))
     run_pass(api, [survivor, preempted])
     run_pass(api, [survivor, preempted])
     assert len(handlers.Runtime.gone_pods) == 0

@@ -18,7 +18,7 @@ from sftjob_operator import handlers
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.kube import Conflict, Forbidden, Rejected
 from sftjob_operator.observe import JobView
-from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, pod, terminated
+from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, pod, preempted_status
 
 KEY = ("team", "job")
 
@@ -121,7 +121,7 @@ def test_a_restart_whose_pod_is_refused_still_posts_and_counts_the_failure_and_t
     assert run_pass(api, []) is None
     api.events.clear()
     restarts = sample("sftjob_restarts_total", failure_class="Preempted")
-    preempted = [pod(phase="Failed", status=terminated(20, "Error", "preempted (SIGTERM)"))]
+    preempted = [pod(phase="Failed", status=preempted_status("preempted (SIGTERM)"))]
     assert isinstance(run_pass(api, preempted), Forbidden)
     assert api.status["attempt"] == 2
     assert api.events == [("Warning", "Preempted"), ("Normal", "PodsCreated"), ("Warning", "FailedCreate")]
@@ -148,7 +148,7 @@ def test_a_status_write_lost_to_a_conflict_posts_and_counts_nothing(kube: Callab
     api.events.clear()
     api.conflict = True
     restarts = sample("sftjob_restarts_total", failure_class="Preempted")
-    preempted = [pod(phase="Failed", status=terminated(20, "Error", "preempted (SIGTERM)"))]
+    preempted = [pod(phase="Failed", status=preempted_status("preempted (SIGTERM)"))]
     assert isinstance(run_pass(api, preempted), Conflict)
     assert api.events == [] and sample("sftjob_restarts_total", failure_class="Preempted") == restarts
 
@@ -161,7 +161,7 @@ def test_a_status_write_answered_with_the_version_it_was_given_does_not_hold_bac
     assert KEY in handlers.Runtime.outdated  # waits for the version that shows the write
     handlers.Runtime.outdated.clear()
     api.unchanged = True  # the server already held this status: no newer version will come
-    assert run_pass(api, [pod(phase="Failed", status=terminated(20, "Error", "preempted (SIGTERM)"))]) is None
+    assert run_pass(api, [pod(phase="Failed", status=preempted_status("preempted (SIGTERM)"))]) is None
     assert KEY not in handlers.Runtime.outdated
 
 

@@ -19,6 +19,7 @@ from tests.unit.reconcile_cases import (
     SPEC,
     observed,
     pod,
+    preempted_status,
     started,
     terminated,
     then,
@@ -135,7 +136,7 @@ def test_the_checkpoint_a_suspended_trainer_saves_on_its_way_out_reaches_the_sta
     running = reconcile(then(started_obs, first, pods=[pod(annotations=checkpoint(40))]), CTX)
     suspended = reconcile(then(obs, running, pods=[pod(annotations=checkpoint(40))]), CTX)
     assert suspended.status.attempts[0].end_time == NOW
-    saved = pod(phase="Failed", annotations=checkpoint(57), status=terminated(20, "Error", "preempted"))
+    saved = pod(phase="Failed", annotations=checkpoint(57), status=preempted_status("preempted"))
     later = NOW + timedelta(seconds=30)
     after = reconcile(then(obs, suspended, pods=[saved], now=later), CTX)
     assert after.status.last_checkpoint is not None and after.status.last_checkpoint.step == 57
@@ -153,7 +154,7 @@ def test_a_resume_waits_for_the_suspended_pod_to_save_and_starts_from_its_newest
     assert waiting.status.last_checkpoint is not None and waiting.status.last_checkpoint.step == 57
     message = next(x.message for x in waiting.status.conditions if x.type == "Running")
     assert message == "waiting for attempt 1's pods to stop" and waiting.status.phase == "Pending"
-    saved = pod(phase="Failed", annotations=checkpoint(57), status=terminated(20, "Error", "preempted"))
+    saved = pod(phase="Failed", annotations=checkpoint(57), status=preempted_status("preempted"))
     resumed = reconcile(then(obs, waiting, pods=[saved], generation=3), CTX)
     assert resumed.status.attempt == 2 and resumed.status.attempts[-1].resumed_from_step == 57
     assert resumed.status.restarts == 0

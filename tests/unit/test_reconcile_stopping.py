@@ -20,6 +20,7 @@ from tests.unit.reconcile_cases import (
     condition,
     observed,
     pod,
+    preempted_status,
     started,
     terminated,
     then,
@@ -53,7 +54,7 @@ def pod_names(actions: Actions) -> list[str]:
 def test_a_restart_waits_until_the_failed_attempts_other_rank_has_stopped() -> None:
     obs = replace(observed(spec=TWO_NODES), nodes={**NODES, "a800-1": SECOND_A800})
     first = reconcile(obs, CTX)
-    preempted = pod(rank=1, phase="Failed", node="a800-1", status=terminated(20, "Error", "preempted"))
+    preempted = pod(rank=1, phase="Failed", node="a800-1", status=preempted_status("preempted"))
     ended = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), preempted], now=NOW), CTX)
     assert ended.status.attempts[0].reason == "Preempted" and ended.delete_pods == ["job-1-0"]
     assert not ended.children and ended.status.attempt == 1 and ended.requeue_after == 5

@@ -24,6 +24,7 @@ from tests.unit.reconcile_cases import (
     fake_plan,
     observed,
     pod,
+    preempted_status,
     started,
     terminated,
     then,
@@ -108,7 +109,7 @@ def test_a_job_held_for_its_invalid_spec_succeeds_when_its_attempt_completes_and
 
 
 def test_a_job_held_for_its_invalid_spec_fails_for_it_when_its_attempt_fails_instead_of_restarting() -> None:
-    failed = pod(phase="Failed", status=terminated(20, "Error", "preempted"))  # else restarted at once
+    failed = pod(phase="Failed", status=preempted_status("preempted"))  # else restarted at once
     actions = reconcile(held(pods=[failed], now=NOW + timedelta(hours=1)), CTX)
     assert actions.status.phase == "Failed" and not actions.children and actions.status.attempt == 1
     assert condition(actions, "Failed") == ("True", "InvalidSpec")
@@ -225,7 +226,7 @@ def test_an_attempt_that_completes_while_the_job_cannot_be_planned_succeeds() ->
 
 def test_a_failed_attempt_of_a_job_that_cannot_be_planned_waits_for_a_plan_instead_of_failing() -> None:
     obs, seen = running()
-    failed = pod(phase="Failed", status=terminated(20, "Error", "preempted"))  # restarts at once
+    failed = pod(phase="Failed", status=preempted_status("preempted"))  # restarts at once
     later = then(obs, seen, pods=[failed], now=NOW + timedelta(minutes=5))
     waiting = reconcile(later, NO_LONGER_FITS)
     assert waiting.status.phase == "Restarting" and not waiting.children and waiting.status.attempt == 1

@@ -66,7 +66,9 @@ TAGGED_MESSAGES = [
 def test_behind_torchruns_exit_code_one_the_trainers_tagged_code_decides(
     message: str, expected: FailureClass
 ) -> None:
-    result = classify(pod("Failed", state=exited(1, message=message + "\n")))
+    # A SIGTERM the trainer reports is a preemption only on a pod something asked to stop (test_classify).
+    stopped = "PreemptionByScheduler" if expected is FailureClass.PREEMPTED else None
+    result = classify(pod("Failed", state=exited(1, message=message + "\n"), disruption=stopped))
     assert result.failure_class is expected
     tag, reason = message.split("] ", 1)
     assert result.exit_code == int(tag.removeprefix("[exit "))
