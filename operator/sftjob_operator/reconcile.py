@@ -110,6 +110,8 @@ class _Pass(JobPass):
         self.deletes += [observe.name(p) for p in self.obs.pods if observe.attempt_of(p) < self.attempt]
 
         if spec.suspend:
+            if self.ended_unseen(spec):
+                return None
             return self.suspend()
         self.cond(T.SUSPENDED, False, Reason.NOT_SUSPENDED, "")
         # activeDeadlineSeconds is judged after the attempt's pods: an attempt that ended before the
@@ -296,9 +298,27 @@ class _Pass(JobPass):
         )
         return replace(verdict, node_rank=rank)
 
+    def ended_unseen(self, spec: SFTJobSpec) -> bool:
+        """Before a suspend: an attempt whose pods had all ended before any pass saw it is recorded as it
+        ended (a CUDA OOM re-plans at the resume, a success finishes the job), not as suspended. True when
+        that finished the job."""
+        record = self.record()
+        if record is None or record.ended or len(self.current) != spec.gpu.nodes:
+            return False
+        if not all(observe.phase_of(p) in ("Succeeded", "Failed") for p in self.current):
+            return False  # a pod still there goes with the suspend (a stall is not judged now)
+        self.fold_reports(self.current)
+        verdicts = [self.classify(spec, p, observe.rank_of(p)) for p in self.current]
+        return self.end_attempt(record, classify_attempt(verdicts))
+
     def attempt_over(
         self, spec: SFTJobSpec, plans: CandidatePlans | None, record: AttemptRecord, outcome: Classification
     ) -> None:
+        if not self.end_attempt(record, outcome):
+            self.next_attempt(spec, plans)
+
+    def end_attempt(self, record: AttemptRecord, outcome: Classification) -> bool:
+        """Records how the attempt ended and deletes what is left of it; True when the job succeeded."""
         reported = self.own_progress(record)
         ended = end_record(
             record,
@@ -310,10 +330,11 @@ class _Pass(JobPass):
         self.replace_record(ended)
         self.deletes += [observe.name(p) for p in self.current if observe.is_active(p)]
         if outcome.outcome is Outcome.SUCCEEDED:
-            return self.succeeded(self.attempt)
+            self.succeeded(self.attempt)
+            return True
         reason = str(ended.reason or FailureClass.UNKNOWN)
         self.events.append(Event("Warning", reason, describe_failure(ended)))
-        self.next_attempt(spec, plans)
+        return False
 
     def landed(
         self, spec: SFTJobSpec, plans: CandidatePlans, record: AttemptRecord

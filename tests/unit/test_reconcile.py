@@ -200,6 +200,17 @@ def test_a_permanent_failure_before_a_late_pass_fails_the_job_for_itself_not_the
     assert late.status.attempts[0].reason == "DataError"
 
 
+def test_an_attempt_that_ended_before_a_suspend_was_seen_is_recorded_as_it_ended() -> None:
+    obs = observed()
+    first = reconcile(obs, CTX)
+    oom = pod(phase="Failed", status=terminated(15, "Error", "CUDA out of memory"))
+    suspended = reconcile(then(obs, first, pods=[oom], spec={**SPEC, "suspend": True}), CTX)
+    assert suspended.status.phase == "Suspended" and suspended.status.attempts[0].reason == "CudaOOM"
+    done = pod(phase="Succeeded", status=terminated(0, "Completed"))
+    finished = reconcile(then(obs, first, pods=[done], spec={**SPEC, "suspend": True}), CTX)
+    assert finished.status.phase == "Succeeded"
+
+
 def test_a_finished_job_waits_for_its_ttl_then_asks_to_be_deleted() -> None:
     spec = {**SPEC, "ttlSecondsAfterFinished": 100}
     obs = observed(spec=spec)
