@@ -163,7 +163,7 @@ class Runner:
             log.exception("cannot start a trainer for pod %s/%s: %s", meta["namespace"], meta["name"], exc)
             self.done.add(uid)
             message = f"local trainer runner: {exc}"
-            self._steer(meta["namespace"], meta["name"], ExitCode.CONFIG_ERROR, message)
+            self._steer(meta["namespace"], meta["name"], ExitCode.CONFIG_ERROR, message, preempted=False)
 
     def _busy(self, namespace: str, job: str) -> bool:
         return any(t.namespace == namespace and t.job == job for t in self.trainers.values())

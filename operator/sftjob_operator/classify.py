@@ -197,7 +197,8 @@ def peers_settling(
     ranks): judged now, its cause would be lost with the pod. None: decide now."""
     if outcome.failure_class not in PEER_SYMPTOMS or not any(v.outcome is Outcome.RUNNING for v in verdicts):
         return None
-    ended = [finished_at(pods[v.node_rank]) for v in verdicts if v.over and v.node_rank in pods]
+    ranks = [v.node_rank for v in verdicts if v.over and v.node_rank is not None]
+    ended = [finished_at(pods[rank]) for rank in ranks if rank in pods]
     first = min((t for t in ended if t is not None), default=None)
     if first is None:
         return None
