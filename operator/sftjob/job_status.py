@@ -115,7 +115,7 @@ class SFTJobStatus(_Status):
     plan: PlanStatus | None = None
     progress: ProgressStatus | None = None
     last_checkpoint: CheckpointStatus | None = None
-    best_checkpoint: CheckpointStatus | None = None  # spec.evaluation: the lowest eval loss saved so far
+    best_checkpoint: CheckpointStatus | None = None  # finalModel Best: the lowest eval loss saved so far
     attempts: list[AttemptRecord] = []
     effective: EffectiveSettings | None = None
     start_time: datetime | None = None

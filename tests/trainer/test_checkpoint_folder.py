@@ -103,6 +103,29 @@ def test_an_owner_file_that_names_no_job_is_taken_over_as_before(tmp_path: Path)
     assert _owner(tmp_path) == {"namespace": "default", "name": "job", "job": "new", "attempt": 1}
 
 
+def test_an_owner_file_that_cannot_be_read_stops_the_save_as_a_storage_error_and_commits_nothing(
+    tmp_path: Path,
+) -> None:
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    checkpoints.save(tmp_path, TrainState(step=4), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    owner = tmp_path / CHECKPOINT_OWNER_FILE
+    owner.unlink()
+    owner.mkdir()  # reading it fails (IsADirectoryError) as an EIO or a stale NFS handle would
+
+    with pytest.raises(TrainerError) as stopped:
+        checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    assert stopped.value.code == ExitCode.STORAGE_ERROR  # not "no owner": it may name a later attempt
+    assert f"could not read {owner}" in stopped.value.reason
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4]
+    with pytest.raises(TrainerError) as refused:
+        ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    assert refused.value.code == ExitCode.STORAGE_ERROR
+
+    owner.rmdir()  # a folder without an owner is anyone's
+    checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [6, 4]
+
+
 def test_an_attempt_taking_over_removes_the_unfinished_saves_of_the_attempts_before_it(
     tmp_path: Path,
 ) -> None:

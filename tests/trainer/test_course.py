@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
@@ -156,3 +157,34 @@ def test_a_job_recreated_with_a_lower_learning_rate_resumes_at_it_not_at_the_che
     assert [g["weight_decay"] for g in after.optimizer.param_groups] == [0.1, 0.0]
     after.scheduler.step()
     assert after.optimizer.param_groups[0]["lr"] == pytest.approx(2e-5 * after.scheduler.lr_lambdas[0](51))
+
+
+def test_a_job_recreated_with_more_steps_and_a_lower_learning_rate_trains_every_step_on_the_new_schedule(
+    trainer_config: MakeConfig, tmp_path: Path
+) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from sftjob_trainer.checkpoints import SCHEDULER_FILE, TENSORS_DIR
+
+    config = trainer_config("text", training={"maxSteps": 8}, checkpoints={"everySteps": 2, "keep": 20})
+    assert run(str(config)) == ExitCode.OK
+    settings = json.loads(config.read_text())
+    output, root = Path(settings["outputDir"]), Path(settings["checkpoints"]["dir"])
+    for step, path in checkpoint_dirs(root):
+        if step > 4:
+            shutil.rmtree(path)
+    first = len((output / "train_log.jsonl").read_text().splitlines())
+    # 100 -> 200 steps in the review's words: the run longer, the rate ten times lower, some weight decay.
+    settings["training"] |= {"maxSteps": 12, "learningRate": 3e-4, "weightDecay": 0.1}
+    config.write_text(json.dumps(settings))
+    assert run(str(config)) == ExitCode.OK
+
+    lines = (output / "train_log.jsonl").read_text().splitlines()[first:]
+    rates = {record["step"]: record["learningRate"] for record in map(json.loads, lines)}
+    cosine = {step: 3e-4 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 12)) for step in range(5, 13)}
+    assert rates == pytest.approx(cosine)  # step 5 too: not the old schedule's 1.5e-3 of 3e-3
+    scheduler = torch.load(root / "checkpoint-12" / SCHEDULER_FILE, weights_only=False)
+    assert scheduler["base_lrs"] == pytest.approx([3e-4] * len(scheduler["base_lrs"]))
+    dcp_to_torch_save(root / "checkpoint-12" / TENSORS_DIR, tmp_path / "12.pt")
+    groups = torch.load(tmp_path / "12.pt", weights_only=False)["optimizer"]["param_groups"]
+    assert [group["weight_decay"] for group in groups if group["params"]] == [0.1]  # LoRA: matrices only

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,52 @@ def test_an_eval_split_missing_from_the_folder_names_the_evaluation_field(tmp_pa
         load_split(
             DatasetSource(path=str(folder)), EvaluationSettings(split="validation"), "messages", None, None, 0
         )
+
+
+def test_a_resume_whose_held_out_examples_an_oom_replan_cut_shorter_compares_no_loss_across_the_cut(
+    trainer_config: MakeConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = trainer_config(
+        "text",  # 13 to 29 tokens an example: rows of 16 cut most of them
+        training={"maxSteps": 8, "packingLength": 64},
+        checkpoints={"everySteps": 2, "keep": 20},
+        evaluation={"fraction": 0.1, "finalModel": "Best", "earlyStopping": {"patience": 3}},
+    )
+    assert run(str(config)) == ExitCode.OK
+    settings = json.loads(config.read_text())
+    output, root = Path(settings["outputDir"]), Path(settings["checkpoints"]["dir"])
+    first = len((output / "train_log.jsonl").read_text().splitlines())
+    kept = json.loads((root / "checkpoint-4" / "trainer_state.json").read_text())
+    assert kept["lowest_eval_loss"] is not None and kept["eval_set"]["examples"] > 0
+    for step in (6, 8):
+        shutil.rmtree(root / f"checkpoint-{step}")
+    settings["training"]["packingLength"] = 16  # the OOM re-plan halved the rows (twice)
+    config.write_text(json.dumps(settings))
+    with caplog.at_level(logging.WARNING):
+        assert run(str(config)) == ExitCode.OK
+    assert "resuming at step 4 with other held-out examples" in caplog.text
+
+    lines = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()[first:]]
+    losses = {line["step"]: line["evalLoss"] for line in lines if "evalLoss" in line}
+    assert sorted(losses) == [4, 6, 8]  # the weights resumed from evaluated again, on the cut examples
+    state = json.loads((root / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["eval_set"] != kept["eval_set"]
+    assert state["lowest_eval_loss"] == pytest.approx(min(losses.values()))  # none of the longer examples'
+    assert state["best_eval_loss"] == pytest.approx(min(losses.values()))
+    assert state["best_step"] in losses
+
+
+def test_a_resume_on_the_same_held_out_examples_or_from_a_state_that_names_none_keeps_its_counts() -> None:
+    from sftjob_trainer import selection
+    from sftjob_trainer.checkpoints import TrainState
+
+    measured = eval_set(_examples(10), None, 2, Layout(False, False, 0)).fingerprint
+    assert measured == eval_set(_examples(10), 64, 4, Layout(True, False, 0)).fingerprint  # packing aside
+    for saved in (measured, {}):  # {}: an older trainer's state
+        state = TrainState(step=8, eval_step=8, eval_loss=1.0, lowest_eval_loss=0.9, eval_set=saved)
+        state.evals_without_improvement, state.best_step, state.best_eval_loss = 2, 4, 0.9
+        selection.measured_on(state, measured)
+        assert (state.lowest_eval_loss, state.evals_without_improvement, state.best_step) == (0.9, 2, 4)
+        assert state.eval_set == measured
+    cut = [Example(e.input_ids[:2], e.labels[:2], e.row) for e in _examples(10)]
+    assert eval_set(cut, None, 2, Layout(False, False, 0)).fingerprint != measured

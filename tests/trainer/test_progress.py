@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sftjob.config import TrainerConfig
-from sftjob.constants import PROGRESS_REPORT_INTERVAL_SECONDS
+from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, PROGRESS_REPORT_INTERVAL_SECONDS
 from sftjob.failures import ExitCode
 from sftjob_trainer import observer as observer_module
 from sftjob_trainer.batching import Schedule
@@ -35,6 +35,7 @@ class Recorder:
     def __init__(self) -> None:
         self.progress_records: list[dict[str, Any]] = []
         self.checkpoints: list[tuple[int, float | None]] = []  # (step, eval loss)
+        self.bests: list[dict[str, Any] | None] = []  # the best checkpoint each checkpoint report names
 
     def progress(self, record: dict[str, Any]) -> None:
         self.progress_records.append(record)
@@ -48,6 +49,7 @@ class Recorder:
         best: dict[str, Any] | None = None,
     ) -> None:
         self.checkpoints.append((step, eval_loss))
+        self.bests.append(best)
 
     def close(self) -> None:
         pass
@@ -68,7 +70,9 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     return recorder
 
 
-def _observer(tmp_path: Path, clock: Clock, every: int = 10, total: int = 100) -> Observer:
+def _observer(
+    tmp_path: Path, clock: Clock, every: int = 10, total: int = 100, evaluation: dict[str, Any] | None = None
+) -> Observer:
     config = TrainerConfig.model_validate(
         {
             "model": {"path": str(tmp_path / "model")},
@@ -76,6 +80,7 @@ def _observer(tmp_path: Path, clock: Clock, every: int = 10, total: int = 100) -
             "training": {"loggingEverySteps": every, "globalBatchSize": 1},
             "outputDir": str(tmp_path),
             "report": {"metricsPort": None},
+            "evaluation": evaluation,
         }
     )
     ctx = DistContext(0, 1, 0, 1, torch.device("cpu"))
@@ -134,6 +139,28 @@ def test_an_evaluation_is_reported_at_once_and_in_every_report_after_it_and_with
     )
     lines = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert {"step": 10, "evalLoss": 2.5, "evalSeconds": 3.0} in lines
+
+
+@pytest.mark.parametrize("final_model", ["Last", "Best"])
+def test_the_best_checkpoint_is_reported_only_when_the_rotation_keeps_it(
+    tmp_path: Path, recorder: Recorder, final_model: str
+) -> None:
+    observer = _observer(tmp_path, Clock(), evaluation={"fraction": 0.1, "finalModel": final_model})
+    state = TrainState(step=20, eval_step=20, eval_loss=2.0, best_step=10, best_eval_loss=1.5)
+    observer.checkpoint_saved(state, "/checkpoints/checkpoint-20", 1.0)
+    resumed = tmp_path / "checkpoints" / "checkpoint-20"
+    resumed.mkdir(parents=True)
+    (resumed / CHECKPOINT_COMPLETE_MARKER).write_text("step 20\n")
+    observer.resumed_from(state, resumed)
+
+    if final_model == "Last":  # rotated like any other: a path in the report could name a folder gone
+        assert recorder.bests == [None, None]
+    else:
+        assert recorder.bests == [
+            {"step": 10, "path": "/checkpoints/checkpoint-10", "evalLoss": 1.5},
+            {"step": 10, "path": str(resumed.parent / "checkpoint-10"), "evalLoss": 1.5},
+        ]
+    assert recorder.checkpoints == [(20, 2.0), (20, 2.0)]
 
 
 def test_fast_steps_are_reported_only_at_logging_steps(tmp_path: Path, recorder: Recorder) -> None:

@@ -4,6 +4,8 @@ spares, and which weights the output is written from."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +188,46 @@ def test_a_short_run_without_one_finite_loss_still_ends_with_its_termination_mes
     )
     assert run(str(trainer_config("messages", training={"maxSteps": 3}))) == ExitCode.OK
     assert "completed 3 steps, final loss n/a" in termination_log.read_text()
+
+
+def _evaluated_steps(config: Path) -> list[int]:
+    log = Path(json.loads(config.read_text())["outputDir"]) / "train_log.jsonl"
+    return [r["step"] for r in map(json.loads, log.read_text().splitlines()) if "evalLoss" in r]
+
+
+def test_a_run_preempted_between_two_evaluations_stops_early_at_the_step_the_uninterrupted_run_does(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Evaluated at the checkpoints of steps 4, 8, 12 and 16; with minDelta 100 none after the first improves,
+    # so patience 2 runs out at step 12.
+    overrides: dict[str, Any] = {
+        "training": {"maxSteps": 16},
+        "checkpoints": {"everySteps": 4, "keep": 5},
+        "evaluation": {"fraction": 0.1, "earlyStopping": {"patience": 2, "minDelta": 100}},
+    }
+    uninterrupted = trainer_config("messages", name="uninterrupted", **overrides)
+    assert run(str(uninterrupted)) == ExitCode.OK
+    expected = _summary(uninterrupted)
+    assert expected["stoppedEarly"] and expected["steps"] == 12
+    assert _evaluated_steps(uninterrupted) == [4, 8, 12]
+
+    from sftjob_trainer import train
+
+    real, steps = train.train_step, []
+
+    def preempted_at_step_6(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        steps.append(1)
+        if len(steps) == 6:
+            os.kill(os.getpid(), signal.SIGTERM)  # the pod is deleted during step 6
+        return result
+
+    interrupted = trainer_config("messages", name="interrupted", **overrides)
+    monkeypatch.setattr(train, "train_step", preempted_at_step_6)
+    assert run(str(interrupted)) == ExitCode.PREEMPTED  # its save of step 6 is not evaluated
+    monkeypatch.setattr(train, "train_step", real)
+    assert run(str(interrupted)) == ExitCode.OK
+    got = _summary(interrupted)
+    assert got["resumedFromStep"] == 6
+    assert (got["stoppedEarly"], got["steps"], got["evalStep"]) == (True, 12, 12)
+    assert _evaluated_steps(interrupted) == [4, 8, 12]  # none at step 6, which would have stopped it at 8

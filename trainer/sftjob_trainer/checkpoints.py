@@ -76,6 +76,7 @@ class TrainState:
     evals_without_improvement: int = 0
     best_step: int | None = None  # the saved checkpoint with the lowest eval loss (finalModel Best)
     best_eval_loss: float | None = None
+    eval_set: dict[str, Any] = field(default_factory=dict)  # what the eval losses above were measured on
     fingerprint: dict[str, Any] = field(default_factory=dict)
     course: dict[str, Any] = field(default_factory=dict)
 

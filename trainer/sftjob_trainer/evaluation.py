@@ -17,12 +17,13 @@ memory than a training step did.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +133,13 @@ def _smallest(keys: np.ndarray, count: int) -> float:
 
 @dataclass(frozen=True)
 class EvalSet:
-    """The held-out units and how one rank batches them."""
+    """The held-out units and how one rank batches them; ``fingerprint`` (:func:`fingerprint`) says which
+    examples, as tokenized and cut, their losses are measured on."""
 
     units: list[Unit]
     micro_batch_size: int
     layout: Layout
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     @property
     def examples(self) -> int:
@@ -158,7 +161,24 @@ class EvalSet:
 def eval_set(
     examples: list[Example], packing_length: int | None, micro_batch_size: int, layout: Layout
 ) -> EvalSet:
-    return EvalSet(make_units(examples, packing_length), micro_batch_size, layout)
+    return EvalSet(make_units(examples, packing_length), micro_batch_size, layout, fingerprint(examples))
+
+
+def fingerprint(examples: list[Example]) -> dict[str, Any]:
+    """What an evaluation loss is measured on: the number of held-out examples, of their target tokens, and
+    a digest of their tokens and labels in row order. The same on every rank; another one in a resumed
+    state (an OOM re-plan cut the examples shorter, a job recreated with another evaluation) means its
+    losses compare with none of this attempt's (``selection.measured_on``). The packing is left out: an
+    example's loss does not depend on the row it shares."""
+    digest = hashlib.sha256()
+    targets = 0
+    for example in examples:
+        labels = np.asarray(example.labels, dtype="<i4")
+        digest.update(np.int64(len(labels)).tobytes())
+        digest.update(np.asarray(example.input_ids, dtype="<i4").tobytes())
+        digest.update(labels.tobytes())
+        targets += int((labels[1:] != IGNORE_INDEX).sum())
+    return {"examples": len(examples), "targets": targets, "digest": digest.hexdigest()[:16]}
 
 
 @contextmanager

@@ -172,7 +172,9 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
     """Where this attempt ends. A resume whose layout takes another number of steps for the whole run
     (``planned``; an OOM re-plan halved the rows) keeps the fraction of the run already done: it ends
     after the share still to do and follows the learning-rate schedule at the new pace. A run length
-    the user changed (a job recreated over its kept checkpoints) starts a new schedule instead."""
+    the user changed (a job recreated over its kept checkpoints) starts a new schedule instead, laid out
+    over ``planned`` steps, which the first step after the resume already follows. Either way a new
+    learningRate or weightDecay replaces the checkpoint's (:func:`rebase`)."""
     t = training
     length = f"maxSteps {t.max_steps}" if t.max_steps is not None else f"epochs {t.epochs:g}"
     before = Course(**state.course) if state.course else None
@@ -188,6 +190,7 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
                 planned,
             )
         state.course = asdict(course)
+        rebase(parts, training, relaid=before is not None)
         return course
     course = before.resumed(state.step, planned)
     state.course = asdict(course)
@@ -207,28 +210,34 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
     return course
 
 
-def rebase(parts: Trainables, training: TrainingSettings) -> None:
+def rebase(parts: Trainables, training: TrainingSettings, relaid: bool = False) -> None:
     """A job recreated over its kept checkpoints with another learningRate or weightDecay: restoring the
     optimizer and the schedule brought back the old ones (torch keeps them in both states), so the new
-    values are put back, the learning rate at the schedule's restored position."""
+    values are put back, the learning rate at the schedule's restored position. ``relaid``: the schedule
+    was laid out anew (another run length), so the restored learning rate, the old schedule's, is
+    replaced by the new schedule's at that position even when the rate and the decay are unchanged."""
     scheduler, groups = parts.scheduler, parts.optimizer.param_groups
     decays = [training.weight_decay, 0.0][: len(groups)]  # build_optimizer: matrices decay, the rest not
     rate = training.learning_rate
     if all(math.isclose(b, rate) for b in scheduler.base_lrs) and all(
         math.isclose(g["weight_decay"], d) for g, d in zip(groups, decays, strict=False)
     ):
-        return
-    log.warning(
-        "resuming with learning rate %g and weight decay %g (the checkpoint had %g and %g)",
-        rate,
-        training.weight_decay,
-        scheduler.base_lrs[0],
-        groups[0]["weight_decay"],
-    )
-    scheduler.base_lrs = [rate] * len(groups)
-    for group, decay, factor in zip(groups, decays, scheduler.lr_lambdas, strict=False):
-        group["initial_lr"], group["weight_decay"] = rate, decay
-        group["lr"] = rate * factor(scheduler.last_epoch)
+        if not relaid:
+            return
+    else:
+        log.warning(
+            "resuming with learning rate %g and weight decay %g (the checkpoint had %g and %g)",
+            rate,
+            training.weight_decay,
+            scheduler.base_lrs[0],
+            groups[0]["weight_decay"],
+        )
+        scheduler.base_lrs = [rate] * len(groups)
+        for group, decay in zip(groups, decays, strict=False):
+            group["initial_lr"], group["weight_decay"] = rate, decay
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=False):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]  # get_last_lr(), as a step would have set it
 
 
 def make_scaler(

@@ -62,6 +62,9 @@ class Observer:
         self.clock = clock
         self.every = config.training.logging_every_steps
         self.checkpoints = config.checkpoints
+        # The best checkpoint is reported only where the rotation spares it (finalModel Best): under Last
+        # it is removed like any other, and the report would name a folder that is gone.
+        self.best_kept = config.evaluation is not None and config.evaluation.final_model == "Best"
         self.metrics.total_steps.set(total)
         self.reporter = ProgressReporter(config.report)
         self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
@@ -268,7 +271,7 @@ class Observer:
     def checkpoint_saved(self, state: TrainState, path: str, seconds: float) -> None:
         self.metrics.record_checkpoint(state.step, seconds)
         self.reporter.checkpoint(
-            state.step, path, eval_loss=_eval_at(state, state.step), best=_best(state, path)
+            state.step, path, eval_loss=_eval_at(state, state.step), best=self._best(state, path)
         )
 
     def resumed_from(self, state: TrainState, path: Path) -> None:
@@ -283,8 +286,12 @@ class Observer:
         if state.eval_loss is not None and state.eval_step is not None:
             self.metrics.record_eval(state.eval_step, state.eval_loss, None)
         self.reporter.checkpoint(
-            step, str(path), saved_at, eval_loss=_eval_at(state, step), best=_best(state, str(path))
+            step, str(path), saved_at, eval_loss=_eval_at(state, step), best=self._best(state, str(path))
         )
+
+    def _best(self, state: TrainState, newest: str) -> dict[str, Any] | None:
+        """The best checkpoint for the report, when the rotation keeps it (:attr:`best_kept`)."""
+        return _best(state, newest) if self.best_kept else None
 
     def close(self, error: BaseException | None = None, *, sigterm: bool = False) -> None:
         """The attempt ends, ``error`` what ended it (None: it completed): the trackers that started, dropped

@@ -21,6 +21,7 @@ from sftjob.constants import CHECKPOINT_OWNER_FILE, CHECKPOINT_PREFIX
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir, write_text
+from sftjob_trainer.failures import storage_failure
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def take_over(root: Path, job: JobRef, ctx: DistContext) -> None:
     read from it. An attempt that finds a later attempt of the same job owning it was superseded and
     stops; a job recreated under the same name (a new uid, resuming a kept folder) takes over; another
     job's folder is a configuration error."""
-    owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
+    owner = _read_owner(root, ctx)
     if owner is not None and not owner.is_job(job):
         raise TrainerError(
             ExitCode.CONFIG_ERROR,
@@ -65,8 +66,10 @@ def take_over(root: Path, job: JobRef, ctx: DistContext) -> None:
 
 def check_owner(root: Path, job: JobRef, ctx: DistContext, when: str, discard: Path | None = None) -> None:
     """Collective: stop (PREEMPTED) when another attempt owns the folder now, removing ``discard`` (this
-    attempt's unfinished save) first. A folder without an owner is anyone's."""
-    owner = ctx.broadcast(_owner(root) if ctx.is_main else None)
+    attempt's unfinished save) first. A folder without an owner is anyone's; an ``OWNER`` that cannot be
+    read (EIO, a stale NFS handle) stops the attempt as the storage's failure, committing nothing: it may
+    name a later attempt."""
+    owner = _read_owner(root, ctx)
     if owner is None or (owner.uid, owner.attempt) == (job.uid, job.attempt):
         return
     if discard is not None and ctx.is_main:
@@ -74,9 +77,33 @@ def check_owner(root: Path, job: JobRef, ctx: DistContext, when: str, discard: P
     raise _superseded(root, job, owner, when)
 
 
+def _read_owner(root: Path, ctx: DistContext) -> Owner | None:
+    """Collective: rank 0's :func:`_owner`, on every rank; the error it stopped with raised on every rank."""
+    found: Owner | tuple[ExitCode, str] | None = None
+    if ctx.is_main:
+        try:
+            found = _owner(root)
+        except TrainerError as exc:
+            found = (exc.code, exc.reason)
+    found = ctx.broadcast(found)
+    if isinstance(found, tuple):
+        raise TrainerError(*found)
+    return found
+
+
 def _owner(root: Path) -> Owner | None:
+    """What ``OWNER`` says; None when there is none, or none a trainer could have written (its content
+    unreadable as an owner). Any other failure to read it raises the storage's TrainerError
+    (:func:`~sftjob_trainer.failures.storage_failure`): only a missing file means no owner."""
+    path = root / CHECKPOINT_OWNER_FILE
     try:
-        owner = json.loads((root / CHECKPOINT_OWNER_FILE).read_text())
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise storage_failure(exc, f"could not read {path} (which attempt owns the folder)", root) from exc
+    try:
+        owner = json.loads(text)
         namespace, name = owner.get("namespace"), owner.get("name")
         return Owner(
             str(owner["job"]),
@@ -84,7 +111,7 @@ def _owner(root: Path) -> Owner | None:
             None if namespace is None else str(namespace),
             None if name is None else str(name),
         )
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import Any
 
 from sftjob.config import EvaluationSettings, TrainerConfig
 from sftjob.constants import CHECKPOINT_PREFIX
@@ -21,6 +22,36 @@ from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.distributed import DistContext
 
 log = logging.getLogger("sftjob_trainer")
+
+
+def measured_on(state: TrainState, eval_set: dict[str, Any]) -> None:
+    """This attempt evaluates on ``eval_set`` (``evaluation.fingerprint``), recorded in ``state``. Losses a
+    resumed state measured on another set (an OOM re-plan cut held-out examples shorter or dropped some, a
+    job recreated with another evaluation or dataset) compare with none of this attempt's: the lowest and
+    the best loss, the patience count and the last evaluation start again, with a warning, so that neither
+    early stopping nor finalModel Best weighs one set's loss against another's. A state that records no
+    set (an older trainer's) is taken to have measured on this one."""
+    before, state.eval_set = state.eval_set, eval_set
+    if not before or before == eval_set:
+        return
+    if state.eval_step is not None or state.lowest_eval_loss is not None or state.best_step is not None:
+        log.warning(
+            "resuming at step %d with other held-out examples (%s, was %s): the losses evaluated so far"
+            " (lowest %s, best checkpoint %s) are not compared with this set's; early stopping and the"
+            " best checkpoint start again",
+            state.step,
+            _described(eval_set),
+            _described(before),
+            state.lowest_eval_loss,
+            state.best_step,
+        )
+    state.eval_loss = state.eval_step = state.lowest_eval_loss = None
+    state.best_step = state.best_eval_loss = None
+    state.evals_without_improvement = 0
+
+
+def _described(eval_set: dict[str, Any]) -> str:
+    return f"{eval_set.get('examples')} examples, {eval_set.get('targets')} target tokens"
 
 
 def evaluated(state: TrainState, settings: EvaluationSettings) -> None:

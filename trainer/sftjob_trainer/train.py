@@ -237,6 +237,8 @@ class Training:
         data_layout = resume.fingerprint(len(units), schedule, t.seed, t.packing)
         state, resumed = resume.restore(config, ctx, parts, attention, data_layout, self.metrics, observer)
         resumed_from = state.step if resumed else None
+        if evaluation is not None:
+            selection.measured_on(state, evaluation.fingerprint)  # before the resume's report and evaluation
         course = continue_course(state, parts, self.t, planned)
         schedule = replace(schedule, offset=course.offset)
         if observer is not None:
@@ -246,8 +248,11 @@ class Training:
             observer.phase("resumed" if resumed else "starting", state.step, state.loss)
             observer.start_tracking(state.step, self.stop)
         settings = config.evaluation
-        unevaluated = resumed is not None and state.eval_step != state.step  # a SIGTERM's save: evaluate it
-        if evaluation is not None and unevaluated and self.evaluate(parts, evaluation, plan, state, observer):
+        # A SIGTERM's save, not evaluated: evaluated now only when an uninterrupted run would have evaluated
+        # those weights, so that a preemption adds no evaluation to early stopping's count, nor drops one.
+        unevaluated = resumed is not None and state.eval_step != state.step
+        due = unevaluated and self.evaluation_due(state.step, course.total)
+        if evaluation is not None and due and self.evaluate(parts, evaluation, plan, state, observer):
             selection.saving(state)
         # Early stopping ended an earlier attempt here (it then failed writing the output): train no further.
         stopped = state.step < course.total and stops_early(state, settings)
@@ -300,7 +305,6 @@ class Training:
         ``evaluation.everySteps`` steps and after the last step; returns (seconds, tokens) of this attempt."""
         ctx, t, every = self.ctx, self.t, self.config.checkpoints
         settings = self.config.evaluation
-        eval_every = settings.every_steps if settings else None
         best = settings is not None and settings.final_model == "Best"  # its checkpoint spared by rotation
         # Its own generator: seeding workers must not draw from the global RNG restored from the checkpoint.
         loader = DataLoader(
@@ -341,9 +345,8 @@ class Training:
             # output repeats no training; a full model's last step waits for the output alone.
             last = state.step == total and self.config.method != "full"
             save = stopping or last or (due and state.step < total)
-            scheduled = eval_every is not None and state.step % eval_every == 0
             early = False  # spec.evaluation.earlyStopping ends training at this step
-            if evaluation is not None and not stopping and (save or scheduled or state.step == total):
+            if evaluation is not None and not stopping and (save or self.evaluation_due(state.step, total)):
                 # A SIGTERM during the evaluation stops it: the checkpoint is what the grace period is for.
                 stopping = not self.evaluate(parts, evaluation, plan, state, observer)
                 early = not stopping and state.step < total and stops_early(state, settings)
@@ -374,6 +377,15 @@ class Training:
                 break
             wait_started = time.monotonic()
         return time.monotonic() - started, tokens_this_attempt
+
+    def evaluation_due(self, step: int, total: int) -> bool:
+        """Whether the weights of ``step`` are evaluated whatever the clock: at a checkpoint of
+        ``checkpoints.everySteps``, every ``evaluation.everySteps`` and at the last step (``total``). The
+        loop evaluates before every save besides, a save of ``checkpoints.everyMinutes`` too, but never
+        before the save a SIGTERM asks for."""
+        settings = self.config.evaluation
+        every = (self.config.checkpoints.every_steps, settings.every_steps if settings else None)
+        return step >= total or any(n is not None and step % n == 0 for n in every)
 
     def evaluate(
         self, parts: Trainables, evaluation: EvalSet, plan: Any, state: TrainState, observer: Observer | None
