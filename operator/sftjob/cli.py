@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from sftjob import constants as c
 from sftjob.architectures import Architecture
-from sftjob.gpu_products import cards_for_job, cards_for_types, default_products
+from sftjob.gpu_products import cards_for_job, cards_for_types, default_products, selector_problem
 from sftjob.gpus import GPU_TYPES, PROFILES, GpuProfile, profile_for_key
 from sftjob.job_plan import memory_problem, plan_job
 from sftjob.plan_table import plan_json, render_gpus, render_plans
@@ -190,6 +190,9 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
         raise InputError(where + _name_flags(_problems(e), named)) from e
     if problem := packing_problem(spec) or batch_problem(spec) or tensorboard_problem(spec):  # as admission
         raise InputError(where + _name_flags(problem, named))
+    # As the operator admits it, under the default product mapping (an operator may configure its own).
+    if problem := selector_problem(spec.node_selector, spec.gpu.candidates(), default_products()):
+        raise InputError(where + problem)
     return spec, where, named
 
 

@@ -49,12 +49,27 @@ def profile_of(product: str, gpu_type: str | None = None) -> GpuProfile | None:
     return profile_for_product(product) if gpu_type is None else _card(product, gpu_type)
 
 
+def selector_problem(
+    node_selector: Mapping[str, str], candidates: Sequence[str], products: ProductMap
+) -> str | None:
+    """A ``spec.nodeSelector`` on the GPU product label naming a product none of the job's GPU types
+    has: its pods could never be scheduled, so the job is refused rather than left Pending for good."""
+    wanted = node_selector.get(c.GFD_PRODUCT)
+    allowed = [p for t in candidates for p in products[t]]
+    if wanted is None or wanted in allowed:
+        return None
+    return (
+        f"spec.nodeSelector {c.GFD_PRODUCT}={wanted} is none of the products of {', '.join(candidates)}"
+        f" ({', '.join(allowed)}): no node could take the pods"
+    )
+
+
 def cards_for_types(
     gpu_types: Sequence[str], products: ProductMap, node_selector: Mapping[str, str] | None = None
 ) -> GpuCards:
     """Every card of ``gpu_types`` (in that order) under ``products``; a ``node_selector`` naming one
     of their product labels narrows them to that product's card. A selector naming a product outside
-    them narrows nothing: admission refuses it (``scheduling.selector_problem``), and a job started
+    them narrows nothing: admission refuses it (:func:`selector_problem`), and a job started
     before the operator's mapping changed keeps its cards."""
     profiles: dict[str, GpuProfile] = {}
     by_product: dict[str, str] = {}

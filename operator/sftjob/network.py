@@ -34,6 +34,10 @@ EXTENDED_RESOURCE_RULE = (
 )
 
 
+QUOTA_PREFIX = "requests."
+MAX_DOMAIN = 253
+
+
 class RdmaSpec(SpecModel):
     resource_name: Annotated[str, StringConstraints(min_length=3, max_length=317)]
     count: int = Field(default=1, ge=1, le=64)
@@ -44,6 +48,13 @@ class RdmaSpec(SpecModel):
         prefix = name.partition("/")[0]
         if "/" not in name or not valid_label_key(name) or prefix.endswith("kubernetes.io"):
             raise ValueError(f"resourceName {name!r} is not {EXTENDED_RESOURCE_RULE}")
+        # The API server also names each extended resource's quota "requests.<name>": that must be a
+        # qualified name too, and a name already starting so is refused.
+        if name.startswith(QUOTA_PREFIX) or len(QUOTA_PREFIX + prefix) > MAX_DOMAIN:
+            raise ValueError(
+                f"resourceName {name!r}: the API server refuses extended resources starting {QUOTA_PREFIX!r}"
+                f" or whose domain is longer than {MAX_DOMAIN - len(QUOTA_PREFIX)} characters"
+            )
         if name == GPU_RESOURCE:
             raise ValueError(f"resourceName {GPU_RESOURCE} is the GPUs, which spec.gpu requests")
         return name

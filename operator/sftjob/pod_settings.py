@@ -90,6 +90,10 @@ class EnvVar(SpecModel):
     @field_validator("name")
     @classmethod
     def _not_reserved(cls, name: str) -> str:
+        if name in (".", "..") or name.startswith(".."):  # the API server's own rule (a path's parent)
+            raise ValueError(
+                f"spec.env: {name!r} is no environment variable name: '.', '..' or starting '..'"
+            )
         if name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES:
             raise ValueError(
                 f"spec.env: {name} is reserved: set by the operator, or read by torchrun or the NVIDIA"

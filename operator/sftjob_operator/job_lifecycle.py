@@ -22,6 +22,7 @@ from pydantic.alias_generators import to_camel
 
 from sftjob.attempts import AttemptRecord, trimmed
 from sftjob.failures import FailureClass
+from sftjob.gpu_products import selector_problem
 from sftjob.spec import GpuSpec, RestartPolicySpec, SFTJobSpec, valid_job_name
 from sftjob_operator import observe, pod_lifecycle
 from sftjob_operator.classify import describe_failure
@@ -30,7 +31,6 @@ from sftjob_operator.conditions import Reason
 from sftjob_operator.defaults import JobDefaults, effective
 from sftjob_operator.planning import CandidatePlans, check_checkpoint_volume, plan_candidates, plan_status
 from sftjob_operator.reconcile_io import Actions, Context, Manifest, Obj, Observed
-from sftjob_operator.scheduling import selector_problem
 from sftjob_operator.status import read_status, validation_message
 from sftjob_operator.status_draft import Event, StatusDraft
 

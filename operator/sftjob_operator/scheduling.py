@@ -90,21 +90,6 @@ def type_of(product: str, products: ProductMap) -> str | None:
     return next((t for t, labels in products.items() if product in labels), None)
 
 
-def selector_problem(
-    node_selector: Mapping[str, str], candidates: Sequence[str], products: ProductMap
-) -> str | None:
-    """A ``spec.nodeSelector`` on the GPU product label naming a product none of the job's GPU types
-    has: its pods could never be scheduled, so the job is refused rather than left Pending for good."""
-    wanted = node_selector.get(c.GFD_PRODUCT)
-    allowed = [p for t in candidates for p in products[t]]
-    if wanted is None or wanted in allowed:
-        return None
-    return (
-        f"spec.nodeSelector {c.GFD_PRODUCT}={wanted} is none of the products of {', '.join(candidates)}"
-        f" ({', '.join(allowed)}): no node could take the pods"
-    )
-
-
 def node_affinity(
     preferences: Sequence[str],
     products: ProductMap,

@@ -219,6 +219,7 @@ def test_a_blank_gpu_type_is_an_input_error(capsys):
         (JOB.replace("kind: SFTJob", "kind: SFTjob"), "expected kind SFTJob"),
         (JOB.replace("name: demo", "name: " + "a" * 41), "metadata.name"),
         (JOB.replace("globalBatchSize: 16", "globalBatchSize: 16, microBatchSize: 3"), "microBatchSize 3"),
+        (JOB + "  nodeSelector: {nvidia.com/gpu.product: NVIDIA-A40}\n", "no node could take the pods"),
     ],
 )
 def test_a_file_admission_would_refuse_is_an_input_error_saying_why(tmp_path, capsys, document, words):

@@ -322,10 +322,10 @@ def test_the_crd_reserves_every_env_name_and_prefix_the_spec_model_does(schema: 
 
 
 def test_the_crd_refuses_the_pod_annotations_the_spec_model_does(schema: Schema) -> None:
-    from sftjob.pod_settings import RESERVED_ANNOTATION, SECURITY_PROFILE_ANNOTATION
+    from sftjob.pod_settings import KUEUE_ANNOTATION, RESERVED_ANNOTATION, SECURITY_PROFILE_ANNOTATION
 
     rules = schema["properties"]["spec"]["properties"]["podAnnotations"]["x-kubernetes-validations"]
-    for pattern in (RESERVED_ANNOTATION, SECURITY_PROFILE_ANNOTATION):
+    for pattern in (RESERVED_ANNOTATION, KUEUE_ANNOTATION, SECURITY_PROFILE_ANNOTATION):
         assert any(f"self.all(k, !k.matches('{pattern}'))" == r["rule"] for r in rules), pattern
 
 

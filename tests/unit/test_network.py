@@ -64,6 +64,8 @@ def test_pod_annotations_reach_every_trainer_pod() -> None:
         ({"network": {"rdma": {"resourceName": "rdma"}}}, "not an extended resource name"),
         ({"network": {"rdma": {"resourceName": "x.kubernetes.io/hca"}}}, "not an extended resource name"),
         ({"network": {"rdma": {"resourceName": "nvidia.com/gpu"}}}, "which spec.gpu requests"),
+        ({"network": {"rdma": {"resourceName": "requests.example.com/hca"}}}, "starting 'requests.'"),
+        ({"network": {"rdma": {"resourceName": "a." * 123 + "io/hca"}}}, "domain is longer than 244"),
         ({"network": {"bandwidthGbps": 0}}, "greater than or equal to 1"),
     ],
 )

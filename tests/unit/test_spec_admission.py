@@ -1,8 +1,9 @@
 """What the spec model refuses beside the CRD, so that `sftjob plan -f` and the operator refuse what
 `kubectl apply` does: pod settings that would change how the trainer is run or confined, bounds the CRD
 holds, and field combinations the trainer cannot honour. tests/e2e/test_operator_validation.py sends the
-same specs to a real API server. One rule has no CEL twin (an architecture its parameter count contradicts):
-the operator refuses it as InvalidSpec."""
+same specs to a real API server. A few rules have no CEL twin (an architecture its parameter count
+contradicts; env names and RDMA resource names the API server refuses only in the pod): the operator
+refuses them as InvalidSpec."""
 
 from __future__ import annotations
 
@@ -51,6 +52,13 @@ def test_apparmor_and_seccomp_pod_annotations_are_refused_since_they_would_set_t
 def test_other_pod_annotations_are_admitted() -> None:
     keys = {"k8s.v1.cni.cncf.io/networks": "roce-a", "example.com/apparmor": "x", "seccomp-note": "y"}
     assert spec(podAnnotations=keys).pod_annotations == keys
+
+
+@pytest.mark.parametrize("name", [".", "..", "..SECRET"])
+def test_env_names_the_api_server_takes_for_a_path_are_refused_before_any_pod_is_made(name: str) -> None:
+    # The CRD's pattern admits them; the API server refuses the pod (hasChDirPrefix): InvalidSpec instead.
+    with pytest.raises(ValidationError, match="no environment variable name"):
+        spec(env=[{"name": name, "value": "x"}])
 
 
 @pytest.mark.parametrize(
