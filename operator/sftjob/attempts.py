@@ -9,10 +9,10 @@ before. Both models read and write camelCase, like the rest of the SFTJob.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
-from typing import Literal
+from datetime import UTC, datetime
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from sftjob.failures import FREE_RESTART, NODE_FAULT, FailureClass
@@ -28,6 +28,15 @@ NODE_FAULTS_FOLLOW_THE_JOB = 2
 GPU_FAULT = frozenset({FailureClass.GPU_UNAVAILABLE, FailureClass.DRIVER_MISMATCH})
 # The largest restartPolicy.maxBackoffSeconds a job may set.
 MAX_BACKOFF_LIMIT = 86400
+
+
+def _utc(value: datetime) -> datetime:
+    """A time without a zone (a trainer of the user's own image reporting ``utcnow()``, a hand-edited
+    status) is read as UTC: compared with the operator's own times it would otherwise raise."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+Timestamp = Annotated[datetime, AfterValidator(_utc)]
 
 
 class RestartPolicy(BaseModel):
@@ -92,8 +101,8 @@ class AttemptRecord(BaseModel):
     node: str | None = None  # the node whose pod ended the attempt (rank 0 while it runs)
     node_rank: int | None = Field(default=None, ge=0)  # that pod's node rank, once the attempt ended
     gpu: str | None = None  # GPU profile key the attempt was planned for (the OOM ladder is per GPU)
-    start_time: datetime | None = None
-    end_time: datetime | None = None
+    start_time: Timestamp | None = None
+    end_time: Timestamp | None = None
     succeeded: bool = False
     reason: FailureClass | None = None  # set when the attempt failed
     exit_code: int | None = None

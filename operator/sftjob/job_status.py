@@ -7,13 +7,12 @@ history every restart decision is derived from. A unit test keeps the CRD and th
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from sftjob.attempts import AttemptRecord, OnOOM
+from sftjob.attempts import AttemptRecord, OnOOM, Timestamp
 from sftjob.spec import DEFAULT_CHECKPOINT_SIZE
 
 Phase = Literal["Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended"]
@@ -31,7 +30,7 @@ class Condition(_Status):
     status: Literal["True", "False", "Unknown"]
     reason: str
     message: str = ""
-    last_transition_time: datetime
+    last_transition_time: Timestamp
     observed_generation: int = 0
 
 
@@ -75,7 +74,7 @@ class ProgressStatus(_Status):
     eta_seconds: int | None = None
     eval_loss: float | None = None  # spec.evaluation's loss, measured at eval_step
     eval_step: int | None = None
-    updated: datetime | None = None
+    updated: Timestamp | None = None
     summary: str = ""  # printer column: "120/1000"
     tracking_urls: TrackingUrls | None = None
 
@@ -84,7 +83,7 @@ class CheckpointStatus(_Status):
     step: int
     path: str
     eval_loss: float | None = None
-    time: datetime | None = None
+    time: Timestamp | None = None
 
 
 class EffectiveCheckpoints(_Status):
@@ -118,8 +117,8 @@ class SFTJobStatus(_Status):
     best_checkpoint: CheckpointStatus | None = None  # finalModel Best: the lowest eval loss saved so far
     attempts: list[AttemptRecord] = []
     effective: EffectiveSettings | None = None
-    start_time: datetime | None = None
-    completion_time: datetime | None = None
+    start_time: Timestamp | None = None
+    completion_time: Timestamp | None = None
 
     @property
     def finished(self) -> bool:

@@ -329,8 +329,8 @@ async def _apply(
             )
             Runtime.gone_pods.bury((namespace, name), uids[pod])
             Runtime.queue.add((namespace, name))  # decide again at once, without it
-    if actions.delete_job:
-        await kube.run(kube.delete_job, namespace, name, job.uid)
+    if actions.delete_job and not await kube.run(kube.delete_job, namespace, name, job.uid):
+        _bury(job)  # a finished job deleted meanwhile, its DELETED event lost: never passed over again
     return actions.status, version
 
 
@@ -349,7 +349,9 @@ async def _create(job: JobView, actions: Actions, version: str, *, now: datetime
                 expected.created(key, uid, attempt, manifest)
                 if result and manifest["kind"] == "Pod":
                     metrics.PODS_CREATED.inc()
-        error = next((r for r in results if isinstance(r, BaseException)), None)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        # An invalid child fails the job whatever else failed beside it: retrying would never mend it.
+        error = next((e for e in errors if isinstance(e, Rejected)), errors[0] if errors else None)
         if isinstance(error, Rejected):
             failed = reject(actions.status, str(error), generation=job.generation, now=_now())
             await kube.run(kube.write_status, *key, version, actions.status.to_patch(), failed)

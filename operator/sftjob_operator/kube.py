@@ -255,9 +255,10 @@ class Kube:
                 "pod %s/%s: Kueue's finalizer left for the next pass (HTTP %d)", namespace, name, err.status
             )
 
-    def delete_job(self, namespace: str, name: str, uid: str) -> None:
+    def delete_job(self, namespace: str, name: str, uid: str) -> bool:
         """Delete the job with ``uid`` (its children go in the background); never a job created again
-        under its name meanwhile."""
+        under its name meanwhile. Returns False when no job with ``uid`` exists (404, or 409: a newer job
+        took the name): the index entry is a ghost."""
         options = client.V1DeleteOptions(
             preconditions=client.V1Preconditions(uid=uid), propagation_policy="Background"
         )
@@ -269,6 +270,8 @@ class Kube:
         except ApiException as err:
             if err.status not in (404, 409):
                 raise
+            return False
+        return True
 
     def _verbs(self, kind: str) -> _Verbs:
         api = self.rbac if kind in ("Role", "RoleBinding") else self.core

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import kopf
 from kubernetes import client
@@ -158,6 +159,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.products = products_from(args.gpu_products)
     except (OSError, ValueError) as err:  # a file that cannot be read, bad JSON, a bad mapping
         p.error(f"--gpu-products / SFTJOB_GPU_PRODUCTS: {err}")
+    if args.liveness and (problem := liveness_problem(args.liveness)):
+        p.error(f"--liveness / SFTJOB_LIVENESS: {problem}, got {args.liveness!r}")
+    if not args.standalone and not args.peering.strip():
+        p.error("--peering / SFTJOB_PEERING: give the kopf peering's name, or --standalone")
+    if any(not ns.strip() for ns in args.namespace):
+        p.error("--namespace: give a namespace (or a pattern such as team-*), not an empty string")
     if args.image_min_driver_major < 0:
         p.error("--image-min-driver-major / SFTJOB_IMAGE_MIN_DRIVER_MAJOR must be >= 0 (0: any driver)")
     args.trainer_image_pull_secrets = tuple(
@@ -174,6 +181,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--image / SFTJOB_TRAINER_IMAGE must be an image reference without spaces, got {args.image!r}"
         )
     return args
+
+
+def liveness_problem(url: str) -> str | None:
+    """What is wrong with a ``--liveness`` URL kopf could not serve (it would fail at start), or None."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or above 65535
+        return "the port must be a number from 1 to 65535"
+    if parts.scheme != "http" or not parts.hostname:
+        return "an http:// URL with a host is needed, e.g. http://0.0.0.0:8081/healthz"
+    if port == 0 or not parts.path.startswith("/"):
+        return "give a port from 1 to 65535 and a path, e.g. http://0.0.0.0:8081/healthz"
+    return None
 
 
 def products_from(value: str | None) -> dict[str, list[str]]:

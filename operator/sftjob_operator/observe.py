@@ -299,7 +299,7 @@ def best_checkpoint_of(pods: Sequence[Obj]) -> CheckpointStatus | None:
             continue
         try:
             found.append((int(report.get("step") or 0), CheckpointStatus.model_validate(best)))
-        except (ValueError, TypeError, ValidationError):
+        except (ValueError, TypeError, OverflowError, ValidationError):  # int(inf): OverflowError
             continue
     return max(found, key=lambda pair: pair[0], default=(0, None))[1]
 
@@ -341,7 +341,12 @@ def _progress(pod: Obj) -> ProgressStatus | None:
             summary=f"{step}/{total or '?'}",  # no total yet: a download heartbeat before the data is read
             tracking_urls=_tracking_urls(report.get("trackingUrls")),
         )
-    except (ValueError, TypeError, ValidationError):
+    except (
+        ValueError,
+        TypeError,
+        OverflowError,
+        ValidationError,
+    ):  # a report that cannot be read is no report
         return None
 
 

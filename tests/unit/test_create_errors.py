@@ -145,11 +145,12 @@ def test_a_claim_kept_on_delete_has_no_owner_so_any_claim_of_its_name_is_it() ->
 
 def test_deletes_are_conditioned_on_the_uid_and_a_replaced_or_gone_pod_is_said_to_be_gone() -> None:
     assert fake_kube(FakeApi()).delete_pod("team", "job-1-0", "pod-uid") is True
+    assert fake_kube(FakeApi()).delete_job("team", "job", JOB_UID) is True
     for status in (404, 409):
         api = FakeApi({"delete": api_error(status, "gone or replaced")})
         kube = fake_kube(api)
         assert kube.delete_pod("team", "job-1-0", "pod-uid") is False
-        kube.delete_job("team", "job", JOB_UID)
+        assert kube.delete_job("team", "job", JOB_UID) is False
         pod_options, job_options = (kwargs["body"] for _, _, kwargs in api.calls)
         assert pod_options.preconditions.uid == "pod-uid"
         assert (job_options.preconditions.uid, job_options.propagation_policy) == (JOB_UID, "Background")

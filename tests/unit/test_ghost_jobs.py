@@ -20,8 +20,9 @@ from sftjob_operator import handlers, metrics
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.ghosts import Tombstones
 from sftjob_operator.observe import JobView
+from sftjob_operator.reconcile import reconcile as decide
 from sftjob_operator.workqueue import WorkQueue
-from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC
+from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, observed
 
 KEY = ("team", "job")
 
@@ -39,6 +40,8 @@ class FakeKube:
     def __init__(self, uids: dict[str, str]) -> None:
         self.uids = uids
         self.writes: list[tuple[str, str]] = []  # (name, resourceVersion the write was conditioned on)
+        self.events: list[str] = []
+        self.deletes: list[str] = []
 
     async def run(self, call: Any, *args: Any) -> Any:
         return call(*args)
@@ -53,7 +56,11 @@ class FakeKube:
         return True
 
     def post_event(self, manifest: dict[str, Any]) -> None:
-        pass
+        self.events.append(manifest["reason"])
+
+    def delete_job(self, namespace: str, name: str, uid: str) -> bool:
+        self.deletes.append(name)
+        return self.uids.get(name) == uid
 
 
 def job(uid: str, created: str, version: str) -> JobView:
@@ -106,6 +113,21 @@ def test_a_job_deleted_during_a_watch_gap_is_forgotten_at_the_404_of_its_status_
     assert counted("Running") == before  # no longer counted in sftjob_jobs
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no traceback, no backoff
     assert KEY not in handlers.Runtime.backoff
+
+
+def test_a_finished_ghost_past_its_ttl_is_forgotten_at_the_404_of_its_delete_not_deleted_every_pass() -> None:
+    # A finished job writes no status, so only its TTL delete can find it gone.
+    meta = {"namespace": "team", "name": "job", "uid": "old", "generation": 1,
+            "resourceVersion": "100", "creationTimestamp": "2026-01-01T10:00:00Z"}  # fmt: skip
+    spec = {**SPEC, "ttlSecondsAfterFinished": 60}
+    done = {"phase": "Succeeded", "completionTime": "2026-01-01T11:00:00Z", "attempt": 1}
+    written = decide(observed(spec=spec, status=done), CTX).status.to_patch()  # as the operator wrote it
+    ghost = JobView.of({"metadata": meta, "spec": spec, "status": written})
+    api = FakeKube(uids={})
+    reconcile(api, ghost)
+    assert api.deletes == ["job"] and handlers.Runtime.gone.select(KEY, [ghost]) is None
+    reconcile(api, ghost)
+    assert api.deletes == ["job"] and api.events.count("Finished") <= 1
 
 
 def test_a_forgotten_ghost_is_never_passed_over_again() -> None:

@@ -35,6 +35,7 @@ class FakeKube:
         self.released: list[str] = []  # pods whose Kueue finalizer was taken off
         self.workloads: dict[str, dict[str, Any]] = {}  # Kueue's Workloads by name
         self.workloads_read: list[str] = []
+        self.refuse_other: dict[str, Exception] = {}  # by kind, for children that are not pods
 
     async def run(self, call: Callable[..., Any], *args: Any) -> Any:
         return call(*args)
@@ -47,7 +48,8 @@ class FakeKube:
         return str(self.version)
 
     def ensure(self, manifest: dict[str, Any]) -> bool:
-        error = self.refuse(manifest["metadata"]["name"]) if manifest["kind"] == "Pod" else None
+        name = manifest["metadata"]["name"]
+        error = self.refuse(name) if manifest["kind"] == "Pod" else self.refuse_other.get(manifest["kind"])
         if error is not None:
             raise error
         return True
@@ -140,6 +142,18 @@ def test_a_pod_rejected_as_invalid_fails_the_job_and_counts_it_failed(kube: Call
     assert sample("sftjob_jobs_finished_total", result="Failed") == failed + 1
     assert run_pass(api, []) is None
     assert sample("sftjob_jobs_finished_total", result="Failed") == failed + 1
+
+
+def test_an_invalid_child_fails_the_job_though_another_of_its_batch_was_refused_for_now(
+    kube: Callable[..., FakeKube],
+) -> None:
+    api = kube()
+    api.refuse_other = {
+        "ServiceAccount": Forbidden("exceeded quota"),
+        "ConfigMap": Rejected("data: Too long"),
+    }
+    assert run_pass(api, []) is None
+    assert api.status["phase"] == "Failed" and ("Warning", "ChildRejected") in api.events
 
 
 def test_a_status_write_lost_to_a_conflict_posts_and_counts_nothing(kube: Callable[..., FakeKube]) -> None:

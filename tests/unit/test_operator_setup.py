@@ -77,6 +77,32 @@ def test_a_metrics_port_that_is_no_port_number_is_refused_naming_the_flag_and_th
     )
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--liveness=:8081/healthz"],
+        ["--liveness=https://0.0.0.0:8081/healthz"],
+        ["--liveness=http://0.0.0.0:99999/healthz"],
+        ["--liveness=http://0.0.0.0:8081"],
+        ["--peering="],
+        ["--namespace="],
+    ],
+)
+def test_a_liveness_url_peering_or_namespace_kopf_could_not_use_is_refused_before_it_starts(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2
+    flag = argv[0].split("=")[0]
+    assert flag in capsys.readouterr().err
+
+
+def test_the_default_liveness_url_and_an_ipv6_one_are_accepted() -> None:
+    assert parse_args([]).liveness == "http://0.0.0.0:8081/healthz"
+    assert parse_args(["--liveness=http://[::]:8081/healthz", "--standalone"]).liveness
+
+
 @pytest.mark.parametrize(("value", "port"), [("0", 0), ("9090", 9090), ("65535", 65535)])
 def test_a_metrics_port_may_be_any_port_or_zero_for_none(value: str, port: int) -> None:
     assert parse_args([f"--metrics-port={value}"]).metrics_port == port

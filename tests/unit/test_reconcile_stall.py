@@ -53,3 +53,24 @@ def test_a_job_that_kept_reporting_while_the_operator_was_down_longer_than_the_s
     actions = reconcile(then(obs, seen, pods=[fresh], now=NOW + timedelta(minutes=16)), CTX)
     assert not actions.status.attempts[-1].ended and not actions.delete_pods
     assert actions.status.progress is not None and actions.status.progress.step == 900
+
+
+def test_a_report_without_a_time_zone_is_read_as_utc_and_the_job_is_still_judged() -> None:
+    # A trainer of the user's own image reporting datetime.utcnow().isoformat(): no "Z".
+    spec = {**SPEC, "restartPolicy": {"stallTimeoutSeconds": 60}}
+    first = observed(spec=spec)
+    start = reconcile(first, CTX)
+    reporting = [pod(annotations=_reported(40, "2026-01-01T11:59:30"))]
+    fresh = reconcile(then(first, start, pods=reporting, now=NOW), CTX)
+    assert fresh.status.progress is not None and fresh.status.progress.step == 40
+    assert not fresh.status.attempts[-1].ended
+    later = reconcile(then(first, fresh, pods=reporting, now=NOW + timedelta(minutes=2)), CTX)
+    assert later.status.attempts[-1].reason == "Stalled"
+
+
+def test_a_report_a_pass_cannot_read_is_no_report() -> None:
+    first = observed()
+    start = reconcile(first, CTX)
+    broken = {c.ANNOTATION_PROGRESS: '{"step": Infinity, "totalSteps": 5000}'}
+    actions = reconcile(then(first, start, pods=[pod(annotations=broken)], now=NOW), CTX)
+    assert actions.status.progress is None and not actions.status.attempts[-1].ended
