@@ -1,5 +1,6 @@
-"""Where rows come from: a hub dataset at its pinned revision, the split's files of a dataset folder, JSON
-array files, strict UTF-8, and the fallback chat template starting with BOS like the ``text`` format."""
+"""Where rows come from: a hub dataset at its pinned revision, the split's files of a dataset folder (found
+as the datasets library finds them), JSON array files, strict UTF-8, where a bad row is, and the fallback
+chat template starting with BOS like the ``text`` format."""
 
 from __future__ import annotations
 
@@ -41,13 +42,46 @@ def test_a_hub_snapshot_folder_reads_only_the_files_of_the_requested_split(
 ) -> None:
     _write(tmp_path / "data" / "train-00000-of-00002.jsonl", 2, "train")
     _write(tmp_path / "data" / "train-00001-of-00002.jsonl", 1, "train")
-    _write(tmp_path / "data" / "test-00000-of-00001.jsonl", 5, "test")
-    _write(tmp_path / "validation" / "part-0.jsonl", 7, "validation")
+    _write(tmp_path / "data" / "test-00000-of-00001-a3ec.jsonl", 5, "test")
     with caplog.at_level(logging.INFO):
         assert _tags(DatasetSource(path=str(tmp_path))) == ["train"] * 3
     assert "data/train-00000-of-00002.jsonl, data/train-00001-of-00002.jsonl" in caplog.text
     assert _tags(DatasetSource(path=str(tmp_path), split="test")) == ["test"] * 5
+
+
+def test_split_names_in_folder_names_come_before_those_in_file_names(tmp_path: Path) -> None:
+    _write(tmp_path / "train" / "part-0.jsonl", 2, "train")
+    _write(tmp_path / "validation" / "part-0.json", 7, "validation")
+    _write(tmp_path / "test-notes.jsonl", 1, "notes")  # no split: a folder name carries one
     assert _tags(DatasetSource(path=str(tmp_path), split="validation")) == ["validation"] * 7
+    assert _tags(DatasetSource(path=str(tmp_path))) == ["train"] * 2
+    with pytest.raises(TrainerError, match=r"none is split 'test' \(dataset.split\)"):
+        _tags(DatasetSource(path=str(tmp_path), split="test"))
+
+
+def test_a_snapshot_with_sharded_split_files_reads_the_split_of_that_exact_name_only(tmp_path: Path) -> None:
+    for split, rows in (("train_sft", 3), ("train_gen", 2), ("test_sft", 1), ("test_gen", 1)):
+        _write(tmp_path / "data" / f"{split}-00000-of-00001-a3ecf927.jsonl", rows, split)
+    assert _tags(DatasetSource(path=str(tmp_path), split="train_sft")) == ["train_sft"] * 3
+    with pytest.raises(TrainerError, match=r"none is split 'train' \(dataset.split\)") as raised:
+        _tags(DatasetSource(path=str(tmp_path), split="train"))
+    assert raised.value.code == ExitCode.DATA_ERROR
+    for split in ("train_sft", "train_gen", "test_sft", "test_gen"):
+        assert f"{split} (data/{split}-00000-of-00001-a3ecf927.jsonl)" in str(raised.value)
+
+
+def test_hidden_files_folders_starting_with_two_underscores_and_dataset_metadata_are_not_read(
+    tmp_path: Path,
+) -> None:
+    _write(tmp_path / "part-0.jsonl", 2, "data")
+    _write(tmp_path / ".ipynb_checkpoints" / "part-0-checkpoint.jsonl", 1, "checkpoint")
+    _write(tmp_path / "__MACOSX" / "part-0.jsonl", 1, "resource fork")
+    _write(tmp_path / "._part-0.jsonl", 1, "resource fork")
+    _write(tmp_path / "dataset_info.json", 1, "metadata")
+    assert _tags(DatasetSource(path=str(tmp_path))) == ["data"] * 2
+    _write(tmp_path / "train.jsonl", 1, "train")
+    _write(tmp_path / ".cache" / "test.jsonl", 1, "cached")  # hidden: neither read nor a split's file
+    assert _tags(DatasetSource(path=str(tmp_path))) == ["train"]
 
 
 def test_a_folder_whose_files_name_no_split_is_read_whole(tmp_path: Path) -> None:
@@ -56,12 +90,47 @@ def test_a_folder_whose_files_name_no_split_is_read_whole(tmp_path: Path) -> Non
     assert sorted(_tags(DatasetSource(path=str(tmp_path), split="train"))) == ["a", "a", "b"]
 
 
-def test_a_folder_with_split_files_but_none_for_the_split_fails_naming_dataset_split(tmp_path: Path) -> None:
+def test_a_folder_with_split_files_but_none_for_the_split_fails_naming_dataset_split_and_its_splits(
+    tmp_path: Path,
+) -> None:
     _write(tmp_path / "train.jsonl", 1, "train")
     _write(tmp_path / "test.jsonl", 1, "test")
     with pytest.raises(TrainerError, match=r"dataset\.split") as raised:
         _tags(DatasetSource(path=str(tmp_path), split="validation"))
     assert raised.value.code == ExitCode.DATA_ERROR
+    assert str(raised.value).endswith("the splits it has: train (train.jsonl); test (test.jsonl)")
+
+
+def test_bad_rows_are_located_by_their_path_in_the_dataset_folder_and_their_number_from_1(
+    tmp_path: Path,
+) -> None:
+    for part in ("en", "de"):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / "train.jsonl").write_text(json.dumps(ROW) + "\n{broken\n")
+    (tmp_path / "de" / "train.json").write_text(json.dumps([ROW, 7]))
+    rows = read_rows(DatasetSource(path=str(tmp_path)))
+    bad = [where for where, row in rows if not isinstance(row, dict)]
+    assert bad == ["de/train.json[2]", "de/train.jsonl:2", "en/train.jsonl:2"]
+    (where, _), *_ = read_rows(DatasetSource(path=str(tmp_path / "en" / "train.jsonl")))
+    assert where == "train.jsonl:1"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [json.dumps(ROW, indent=2), json.dumps([ROW, ROW], indent=2)],
+    ids=["a pretty-printed object", "a pretty-printed array"],
+)
+def test_a_jsonl_file_that_is_not_json_lines_fails_naming_its_first_line_and_what_is_wrong(
+    tmp_path: Path, tokenizer: Any, text: str
+) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(text)
+    with pytest.raises(
+        TrainerError, match=r"none of the first \d+ rows .* is a JSON object \(first:"
+    ) as raised:
+        load_examples(DatasetSource(path=str(path)), tokenizer)
+    assert raised.value.code == ExitCode.DATA_ERROR
+    assert "rows.jsonl:1: not valid JSON (" in str(raised.value)
 
 
 @pytest.mark.parametrize("indent", [None, 4])
@@ -153,5 +222,5 @@ def test_a_hub_dataset_is_read_at_the_revision_the_spec_pins(monkeypatch: pytest
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     rows = list(read_rows(DatasetSource(name="org/chats", split="train", revision="v1.2")))
-    assert rows == [("org/chats[0]", ROW)]
+    assert rows == [("org/chats[1]", ROW)]  # numbered from 1, as a file's lines
     assert asked == [{"name": "org/chats", "split": "train", "revision": "v1.2"}]

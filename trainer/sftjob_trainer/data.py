@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -36,6 +37,14 @@ _DETECT_ROWS = 20
 # left without any target token) DataError. Documented in docs/trainer.md.
 CUT_WARN_FRACTION = 0.01
 WITHOUT_TARGET_FAIL_FRACTION = 0.5
+
+# The day chat templates that print today's date are given (``date_string``, Llama 3.2/3.3's variable, here
+# their own fallback), so that every attempt on any day tokenizes the same rows (docs/trainer.md).
+CHAT_TEMPLATE_DATE = "26 Jul 2024"
+# A message's reasoning, passed to the chat template under the names transformers gives it (Qwen3 reads
+# ``reasoning_content``, gpt-oss ``thinking``).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SPACE = re.compile(r"\s+")
 
 # Used when the tokenizer has no chat template of its own (documented in docs/trainer.md).
 FALLBACK_CHAT_TEMPLATE = (
@@ -62,6 +71,9 @@ class DataStats:
     truncated: int = 0
     without_target: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    answers: int = 0  # assistant turns trained on
+    answers_cut_by_template: int = 0  # of them, those the chat template renders without part of their text
+    first_cut_by_template: str = ""  # where the first of them is
 
     def bad(self, where: str, reason: str) -> None:
         self.bad_rows += 1
@@ -85,22 +97,29 @@ def load_examples(
             break
     if not head:
         raise TrainerError(ExitCode.DATA_ERROR, f"dataset {_where(source)} is empty")
+    if source.format == "auto":
+        _check_any_object(source, head)
     fmt = source.format if source.format != "auto" else detect_format([r for _, r in head])
     if fmt != "text":
         ensure_chat_template(tokenizer)
+        _warn_clock(tokenizer.chat_template)
     limit = min(source.max_seq_length, row_length or source.max_seq_length)
     stats = DataStats()
     examples: list[Example] = []
     for where, row in _chain(head, rows):
         stats.rows += 1
+        cut_before = stats.answers_cut_by_template
         try:
             example = tokenize_row(row, fmt, tokenizer, limit, stats)
         except BadRow as exc:
             stats.bad(where, str(exc))
             continue
+        if stats.answers_cut_by_template > cut_before and not stats.first_cut_by_template:
+            stats.first_cut_by_template = where
         if example is not None:
             examples.append(replace(example, row=stats.rows - 1))
     _check_quality(source, stats, limit, len(examples))
+    _warn_cut_by_template(stats)
     log.info(
         "data: %d rows (%s format), %d malformed skipped, %d truncated to %d tokens, %d without a target"
         " after truncation, %d examples",
@@ -159,6 +178,38 @@ def _check_cuts(source: DatasetSource, stats: DataStats, limit: int, examples: i
         )
 
 
+def _warn_cut_by_template(stats: DataStats) -> None:
+    """One warning for the answers the chat template rendered without part of their message's text (a
+    template that drops ``<think>`` blocks, one that ignores ``reasoning_content``): the model learns the
+    answers without it."""
+    if stats.answers_cut_by_template:
+        log.warning(
+            "%d of %d assistant turns trained on (the first at %s) lack part of their message's text"
+            " (content or reasoning) once the chat template renders them: the template drops it (reasoning in"
+            " <think> blocks, a reasoning_content field it does not render) and the model learns the answers"
+            " without it. To train on the reasoning, put it in the field the template renders (Qwen3's keeps"
+            " reasoning_content and <think> blocks in content) or use a tokenizer whose template renders it",
+            stats.answers_cut_by_template,
+            stats.answers,
+            stats.first_cut_by_template,
+        )
+
+
+def _check_any_object(source: DatasetSource, head: list[tuple[str, Any]]) -> None:
+    """``format: auto`` needs an object among the first rows: when none is (a pretty-printed JSON object or
+    array read as JSON Lines), the first row's location and what is wrong with it say why."""
+    if any(isinstance(row, dict) for _, row in head):
+        return
+    where, row = head[0]
+    reason = str(row) if isinstance(row, BadRow) else f"expected an object, got {type(row).__name__}"
+    raise TrainerError(
+        ExitCode.DATA_ERROR,
+        f"cannot detect the dataset format: none of the first {len(head)} rows of {_where(source)} is a JSON"
+        f" object (first: {where}: {reason}); a .jsonl file holds one JSON object per line, a .json file"
+        " JSON Lines or one JSON array of objects",
+    )
+
+
 def _where(source: DatasetSource) -> str:
     return source.path or f"{source.name} (split {source.split})"
 
@@ -191,7 +242,8 @@ def detect_format(rows: Iterable[Any]) -> str:
 
 
 def row_messages(row: Any, fmt: str) -> list[dict[str, str]]:
-    """The chat a ``messages`` or ``alpaca`` row stands for, validated."""
+    """The chat a ``messages`` or ``alpaca`` row stands for, validated: each message's role and content,
+    and its reasoning when it has any (:data:`REASONING_FIELDS`, passed on to the chat template)."""
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
@@ -213,7 +265,13 @@ def row_messages(row: Any, fmt: str) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise BadRow(f"message {i} needs a role in {sorted(ROLES)} and a string content")
-        chat.append({"role": m["role"], "content": m["content"]})
+        message = {"role": m["role"], "content": m["content"]}
+        for name in REASONING_FIELDS:  # None: a Parquet column of messages that have none
+            if m.get(name) is not None:
+                if not isinstance(m[name], str):
+                    raise BadRow(f"message {i}'s {name!r} is not a string")
+                message[name] = m[name]
+        chat.append(message)
     if not any(m["role"] == "assistant" and m["content"].strip() for m in chat):
         raise BadRow("no non-empty assistant message to learn from")
     return chat
@@ -223,6 +281,19 @@ def ensure_chat_template(tokenizer: Any) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         log.info("tokenizer has no chat template: using the documented fallback template")
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+
+
+def _warn_clock(template: Any) -> None:
+    """A template that reads the clock (``strftime_now``) without taking a ``date_string`` (Llama 3.2/3.3
+    take one: :data:`CHAT_TEMPLATE_DATE`) renders the rows differently on another day: warned about."""
+    if isinstance(template, str) and "strftime_now" in template and "date_string" not in template:
+        log.warning(
+            "the chat template prints the current date (strftime_now) and takes no date_string: rows"
+            " rendered on another day tokenize differently, so an attempt resumed on another day trains on"
+            " other tokens and compares no evaluation loss with the earlier attempts'; give the tokenizer a"
+            " template with a fixed date, or a system message in every row if its template prints the date"
+            " only without one"
+        )
 
 
 def chat_segments(tokenizer: Any, chat: list[dict[str, str]]) -> list[tuple[str, bool]]:
@@ -238,7 +309,11 @@ def chat_segments(tokenizer: Any, chat: list[dict[str, str]]) -> list[tuple[str,
 
     def render(messages: list[dict[str, str]], prompt: bool) -> str:
         try:
-            return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt))
+            return str(
+                tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=prompt, date_string=CHAT_TEMPLATE_DATE
+                )
+            )
         except Exception as exc:  # jinja raises for chats the template refuses
             raise BadRow(f"the chat template rejected the conversation: {exc}") from exc
 
@@ -292,7 +367,11 @@ def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataSt
         tokens = _text_ids(row, tokenizer)
         trained = np.ones(len(tokens), dtype=bool)
     else:
-        segments = chat_segments(tokenizer, row_messages(row, fmt))
+        chat = row_messages(row, fmt)
+        segments = chat_segments(tokenizer, chat)
+        cut = answers_cut_by_template(chat, segments)
+        stats.answers += len(cut)
+        stats.answers_cut_by_template += sum(cut)
         tokens, pieces = tokenize_pieces(tokenizer, [text for text, _ in segments])
         answers = np.array([is_answer for _, is_answer in segments], dtype=bool)
         trained = answers[np.array(pieces, dtype=np.intp)]
@@ -306,6 +385,32 @@ def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataSt
         stats.without_target += 1
         return None
     return Example(ids, labels)
+
+
+def answers_cut_by_template(chat: list[dict[str, str]], segments: list[tuple[str, bool]]) -> list[bool]:
+    """For each answer trained on (:func:`chat_segments`' pieces), whether the chat template rendered it
+    without part of its message's text: its content or reasoning, spaces aside, not found in the trained
+    text (or starting in the generation prompt before it, as a ``<think>`` that prompt opens)."""
+    answers = [message for message in chat if message["role"] == "assistant"]
+    trained = [
+        (segments[i - 1][0] if i else "", text) for i, (text, is_answer) in enumerate(segments) if is_answer
+    ]
+    if len(trained) < len(answers):  # only the last answer trains (chat_segments)
+        answers = answers[-1:]
+    return [
+        not all(
+            _rendered_in(message[name], before, text)
+            for name in ("content", *REASONING_FIELDS)
+            if name in message
+        )
+        for message, (before, text) in zip(answers, trained, strict=True)
+    ]
+
+
+def _rendered_in(part: str, before: str, text: str) -> bool:
+    """Whether ``part`` lies in ``text``, or starts in ``before`` and ends in ``text``, spaces aside."""
+    part, before, text = (_SPACE.sub("", s) for s in (part, before, text))
+    return not part or (before + text).find(part, max(0, len(before) - len(part) + 1)) >= 0
 
 
 def tokenize_pieces(tokenizer: Any, pieces: list[str]) -> tuple[list[int], list[int]]:

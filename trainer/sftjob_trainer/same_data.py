@@ -18,6 +18,7 @@ from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.batching import Unit
 from sftjob_trainer.data import Example
 from sftjob_trainer.distributed import DistContext
+from sftjob_trainer.evaluation import fingerprint
 
 _PATH_ADVICE = "give every node the same files (a shared volume, not a copy per node)"
 _HUB_ADVICE = (
@@ -27,19 +28,30 @@ _HUB_ADVICE = (
 
 @dataclass(frozen=True)
 class DataCounts:
-    """What one rank read: rows, training units (packed rows or examples), their tokens, held-out examples."""
+    """What one rank read: rows, training units (packed rows or examples), their tokens, held-out examples,
+    their target tokens and a digest of them (:func:`evaluation.fingerprint`'s, 52 bits: exact as a float).
+    Ranks whose held-out examples differ, even in number alike, would build evaluation batches of their own
+    and wait in each other's collectives; the same examples make the same evaluation units on every rank."""
 
     rows: int
     units: int
     tokens: int
     held_out: int
+    held_out_targets: int = 0
+    held_out_digest: int = 0
 
     @classmethod
     def of(cls, rows: int, units: Sequence[Unit], held: Sequence[Example]) -> DataCounts:
-        return cls(rows, len(units), sum(sum(u.lengths) for u in units), len(held))
+        evaluated = fingerprint(list(held))
+        digest = int(evaluated["digest"][:13], 16)
+        tokens = sum(sum(u.lengths) for u in units)
+        return cls(rows, len(units), tokens, len(held), evaluated["targets"], digest)
 
     def __str__(self) -> str:
-        return f"{self.rows} rows ({self.units} units, {self.tokens} tokens, {self.held_out} held out)"
+        return (
+            f"{self.rows} rows ({self.units} units, {self.tokens} tokens, {self.held_out} held out with"
+            f" {self.held_out_targets} target tokens, digest {self.held_out_digest:013x})"
+        )
 
 
 def check_same_data(ctx: DistContext, counts: DataCounts, dataset: DatasetSource) -> None:

@@ -1,9 +1,12 @@
 """Where SFT rows come from: JSON Lines, JSON array and Parquet files, dataset folders, hub datasets.
 
-A folder is read like the datasets library reads a hub snapshot: only the files of ``dataset.split``
-when file or folder names carry split names (``data/train-00000-of-00001.parquet`` beside
-``data/test-...``), every file when none does. Text is decoded strictly: a JSON Lines line that is not
-UTF-8 or not JSON comes through as a :class:`BadRow`, counted with the other malformed rows.
+A folder is read like the datasets library reads a hub snapshot (its ``data_files`` rules, followed here
+in order): hidden files and folders, folders starting with ``__`` and the library's metadata files are
+skipped; files named ``data/{split}-00000-of-00001...`` give the splits' exact names; otherwise split names
+in folder names, then in file names (``train.jsonl``, ``validation/part-0.json``); every file when no
+name carries one. Text is decoded strictly: a JSON Lines line that is not UTF-8 or not JSON comes through
+as a :class:`BadRow`, counted with the other malformed rows. A row's location is its file's path in the
+dataset folder and its line or row number, from 1.
 """
 
 from __future__ import annotations
@@ -24,14 +27,19 @@ from sftjob_trainer.failures import load_failure
 log = logging.getLogger(__name__)
 
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-# Split names in file and folder names, as the datasets library reads the files of a hub snapshot:
-# ``data/train-00000-of-00001.parquet``, ``test.jsonl``, ``validation/part-0.json``.
+# How the datasets library (datasets/data_files.py) finds a folder's splits. First the hub's sharded names,
+# whose split part is the split's exact name: ``data/train_sft-00000-of-00003-abc.parquet``.
+_SHARDED = re.compile(r"data/(?P<split>[^/]+)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
+# Then these words, between separators (``_`` is one: ``train_1.jsonl`` is of split train), in a folder's
+# name (``validation/part-0.json``) or, when no folder name has one, in a file's (``test.jsonl``).
 SPLIT_NAMES = {
     "train": ("train", "training"),
     "validation": ("validation", "valid", "val", "dev"),
     "test": ("test", "testing", "eval", "evaluation"),
 }
 _SPLIT_SEPARATOR = r"[-._ 0-9]"
+# Files the datasets library never reads as data (those a dataset folder could hold as .json).
+_NOT_DATA = frozenset({"config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json"})
 _SHOWN_FILES = 20
 _UTF8_BOM = b"\xef\xbb\xbf"
 _JSON_CHUNK_BYTES = 1 << 20  # what a JSON array file is read in
@@ -52,17 +60,19 @@ def read_rows(source: DatasetSource) -> Iterator[tuple[str, Any]]:
 
 
 def _read_path(path: Path, split: str) -> Iterator[tuple[str, Any]]:
-    return _read_files(files_of(path, split))
+    return _read_files(files_of(path, split), path if path.is_dir() else path.parent)
 
 
 def files_of(path: Path, split: str, field: str = "dataset.split") -> list[Path]:
     """The data files ``dataset.path`` holds for ``split`` (the spec's ``field``): the file itself, or the
     folder's files of it."""
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file())
+        files = sorted(p for p in path.rglob("*") if _is_data(p.relative_to(path)) and p.is_file())
         if not files:
             raise TrainerError(
-                ExitCode.DATA_ERROR, f"dataset folder {path} has no .jsonl/.json/.parquet files"
+                ExitCode.DATA_ERROR,
+                f"dataset folder {path} has no .jsonl/.json/.parquet files (hidden files and folders, and"
+                " folders starting with __, are skipped)",
             )
         files = split_files(path, files, split, field)
     elif path.is_file():
@@ -74,20 +84,34 @@ def files_of(path: Path, split: str, field: str = "dataset.split") -> list[Path]
     return files
 
 
+def _is_data(relative: Path) -> bool:
+    """Whether the datasets library would read the file at ``relative`` in a dataset folder: a data suffix,
+    not hidden nor in a hidden folder (``.ipynb_checkpoints/``), nor in a folder starting with ``__``
+    (``__MACOSX/``), nor one of its metadata files."""
+    *folders, name = relative.parts
+    return (
+        relative.suffix in DATA_SUFFIXES
+        and name not in _NOT_DATA
+        and not any(part.startswith(".") for part in relative.parts)
+        and not any(part.startswith("__") for part in folders)
+    )
+
+
 def split_files(folder: Path, files: list[Path], split: str, field: str = "dataset.split") -> list[Path]:
-    """The files of ``split`` in a dataset folder, named as the datasets library expects (a split name in
-    the file's name or in a folder's, between separators); all of them when none names any split."""
+    """The files of ``split`` in a dataset folder, found as the datasets library finds them
+    (:func:`folder_splits`); all of them when no name carries a split."""
     names = [p.relative_to(folder).as_posix() for p in files]
-    known = {name for names_of in SPLIT_NAMES.values() for name in names_of} | {split}
-    if not any(_names_split(name, known) for name in names):
+    splits = folder_splits(names, split)
+    if splits is None:
         chosen = names
     else:
-        chosen = [name for name in names if _names_split(name, set(SPLIT_NAMES.get(split, (split,))))]
+        chosen = splits.get(split, [])
         if not chosen:
+            found = "; ".join(f"{name} ({_shown(of)})" for name, of in splits.items())
             raise TrainerError(
                 ExitCode.DATA_ERROR,
-                f"dataset folder {folder} names splits in its files but none is split {split!r}"
-                f" ({field}): {_shown(names)}",
+                f"dataset folder {folder} names splits in its files but none is split {split!r} ({field});"
+                f" the splits it has: {found}",
             )
     log.info(
         "dataset folder %s, split %s: reading %d file(s): %s", folder, split, len(chosen), _shown(chosen)
@@ -95,10 +119,39 @@ def split_files(folder: Path, files: list[Path], split: str, field: str = "datas
     return [folder / name for name in chosen]
 
 
-def _names_split(relative: str, splits: set[str]) -> bool:
-    words = "|".join(re.escape(s) for s in sorted(splits))
-    pattern = rf"(?:^|{_SPLIT_SEPARATOR}|/)(?:{words})(?:{_SPLIT_SEPARATOR}|/)"
-    return re.search(pattern, relative, flags=re.IGNORECASE) is not None
+def folder_splits(names: list[str], split: str) -> dict[str, list[str]] | None:
+    """The splits of a dataset folder's files (paths relative to it) and the files of each, in the order of
+    the datasets library's rules; None when no name carries a split. ``split``, the one asked for, is a
+    word of its own when it is no key of :data:`SPLIT_NAMES` (``val`` reads the files that name ``val``)."""
+    sharded: dict[str, list[str]] = {}
+    for name in names:
+        if match := _SHARDED.fullmatch(name):
+            sharded.setdefault(match["split"], []).append(name)
+    if sharded:
+        return sharded
+    words = dict(SPLIT_NAMES)
+    words.setdefault(split, (split,))
+    for where in (_in_folder_name, _in_file_name):
+        found = {s: [n for n in names if where(n, of)] for s, of in words.items()}
+        found = {s: of for s, of in found.items() if of}
+        if found:
+            return found
+    return None
+
+
+def _in_folder_name(relative: str, words: tuple[str, ...]) -> bool:
+    *folders, _ = relative.split("/")
+    pattern = _word_pattern(words, rf"(?:{_SPLIT_SEPARATOR}.*)?")
+    return any(pattern.fullmatch(part) for part in folders)
+
+
+def _in_file_name(relative: str, words: tuple[str, ...]) -> bool:
+    return _word_pattern(words, rf"{_SPLIT_SEPARATOR}.*").fullmatch(relative.rsplit("/", 1)[-1]) is not None
+
+
+def _word_pattern(words: tuple[str, ...], after: str) -> re.Pattern[str]:
+    alternatives = "|".join(re.escape(w) for w in sorted(words))
+    return re.compile(rf"(?:.*{_SPLIT_SEPARATOR})?(?:{alternatives}){after}", flags=re.IGNORECASE)
 
 
 def _shown(names: list[str]) -> str:
@@ -106,15 +159,17 @@ def _shown(names: list[str]) -> str:
     return ", ".join(names[:_SHOWN_FILES]) + (f" and {more} more" if more > 0 else "")
 
 
-def _read_files(files: list[Path]) -> Iterator[tuple[str, Any]]:
+def _read_files(files: list[Path], root: Path) -> Iterator[tuple[str, Any]]:
+    """The rows of ``files``, each located by its file's path relative to ``root`` (the dataset folder)."""
     for file in files:
+        name = file.relative_to(root).as_posix()
         try:
             if DATA_SUFFIXES[file.suffix] == "parquet":
-                yield from _read_parquet(file)
+                yield from _read_parquet(file, name)
             elif file.suffix == ".json" and _starts_with(file, b"["):
-                yield from _read_json_array(file)
+                yield from _read_json_array(file, name)
             else:
-                yield from _read_jsonl(file)
+                yield from _read_jsonl(file, name)
         except OSError as exc:
             unreadable = TrainerError(ExitCode.DATA_ERROR, f"dataset file {file} is unreadable: {exc}")
             raise load_failure(exc, f"dataset file {file}") or unreadable from exc  # a failing disk: retried
@@ -126,12 +181,12 @@ def _starts_with(file: Path, char: bytes) -> bool:
     return head.startswith(char)
 
 
-def _read_jsonl(file: Path) -> Iterator[tuple[str, Any]]:
+def _read_jsonl(file: Path, name: str) -> Iterator[tuple[str, Any]]:
     """JSON Lines, each line decoded as UTF-8 on its own: a line that is not is a bad row, not a
     replacement character in the training text."""
     with file.open("rb") as fh:
         for number, raw in enumerate(fh, start=1):
-            where = f"{file.name}:{number}"
+            where = f"{name}:{number}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -147,12 +202,12 @@ def _read_jsonl(file: Path) -> Iterator[tuple[str, Any]]:
                 yield where, BadRow(f"not valid JSON ({exc.msg})")
 
 
-def _read_json_array(file: Path) -> Iterator[tuple[str, Any]]:
+def _read_json_array(file: Path, name: str) -> Iterator[tuple[str, Any]]:
     """A ``.json`` file holding one JSON array of rows (the layout of alpaca_data.json), decoded a row at a
     time: ``json.loads`` of the whole file takes 4 to 6 times its size, in every training process."""
     with file.open("rb") as fh:
         for number, row in enumerate(_JsonArray(fh, file).rows(), start=1):
-            yield f"{file.name}[{number}]", row
+            yield f"{name}[{number}]", row
 
 
 class _JsonArray:
@@ -248,7 +303,7 @@ class _JsonArray:
         )
 
 
-def _read_parquet(file: Path) -> Iterator[tuple[str, Any]]:
+def _read_parquet(file: Path, name: str) -> Iterator[tuple[str, Any]]:
     pa = importlib.import_module("pyarrow")
     pq = importlib.import_module("pyarrow.parquet")
 
@@ -258,7 +313,7 @@ def _read_parquet(file: Path) -> Iterator[tuple[str, Any]]:
         for batch in batches:
             for row in batch.to_pylist():
                 number += 1
-                yield f"{file.name}:row {number}", row
+                yield f"{name}:row {number}", row
     except pa.ArrowException as exc:
         raise TrainerError(
             ExitCode.DATA_ERROR, f"dataset file {file} is not readable Parquet: {exc}"
@@ -276,5 +331,5 @@ def _read_hub(source: DatasetSource) -> Iterator[tuple[str, Any]]:
     except Exception as exc:
         unusable = TrainerError(ExitCode.DATA_ERROR, f"could not load {what}: {exc}")
         raise load_failure(exc, what) or unusable from exc
-    for number, row in enumerate(dataset):
+    for number, row in enumerate(dataset, start=1):  # from 1, like a file's lines and rows
         yield f"{source.name}[{number}]", row
