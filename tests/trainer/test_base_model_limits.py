@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sftjob.config import LoraSettings, TrainingSettings
-from sftjob_trainer.data import ensure_chat_template
+from sftjob_trainer.chat import ensure_chat_template
 from sftjob_trainer.model import check_positions, prepare_for_training
 from sftjob_trainer.output import save_output
 from sftjob_trainer.tiny import make_tokenizer, tiny_llama

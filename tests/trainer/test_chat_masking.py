@@ -15,16 +15,8 @@ from typing import Any
 import pytest
 
 from sftjob.config import DatasetSource
-from sftjob_trainer.data import (
-    CHAT_TEMPLATE_DATE,
-    IGNORE_INDEX,
-    BadRow,
-    DataStats,
-    chat_segments,
-    ensure_chat_template,
-    load_examples,
-    tokenize_row,
-)
+from sftjob_trainer.chat import CHAT_TEMPLATE_DATE, chat_segments, ensure_chat_template
+from sftjob_trainer.data import IGNORE_INDEX, BadRow, DataStats, load_examples, tokenize_row
 from sftjob_trainer.evaluation import fingerprint
 from sftjob_trainer.tiny import make_tokenizer
 

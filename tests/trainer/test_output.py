@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from sftjob.config import JobRef, LoraSettings, ModelSource, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import output, ownership
+from sftjob_trainer.chat import ensure_chat_template
 from sftjob_trainer.checkpoints import checkpoint_dirs
-from sftjob_trainer.data import ensure_chat_template
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.failures import classify
 from sftjob_trainer.model import prepare_for_training

@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 
 from sftjob.config import JobRef, TrainerConfig
 from sftjob_trainer import ownership, strict_json
-from sftjob_trainer.data import answer_end_token
+from sftjob_trainer.chat import answer_end_token
 from sftjob_trainer.distributed import DistContext, shards, unwrap
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir
 from sftjob_trainer.failures import os_error, storage_failure
