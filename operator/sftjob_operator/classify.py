@@ -37,6 +37,14 @@ GPU_ADMISSION_REASONS = frozenset({"UnexpectedAdmissionError", "OutOfnvidia.com/
 # DisruptionTarget reasons that mean the node went away rather than someone asking the pod to leave.
 NODE_GONE_DISRUPTIONS = frozenset({"DeletionByTaintManager", "DeletionByPodGC"})
 
+# Kueue's stops that are no preemption (its TerminationTarget reasons, jobframework's StopReason, and
+# "WorkloadEvictedDueTo" + the Workload's eviction reason for a pod group): the attempt failed, and a new
+# attempt at once would only be stopped again (a free restart would also reset Kueue's own requeue backoff).
+KUEUE_FAILURES = {
+    "WorkloadEvictedDueToPodsReadyTimeout": "its pods were not all running within Kueue's waitForPodsReady"
+    " timeout (a rank Pending for GPUs, or a long image pull)",
+    "NoMatchingWorkload": "Kueue found no Workload matching the pods",
+}
 # Pod reasons that mean the kubelet stopped the pod (node shutdown, node affinity or preemption at admission).
 STOP_REASONS = frozenset({"Terminated", "Shutdown", "NodeAffinity", "Preempting"})
 # What a trainer says while its pod is being stopped: its SIGTERM code, or the broken collectives of ranks
@@ -284,6 +292,13 @@ def _classify_ended(
     # Kueue marks the pods it stops (preemption, eviction) TerminationTarget, not DisruptionTarget.
     disruption = _condition(status, "DisruptionTarget")
     kueue = _condition(status, "TerminationTarget")
+    if kueue and kueue.get("status") == "True" and kueue.get("reason") in KUEUE_FAILURES:
+        tagged = read_message((terminated or {}).get("message") or "").exit_code
+        own = tagged if tagged in TRAINER_FAILURE_CODES else None
+        if own is None or EXIT_CODE_CLASS[own] in STOPPING_SYMPTOMS:  # else the trainer's own failure decides
+            why = f"stopped by Kueue ({kueue.get('reason')}: {kueue.get('message')})"
+            return _failed(FailureClass.UNKNOWN, own, f"{why}: {KUEUE_FAILURES[kueue['reason']]}", node_name)
+        kueue = None
     if (disruption is None or disruption.get("status") != "True") and kueue and kueue.get("status") == "True":
         disruption = {**kueue, "reason": f"stopped by Kueue ({kueue.get('reason')}: {kueue.get('message')})"}
     disruption_reason = (

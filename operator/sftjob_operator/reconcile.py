@@ -251,6 +251,9 @@ class _Pass(JobPass):
             # Where it ran, even when no pass saw it running: the OOM ladder steps down that card.
             _, _, landed = self.landed(spec, attempt_plans, record)
             return self.attempt_over(spec, plans, landed, outcome)
+        first = len(self.status.attempts) == 1 and self.status.start_time == record.start_time
+        if first and observe.gated_message(self.current) is not None:  # Kueue queued it without queueName
+            self.update(start_time=None)  # (a default LocalQueue): its clock too starts at the admission
         if self.deadline_passed(spec):
             return self.deadline_exceeded(spec)
         age = self.now - record.start_time if record.start_time else POD_INDEX_SETTLE

@@ -98,6 +98,24 @@ def test_a_pod_kueue_stopped_ends_the_attempt_as_preempted_not_as_a_failure_of_t
     assert "stopped by Kueue (WorkloadEvicted: Preempted to accommodate a workload" in verdict.message
 
 
+def test_a_pod_group_kueue_evicted_for_its_pods_ready_timeout_is_a_failure_that_backs_off() -> None:
+    from sftjob.failures import FailureClass
+    from sftjob_operator.classify import classify_pod
+
+    timed_out = {
+        "type": "TerminationTarget",
+        "status": "True",
+        "reason": "WorkloadEvictedDueToPodsReadyTimeout",
+        "message": "Exceeded the PodsReady timeout default/job-1",
+    }
+    sigterm = {"name": "trainer", "state": {"terminated": {"exitCode": 143, "reason": "Error"}}}
+    stopped = pod(phase="Failed", status={"conditions": [timed_out], "containerStatuses": [sigterm]})
+    stopped["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"  # Kueue deletes what it stops
+    verdict = classify_pod(observe.trim_pod(stopped), {"metadata": {"name": "l40s-0"}}, now=NOW)
+    assert verdict.failure_class == FailureClass.UNKNOWN
+    assert "waitForPodsReady" in verdict.message and "PodsReadyTimeout" in verdict.message
+
+
 def test_pods_deleted_before_kueue_admitted_them_lose_kueues_finalizer_and_no_other_pod_does() -> None:
     from sftjob_operator.pod_lifecycle import held_by_kueue
 
@@ -128,6 +146,19 @@ def test_a_queue_kueue_does_not_manage_the_pods_of_is_said_to_have_no_effect() -
     managed["metadata"]["labels"][observe.KUEUE_MANAGED] = "true"  # type: ignore[index]
     admitted = reconcile(then(obs, first, pods=[managed]), CTX)
     assert "no effect" not in next(x for x in admitted.status.conditions if x.type == "Scheduled").message
+
+
+def test_the_deadline_of_a_job_kueue_queues_without_a_queue_name_counts_from_the_admission_too() -> None:
+    from datetime import timedelta
+
+    obs = observed(spec={**SPEC, "activeDeadlineSeconds": 600})  # a namespace with a default LocalQueue
+    first = reconcile(obs, CTX)
+    waited = reconcile(then(obs, first, pods=[_gated()], now=NOW + timedelta(hours=2)), CTX)
+    assert waited.status.phase == "Pending" and waited.status.start_time is None
+    running = {"name": "trainer", "state": {"running": {"startedAt": "2026-01-01T14:00:00Z"}}}
+    admitted = pod(status={"containerStatuses": [running]})
+    started = reconcile(then(obs, waited, pods=[admitted], now=NOW + timedelta(hours=2)), CTX)
+    assert started.status.start_time == NOW + timedelta(hours=2) and started.status.phase == "Running"
 
 
 def test_the_deadline_of_a_queued_job_counts_from_kueues_admission_not_from_its_wait() -> None:
