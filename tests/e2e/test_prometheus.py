@@ -142,7 +142,8 @@ def prometheus_config(trainer_port: int, operator_port: int, namespace: str, rul
         "rule_files": [str(rules)],
         "scrape_configs": [
             {
-                "job_name": "sftjob-trainers",
+                # A PodMonitor's job label is "<its namespace>/<its name>" (the training rules match it).
+                "job_name": f"{NAMESPACE}/{RELEASE}-sftjob-operator-trainers",
                 "static_configs": [
                     {
                         "targets": [f"127.0.0.1:{trainer_port}"],

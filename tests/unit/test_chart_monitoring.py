@@ -233,3 +233,76 @@ def test_a_ratio_threshold_outside_its_range_is_refused_naming_it(setting: str) 
     sets = ("alerts.enabled=true", *BOTH_MONITORS, f"alerts.thresholds.{setting}")
     result = helm(*template_args(sets=sets), check=False)
     assert result.returncode != 0 and f"/alerts/thresholds/{setting.split('=')[0]}" in result.stderr
+
+
+# The trainer's buckets (sftjob_trainer.metrics.SAVE_BUCKETS), and +Inf.
+SAVE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, float("inf"))
+
+
+def saves_histogram(saves: dict[int, float], minutes: int) -> dict[str, list[float]]:
+    """A save-time histogram's series (``_bucket`` per bound, ``_sum``, ``_count``) sampled once a minute,
+    each save of ``saves`` (minute: seconds it took) observed at its minute."""
+    series: dict[str, list[float]] = {}
+    for minute in range(minutes + 1):
+        done = [seconds for at, seconds in saves.items() if at <= minute]
+        for bound in SAVE_BUCKETS:
+            le = "+Inf" if bound == float("inf") else str(bound)
+            series.setdefault(f'_bucket{{le="{le}"}}', []).append(sum(1 for s in done if s <= bound))
+        series.setdefault("_sum", []).append(sum(done))
+        series.setdefault("_count", []).append(len(done))
+    return series
+
+
+def test_the_save_time_panel_counts_the_saves_of_the_time_range_not_a_rate_over_a_few_scrapes(
+    tmp_path: Path,
+) -> None:
+    # Saves are minutes apart (30 by default): a rate over $__rate_interval (a few scrapes) holds none of
+    # them almost always. The panel counts those of the dashboard's range, evaluated here by promtool.
+    exprs = queries("training-job.json")["Checkpoint save time (saves in the time range)"]
+    assert all("[$__range]" in e and "$__rate_interval" not in e and "rate(" not in e for e in exprs)
+    panel = next(p for p in load_dashboards()["training-job.json"]["panels"] if p.get("id") == 25)
+    assert panel["type"] == "stat" and all(t["instant"] for t in panel["targets"])
+    # This job's saves at 10m (before the 100-minute range), 30m, 60m and 90m; another job's in the same
+    # namespace much slower. At 120m the range holds 100 s, 200 s and 1500 s: mean 600 s; p95 interpolated
+    # in the 600-1800 s bucket at rank 2.85 of 3: 600 + 1200 * 0.85 = 1620 s.
+    name = "sftjob_train_checkpoint_save_duration_seconds"
+    inputs = []
+    for job, saves in (("j", {10: 5000, 30: 100, 60: 200, 90: 1500}), ("other", {20: 9000, 50: 9000})):
+        for suffix, values in saves_histogram(saves, 120).items():
+            labels = f'namespace="n",sftjob="{job}",pod="{job}-1-0"'
+            series = (
+                f"{name}{suffix[:-1]},{labels}}}" if suffix.endswith("}") else f"{name}{suffix}{{{labels}}}"
+            )
+            inputs.append({"series": series, "values": " ".join(str(v) for v in values)})
+
+    def resolved(expr: str, window: str) -> str:
+        grafana = expr.replace("$__range", window).replace("$namespace", "n").replace("$sftjob", "j")
+        return f"round(({grafana}))"  # to the second: promtool compares exactly, interpolation is not exact
+
+    def expect(window: str, values: tuple[float | None, ...]) -> list[dict[str, Any]]:
+        return [
+            {
+                "expr": resolved(expr, window),
+                "eval_time": "120m",
+                "exp_samples": [] if value is None else [{"labels": "{}", "value": value}],
+            }
+            for expr, value in zip(exprs, values, strict=True)
+        ]
+
+    test = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": inputs,
+                # mean, p95, saves: three saves in the last 100 minutes, none in the last 20.
+                "promql_expr_test": expect("100m", (600, 1620, 3)) + expect("20m", (None, None, 0)),
+            }
+        ],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,16 +1,24 @@
 """The training alerts (SFTJobCheckpointTooOld, SFTJobTrainingStalled, SFTJobTrackerFailing) over made-up
 series of one job's rank-0 trainer: when they fire and when they stay quiet (a resume, a setup, an
-evaluation, early stopping, a tracker that works)."""
+evaluation, a long checkpoint save, early stopping, a tracker that works). All five training alerts count
+only the trainers this release's PodMonitor scrapes, not another release's."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import promrules
+import yaml
+from helmchart import NAMESPACE, RELEASE, helm, one, template_args
 from promrules import quiet
 
-JOB_LABELS = 'sftjob="j",namespace="n",pod="j-2-0",gpu="a800"'
+# The Prometheus Operator labels the targets of a PodMonitor without jobLabel with
+# job="<its namespace>/<its name>": here the chart's "<fullname>-trainers" in the release's namespace.
+TRAINERS = f"{NAMESPACE}/{RELEASE}-sftjob-operator-trainers"
+JOB_LABELS = f'job="{TRAINERS}",sftjob="j",namespace="n",pod="j-2-0",gpu="a800"'
+LABELS = {"job": TRAINERS, "sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800"}
 
 
 def run(tmp_path: Path, series: dict[str, str], checks: list[dict[str, Any]]) -> None:
@@ -19,8 +27,7 @@ def run(tmp_path: Path, series: dict[str, str], checks: list[dict[str, Any]]) ->
 
 def fires(minute: int, alert: str, description: str) -> dict[str, Any]:
     """``alert`` fires at ``minute`` for the job's series, saying ``description``."""
-    labels = {"sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800"}
-    return promrules.fires(minute, alert, labels, description)
+    return promrules.fires(minute, alert, LABELS, description)
 
 
 CHECKPOINT = "SFTJobCheckpointTooOld"
@@ -136,6 +143,28 @@ def test_the_checkpoint_saved_right_after_a_long_evaluation_is_not_alerted_as_st
     run(tmp_path, series, [quiet(minute, STALLED) for minute in (72, 73, 74, 75, 90, 105)])
 
 
+def test_a_long_checkpoint_save_is_not_alerted_as_stalled_but_a_hang_after_it_is(tmp_path: Path) -> None:
+    # The last step (40) at 40m, then a checkpoint save to slow storage from 41m to 71m (twice
+    # stalledMinutes), then back to training but nothing: a stall from the save's end on, alerted
+    # stalledMinutes later.
+    series = {
+        "sftjob_train_step": "0+1x40 40x60",
+        "sftjob_train_total_steps": "1000x100",
+        "sftjob_train_attempt_start_timestamp_seconds": "60x100",
+        'sftjob_train_phase{phase="training"}': "1x40 0x30 1x30",
+        'sftjob_train_phase{phase="saving"}': "0x40 1x30 0x30",
+    }
+    checks = [
+        quiet(56, STALLED),
+        quiet(65, STALLED),
+        quiet(71, STALLED),
+        quiet(80, STALLED),
+        quiet(86, STALLED),
+        fires(87, STALLED, "n/j has been at step 40 for 15 minutes."),
+    ]
+    run(tmp_path, series, checks)
+
+
 def test_a_job_stopped_early_is_not_alerted_as_stalled_while_it_writes_its_output(tmp_path: Path) -> None:
     # Step 40 at 40m, its evaluation (41m to 51m) finds no improvement: the checkpoint is saved until 60m,
     # then early stopping makes step 40 the total and the output is written until 100m.
@@ -180,11 +209,86 @@ def test_a_dropped_tracker_is_alerted_until_its_attempts_series_ends_and_not_dur
         " and was dropped (its trainer log says why); training goes on, but that run gets nothing more from"
         " this attempt."
     )
-    labels = {"sftjob": "j", "namespace": "n", "pod": "j-2-0", "gpu": "a800", "tracker": "wandb"}
+    labels = LABELS | {"tracker": "wandb"}
     checks = [
         quiet(2, TRACKER),  # setting up: no tracker started yet
         quiet(5, TRACKER),
         promrules.fires(8, TRACKER, labels, dropped),
         quiet(23, TRACKER),  # attempt 2's series went stale with its pod, attempt 3 logs
     ]
-    promrules.promtool_test(tmp_path, series, 'sftjob="j",namespace="n",gpu="a800"', checks)
+    promrules.promtool_test(tmp_path, series, f'job="{TRAINERS}",sftjob="j",namespace="n",gpu="a800"', checks)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One release per team: each release's training rules see only the trainers its own PodMonitor scrapes.
+
+
+def test_the_training_rules_match_the_job_label_of_their_releases_pod_monitor_in_every_selector() -> None:
+    # Another release name and namespace than the other tests' (fixed) ones: the label follows both.
+    sets = ("alerts.enabled=true", "metrics.podMonitor.enabled=true")
+    out = helm(*template_args(sets=sets, namespace="team-b", release="other")).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    monitor = one(docs, "PodMonitor")
+    assert "jobLabel" not in monitor["spec"]  # else the targets' job label is a pod label's value
+    job = f'job="{monitor["metadata"]["namespace"]}/{monitor["metadata"]["name"]}"'
+    assert job == 'job="team-b/other-sftjob-operator-trainers"'
+    (group,) = one(docs, "PrometheusRule")["spec"]["groups"]
+    assert len(group["rules"]) == 5
+    for rule in group["rules"]:
+        selectors = re.findall(r"\b(sftjob_\w+)(\{[^}]*\})?", rule["expr"])
+        assert selectors, rule["alert"]
+        assert all(job in selector for _, selector in selectors), (rule["alert"], rule["expr"])
+
+
+OTHER_TRAINER = 'job="team-b/other-sftjob-operator-trainers",sftjob="j",namespace="team-b",pod="j-1-0"'
+
+
+def both_releases(series: dict[str, str]) -> dict[str, str]:
+    """Each of ``series`` (a name, labels of its own allowed: its samples) from two trainers: this
+    release's and one that another team's release scrapes (its own PodMonitor, namespace and job)."""
+    ours = JOB_LABELS.removesuffix(',gpu="a800"')
+    return {
+        f"{name[:-1]},{trainer}}}" if name.endswith("}") else f"{name}{{{trainer}}}": values
+        for name, values in series.items()
+        for trainer in (ours, OTHER_TRAINER)
+    }
+
+
+def test_another_releases_trainers_are_not_alerted_by_this_release_but_its_own_are(tmp_path: Path) -> None:
+    # Both teams' trainers go wrong the same way at once: a stall from 40m, no checkpoint ever, throughput
+    # down to a tenth from 90m, 99% of GPU memory reserved, a dropped tracker. Each alert fires once, for
+    # this release's trainer only.
+    series = both_releases(
+        {
+            "sftjob_train_step": "0+1x40 40x140",
+            "sftjob_train_total_steps": "1000x180",
+            "sftjob_train_attempt_start_timestamp_seconds": "60x180",
+            "sftjob_train_last_checkpoint_timestamp_seconds": "0x180",
+            "sftjob_train_checkpoint_interval_seconds": "0x180",
+            "sftjob_train_tokens_per_second": "1000x90 100x90",
+            "sftjob_train_gpu_memory_reserved_bytes": "99x180",
+            "sftjob_train_gpu_memory_total_bytes": "100x180",
+            'sftjob_train_tracking_active{tracker="wandb"}': "0x180",
+        }
+    )
+    dropped = (
+        "n/j is not logging to its wandb tracker: it failed to start, or failed to log three times in a row,"
+        " and was dropped (its trainer log says why); training goes on, but that run gets nothing more from"
+        " this attempt."
+    )
+    checks = [
+        fires(56, STALLED, "n/j has been at step 40 for 15 minutes."),
+        fires(120, CHECKPOINT, trained_without_checkpoint("1h 59m 0s")),
+        fires(
+            130,
+            "SFTJobThroughputDropped",
+            "n/j trains at 100 tokens/s, less than 0.5 of its own rate an hour earlier.",
+        ),
+        fires(
+            20,
+            "SFTJobGPUMemoryNearlyFull",
+            "n/j has 99% of GPU memory reserved; a longer batch may hit CUDA OOM.",
+        ),
+        promrules.fires(5, TRACKER, LABELS | {"tracker": "wandb"}, dropped),
+    ]
+    promrules.promtool_test(tmp_path, series, 'gpu="a800"', checks)
