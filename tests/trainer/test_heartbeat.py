@@ -27,8 +27,10 @@ from sftjob_trainer.heartbeat import (
     DownloadHeartbeat,
     busy,
     downloads,
+    folder_bytes,
     hub_folders,
     io_seconds,
+    weights_seconds,
 )
 from sftjob_trainer.metrics import Phase, TrainerMetrics
 from sftjob_trainer.observer import Observer
@@ -267,6 +269,100 @@ def test_saves_restores_and_the_output_of_a_run_are_reported_while_they_run(
         "saving the checkpoint of step 2",
         "writing the output",
     } <= phases
+
+
+def test_a_slow_read_of_the_base_weights_from_a_local_folder_keeps_reporting_progress(
+    trainer_config: MakeConfig, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    recorder = Recorder()
+    monkeypatch.setattr(observer_module, "ProgressReporter", lambda settings: recorder)
+    monkeypatch.setattr(heartbeat, "PROGRESS_REPORT_INTERVAL_SECONDS", INTERVAL)
+    # Reading a 70B model from NFS: minutes in which no file grows.
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", _slow(AutoModelForCausalLM.from_pretrained))
+    config = trainer_config(training={"maxSteps": 1})
+    assert run(str(config)) == ExitCode.OK
+    phases = [record["phase"] for record in recorder.records if "phase" in record]
+    setup = phases[: phases.index("starting") + 1]
+    reading = f"loading the weights of {tiny_model}"
+    assert setup[0] == "data ready" and setup[-2:] == ["model loaded", "starting"]
+    assert set(setup[1:-2]) == {reading} and len(setup) >= 5
+    assert all(r["step"] == 0 and r["totalSteps"] == 1 for r in recorder.records if r.get("phase") == reading)
+
+
+def _weights_config(tmp_path: Path, model: dict[str, str]) -> TrainerConfig:
+    return _config(tmp_path, model, {"path": str(tmp_path / "data.jsonl")})
+
+
+def _beats(recorder: Recorder, doing: str) -> int:
+    return sum(record.get("phase") == doing for record in recorder.records)
+
+
+def test_a_read_of_local_weights_reports_for_a_bound_from_their_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(bytes(3_000_000))
+    (model / "config.json").write_text("{}")
+    size = 3_000_002
+    assert folder_bytes(model) == size
+    recorder = Recorder()
+    observer = _observer(tmp_path, recorder, monkeypatch)
+    config = _weights_config(tmp_path, {"path": str(model)})
+    clock, doing = Clock(), f"loading the weights of {model}"
+    metrics = observer.metrics
+    with downloads(
+        config, Phase.LOADING_MODEL, metrics, observer, tmp_path / "hub", INTERVAL, weights=True, clock=clock
+    ):
+        _wait_until(lambda: _beats(recorder, doing) >= 2)
+        clock.now = weights_seconds(size) - 1
+        sent = _beats(recorder, doing)
+        _wait_until(lambda: _beats(recorder, doing) > sent)  # still inside the bound
+        clock.now = weights_seconds(size)  # the read hangs past it
+        time.sleep(5 * INTERVAL)
+        sent = _beats(recorder, doing)
+        time.sleep(10 * INTERVAL)
+        assert _beats(recorder, doing) == sent
+    assert weights_seconds(140 * 10**9) == pytest.approx(BUSY_BASE_SECONDS + 1304, abs=1)  # a 70B in bf16
+
+
+def test_the_read_after_a_download_is_reported_for_its_bound_from_the_last_growth_of_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = Recorder()
+    observer = _observer(tmp_path, recorder, monkeypatch)
+    config = _weights_config(tmp_path, {"name": "org/model"})
+    blobs = tmp_path / "hub" / "models--org--model" / "blobs"
+    blobs.mkdir(parents=True)
+    clock, doing = Clock(), "loading the weights of org/model"
+    with downloads(
+        config,
+        Phase.RESTORING,
+        observer.metrics,
+        observer,
+        tmp_path / "hub",
+        INTERVAL,
+        weights=True,
+        clock=clock,
+    ):
+        clock.now = 5000.0  # a long download, all of it reported as growth
+        _grow(blobs / "abc.incomplete", 1_000_000)
+        _wait_until(lambda: any("downloadedBytes" in record for record in recorder.records))
+        sent = _beats(recorder, doing)
+        _wait_until(lambda: _beats(recorder, doing) > sent)  # the read that follows: its own bound
+        clock.now = 5000.0 + weights_seconds(1_000_000)
+        time.sleep(5 * INTERVAL)
+        sent = _beats(recorder, doing)
+        time.sleep(10 * INTERVAL)
+        assert _beats(recorder, doing) == sent
+
+
+def test_other_ranks_report_no_read_of_the_weights(tmp_path: Path) -> None:
+    config = _weights_config(tmp_path, {"path": str(tmp_path / "model")})
+    with downloads(config, Phase.LOADING_MODEL, None, None, tmp_path, INTERVAL, weights=True):
+        assert _heartbeats() == 0
 
 
 def _slow(real: Callable[..., Any]) -> Callable[..., Any]:

@@ -4,6 +4,7 @@ is in progress, each setup phase, the start of training, the checkpoint interval
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import time
@@ -17,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode
-from sftjob_trainer import checkpoints, resume
+from sftjob_trainer import checkpoints, output, resume
 from sftjob_trainer import train as train_module
 from sftjob_trainer.batching import Schedule, StepBatches
 from sftjob_trainer.checkpoints import TrainState
@@ -229,6 +230,65 @@ def test_step_time_leaves_out_the_wait_for_data(
     assert waited is not None and stepped is not None
     assert waited >= steps * delay * 0.9
     assert stepped < waited - steps * delay * 0.5, "the step time holds the wait for data"
+
+
+class Phases:
+    """The phase /metrics said at every call of each wrapped function, in the order of the calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, port: int) -> None:
+        self.monkeypatch, self.port = monkeypatch, port
+        self.seen: list[tuple[str, str]] = []
+
+    def at(self, module: Any, name: str, then: Callable[[int], None] = lambda calls: None) -> None:
+        """Scrape at each call of ``module.name``; ``then(calls so far)`` after the scrape."""
+        real: Callable[..., Any] = getattr(module, name)
+
+        def scraped(*args: Any, **kwargs: Any) -> Any:
+            self.seen.append((name, phase(scrape(self.port))))
+            then(sum(called == name for called, _ in self.seen))
+            return real(*args, **kwargs)
+
+        self.monkeypatch.setattr(module, name, scraped)
+
+
+def test_the_phase_reads_saving_while_a_checkpoint_or_the_output_is_written_and_training_again_after(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = _free_port()
+    config = trainer_config(
+        training={"maxSteps": 3}, checkpoints={"everySteps": 2}, report={"metricsPort": port}
+    )
+    phases = Phases(monkeypatch, port)
+    for module, name in ((train_module, "train_step"), (checkpoints, "save"), (output, "write_model")):
+        phases.at(module, name)
+    assert run(str(config)) == ExitCode.OK
+    assert phases.seen == [
+        ("train_step", "training"),
+        ("train_step", "training"),
+        ("save", "saving"),  # the checkpoint of step 2
+        ("train_step", "training"),
+        ("save", "saving"),  # an adapter's last step
+        ("write_model", "saving"),
+    ]
+
+
+def test_the_phase_reads_saving_while_the_checkpoint_a_sigterm_asked_for_is_written(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = _free_port()
+    config = trainer_config(
+        training={"maxSteps": 6}, checkpoints={"everySteps": 100}, report={"metricsPort": port}
+    )
+    phases = Phases(monkeypatch, port)
+
+    def sigterm_at_the_second(calls: int) -> None:
+        if calls == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the step finishes, then its checkpoint is saved
+
+    phases.at(train_module, "train_step", then=sigterm_at_the_second)
+    phases.at(checkpoints, "save")
+    assert run(str(config)) == ExitCode.PREEMPTED
+    assert phases.seen == [("train_step", "training"), ("train_step", "training"), ("save", "saving")]
 
 
 # ---------------------------------------------------------------------------------------------------

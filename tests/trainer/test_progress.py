@@ -4,6 +4,7 @@ setup phase, so the operator's stall clock (restartPolicy.stallTimeoutSeconds) o
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,14 @@ from sftjob.config import TrainerConfig
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, PROGRESS_REPORT_INTERVAL_SECONDS
 from sftjob.failures import ExitCode
 from sftjob_trainer import observer as observer_module
-from sftjob_trainer.batching import Schedule
-from sftjob_trainer.checkpoints import TrainState
+from sftjob_trainer.batching import Course, Schedule
+from sftjob_trainer.checkpoints import STATE_FILE, TrainState, checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.flops import FlopsModel
 from sftjob_trainer.loop import StepResult
 from sftjob_trainer.metrics import TrainerMetrics
 from sftjob_trainer.observer import Observer
+from sftjob_trainer.resume import expected_course
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, train_log
 
@@ -71,7 +73,11 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
 
 def _observer(
-    tmp_path: Path, clock: Clock, every: int = 10, total: int = 100, evaluation: dict[str, Any] | None = None
+    tmp_path: Path,
+    clock: Clock,
+    every: int = 10,
+    total: int | None = 100,
+    evaluation: dict[str, Any] | None = None,
 ) -> Observer:
     config = TrainerConfig.model_validate(
         {
@@ -222,6 +228,64 @@ def test_a_restart_reports_the_step_it_resumes_from_while_it_loads(
     phases = [(r["phase"], r["step"]) for r in recorder.progress_records if "phase" in r]
     assert phases == [("data ready", 5), ("model loaded", 5), ("resumed", 5)]
     assert recorder.progress_records[2]["loss"] > 0
+
+
+def test_a_resume_after_a_replan_reports_the_total_and_epoch_of_its_course_from_the_first_setup_report(
+    trainer_config: MakeConfig, recorder: Recorder
+) -> None:
+    overrides = {
+        "rows": 256,
+        "training": {"maxSteps": None, "epochs": 1.0, "packingLength": 128},
+        "checkpoints": {"everySteps": 2, "keep": 20},
+    }
+    config = trainer_config("messages", **overrides)
+    assert run(str(config)) == ExitCode.OK
+    settings = json.loads(config.read_text())
+    for step, path in checkpoint_dirs(Path(settings["checkpoints"]["dir"])):
+        if step > 6:  # as if killed at step 6
+            shutil.rmtree(path)
+    settings["training"]["packingLength"] = 64  # an OOM re-plan halved the rows: twice the steps an epoch
+    config.write_text(json.dumps(settings))
+    recorder.progress_records.clear()
+    assert run(str(config)) == ExitCode.OK
+    setup = [r for r in recorder.progress_records if "phase" in r]
+    assert [r["phase"] for r in setup] == ["data ready", "model loaded", "resumed"]
+    summary = json.loads((Path(settings["outputDir"]) / "summary.json").read_text())
+    resumed = setup[-1]
+    assert resumed["totalSteps"] == summary["totalSteps"] and 0 < resumed["epoch"] < 1
+    for record in setup[:2]:
+        assert (record["step"], record["totalSteps"], record["epoch"]) == (
+            6,
+            summary["totalSteps"],
+            resumed["epoch"],
+        )
+
+
+def test_setup_reports_leave_the_total_and_epoch_out_until_the_course_is_known(
+    tmp_path: Path, recorder: Recorder
+) -> None:
+    observer = _observer(tmp_path, Clock(), total=None)  # the newest checkpoint's state did not read
+    observer.phase("data ready", 40)
+    observer.follow(Schedule(1000, 1, 1, 1, 0, offset=10), 90)  # restored: its course
+    observer.phase("resumed", 40)
+    assert recorder.progress_records == [
+        {"step": 40, "phase": "data ready"},
+        {"step": 40, "totalSteps": 90, "epoch": 0.05, "phase": "resumed"},
+    ]
+
+
+def test_the_expected_course_is_unknown_when_the_newest_checkpoints_state_does_not_read(
+    trainer_config: MakeConfig,
+) -> None:
+    config = trainer_config("text", training={"maxSteps": 4}, checkpoints={"everySteps": 2})
+    assert run(str(config)) == ExitCode.OK
+    settings = TrainerConfig.model_validate_json(config.read_text())
+    root = Path(settings.checkpoints.dir)
+    assert expected_course(root, settings.training, 4) == Course.fresh(4)
+    ((_, newest), *_) = checkpoint_dirs(root)
+    (newest / STATE_FILE).write_text("{")  # cut off: the resume skips it
+    assert expected_course(root, settings.training, 4) is None
+    assert expected_course(root / "none-yet", settings.training, 4) == Course.fresh(4)
 
 
 def test_a_run_without_evaluation_exports_no_eval_loss() -> None:

@@ -292,6 +292,52 @@ def test_an_attempt_whose_collective_a_peers_shutdown_broke_after_its_sigterm_en
     assert budgets == [tracking.PREEMPTED_FINISH_SECONDS]
 
 
+class Closing(Recorder):
+    """The progress reporter, knowing whether its last report went out (``close``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("ends", ["completed", "after a peer failed"])
+def test_the_termination_message_and_the_last_progress_report_are_out_before_the_trackers_finish(
+    trainer_config: MakeConfig, termination_log: Path, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    # torchrun gives a rank 30 s to exit once a peer failed: finishing the trackers may take all of it.
+    config = trainer_config("text", training={"maxSteps": 4}, checkpoints={"everySteps": 2})
+    reporter = Closing()
+    seen_at_finish: list[tuple[str | None, bool]] = []  # (the termination message, the reports closed)
+
+    class Watching(Recording):
+        def finish(self, outcome: Outcome) -> None:
+            message = termination_log.read_text() if termination_log.exists() else None
+            seen_at_finish.append((message, reporter.closed))
+            super().finish(outcome)
+
+    def save(*args: Any, **kwargs: Any) -> Path:
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun stops this rank
+        raise RuntimeError("NCCL communicator was aborted on rank 0")  # a peer stopped first
+
+    stub = Watching()
+    monkeypatch.setattr(observer_module, "ProgressReporter", lambda settings: reporter)
+    monkeypatch.setattr(tracking, "configured", lambda settings: [stub])
+    if ends == "completed":
+        assert run(str(config)) == ExitCode.OK
+        expected = "completed 4 steps"
+    else:
+        monkeypatch.setattr(checkpoints, "save", save)
+        assert run(str(config)) == ExitCode.COMMUNICATION_ERROR
+        expected = "NCCL communicator was aborted on rank 0"
+    ((message, closed),) = seen_at_finish
+    assert message is not None and expected in message
+    assert closed
+    assert stub.calls[-1][0] == "finish"
+
+
 def test_no_tracker_is_started_once_a_sigterm_came_before_they_start(
     trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

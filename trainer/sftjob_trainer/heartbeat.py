@@ -11,11 +11,18 @@ file sizes or the clock and hands a record to the reporter: no CUDA, no collecti
 - Downloads (:func:`downloads`): each time the bytes the hub cache (``$HF_HOME/hub``, set by the
   operator) holds for the job's repos grew (their ``blobs`` folders, with the ``.incomplete`` files a
   download grows). A download that hangs stops the reports, so the stall clock still catches it.
-- Checkpoint saves and restores, the best checkpoint's load and the output's writing (:func:`busy`):
-  the last report again, at every interval, for at most a bound from the checkpoint's size
-  (:func:`io_seconds`: 10 s/GiB, five times the time the operator's termination grace assumes, plus 10
-  minutes). Reads grow no file, and a save spends minutes in barriers, fsyncs and renames: time is the
-  one measure of all of them. One that hangs is ended that bound plus the stall timeout after it began.
+- Reads of the base weights (``downloads(weights=True)``: the model's load, under FSDP rank 0's
+  pretrained weights), from a warm hub cache or a local ``model.path``, which grow no file: the last
+  report again at every interval in which the cache did not grow, for at most a bound from the size of
+  the model's files (:func:`weights_seconds`: 10 minutes plus 10 s/GiB) after the start or the cache's
+  last growth (the read after a download). A download that hangs there is ended that bound plus the
+  stall timeout after its last growth.
+- Checkpoint saves and restores, the best checkpoint's load and the output's writing (:func:`busy`;
+  :func:`saving` for the writes, whose phase reads ``saving`` meanwhile): the last report again, at
+  every interval, for at most a bound from the checkpoint's size (:func:`io_seconds`: 10 s/GiB, five
+  times the time the operator's termination grace assumes, plus 10 minutes). Reads grow no file, and a
+  save spends minutes in barriers, fsyncs and renames: time is the one measure of all of them. One that
+  hangs is ended that bound plus the stall timeout after it began.
 """
 
 from __future__ import annotations
@@ -108,23 +115,34 @@ class Heartbeat:
 
 class DownloadHeartbeat(Heartbeat):
     """While active, calls ``report(bytes)`` from a thread every ``interval`` seconds in which the bytes
-    in ``folders`` grew; never after ``__exit__`` returned."""
+    in ``folders`` grew, and ``quiet(seconds, bytes)`` (when given) every other interval, ``seconds`` since
+    they last grew or, before that, since the start; never after ``__exit__`` returned."""
 
-    def __init__(self, folders: Mapping[str, Path], report: Callable[[int], None], interval: float) -> None:
+    def __init__(
+        self,
+        folders: Mapping[str, Path],
+        report: Callable[[int], None],
+        interval: float,
+        quiet: Callable[[float, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         super().__init__(self._grew, interval, "download-heartbeat")
-        self.folders, self.report = folders, report
-        self._last = 0
+        self.folders, self.report, self.quiet, self.clock = folders, report, quiet, clock
+        self._last, self._grown = 0, 0.0
 
     def __enter__(self) -> DownloadHeartbeat:
         self._last = cache_bytes(self.folders)  # what earlier attempts downloaded is no progress
+        self._grown = self.clock()
         super().__enter__()
         return self
 
     def _grew(self) -> bool:
         size = cache_bytes(self.folders)
         if size > self._last:
-            self._last = size
+            self._last, self._grown = size, self.clock()
             self.report(size)
+        elif self.quiet is not None:
+            self.quiet(self.clock() - self._grown, size)
         return True
 
 
@@ -144,21 +162,31 @@ def downloads(
     metrics: TrainerMetrics | None,
     observer: Observer | None = None,
     hub_cache: Path | None = None,
-    interval: float = PROGRESS_REPORT_INTERVAL_SECONDS,
+    interval: float | None = None,
+    *,
+    weights: bool = False,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[None]:
-    """A :class:`DownloadHeartbeat` over ``phase`` on rank 0 (``metrics``), reporting through the
-    observer's reporter, or through its own for the phase before the Observer exists (loading data)."""
+    """A :class:`DownloadHeartbeat` over ``phase`` on rank 0 (``metrics``), every ``interval`` (by default
+    ``PROGRESS_REPORT_INTERVAL_SECONDS``), reporting through the observer's reporter, or through its own for
+    the phase before the Observer exists (loading data).
+
+    ``weights``: the block reads the base model's weights, from the hub cache or a local ``model.path``,
+    which grows no file: rank 0 (``observer``) then also sends its last report again at every interval in
+    which the cache did not grow (:func:`reading_weights`), so a long read of a warm cache or a local
+    folder is not taken for a stall, nor the read that follows a download."""
     if hub_cache is None:
         from huggingface_hub import constants
 
         hub_cache = Path(constants.HF_HUB_CACHE)
     folders = hub_folders(config, phase, hub_cache)
-    if metrics is None or not folders:
+    quiet = reading_weights(config, observer) if weights and observer is not None else None
+    if metrics is None or not (folders or quiet):
         yield
         return
     reporter = observer.reporter if observer is not None else ProgressReporter(config.report)
     record: dict[str, Any] = {"step": newest_complete_step(Path(config.checkpoints.dir)), "phase": str(phase)}
-    if observer is not None:
+    if observer is not None and observer.known:
         record["totalSteps"] = observer.total
     repos = ", ".join(folders)
 
@@ -169,12 +197,66 @@ def downloads(
         metrics.download_bytes.set(size)
         reporter.progress(record | {"message": message, "downloadedBytes": size})
 
+    every = PROGRESS_REPORT_INTERVAL_SECONDS if interval is None else interval
     try:
-        with DownloadHeartbeat(folders, report, interval):
+        with DownloadHeartbeat(folders, report, every, quiet, clock):
             yield
     finally:
         if observer is None:
             reporter.close()
+
+
+def folder_bytes(folder: Path) -> int:
+    """The size of the files directly in ``folder`` (a local ``model.path``: its weights, links to them
+    followed); 0 when it cannot be listed."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
+    total = 0
+    for entry in entries:
+        with contextlib.suppress(OSError):
+            if entry.is_file():
+                total += entry.stat().st_size
+    return total
+
+
+def weights_seconds(size: int) -> float:
+    """How long a read of ``size`` bytes of base weights may go on before :func:`reading_weights` stops
+    reporting: the base a save or load gets, plus ``BUSY_SECONDS_PER_GIB`` for each GiB (a 70B model's
+    140 GB in bf16: 10 + 22 minutes)."""
+    return BUSY_BASE_SECONDS + size / GIB * BUSY_SECONDS_PER_GIB
+
+
+def reading_weights(config: TrainerConfig, observer: Observer) -> Callable[[float, int], None]:
+    """A :class:`DownloadHeartbeat`'s ``quiet`` for a read of the base weights: rank 0's last report again,
+    its ``phase`` saying so, as long as the read (counted from the start, or from the cache's last growth:
+    the read after a download) has taken less than :func:`weights_seconds` of the model's files (those of
+    ``model.path``, or what the hub cache holds of the repo); after that the reports stop, with a warning,
+    so the operator's stall timeout still ends one that hangs."""
+    source = config.model
+    doing = f"loading the weights of {source.name or source.path}"
+    local = folder_bytes(Path(source.path)) if source.path else 0
+    warned = False
+
+    def quiet(seconds: float, cached: int) -> None:
+        nonlocal warned
+        taken, size = timedelta(seconds=round(seconds)), local + cached
+        if seconds < weights_seconds(size):
+            warned = False  # a download grew the cache since: the read after it gets its own bound
+            log.info("%s (%s so far)", doing, taken)
+            observer.still_busy(doing)
+        elif not warned:
+            warned = True
+            log.warning(
+                "%s: still at it after %s, longer than %.1f GB of files should take: no more progress"
+                " reports, so restartPolicy.stallTimeoutSeconds ends the attempt if it hangs",
+                doing,
+                taken,
+                size / 1e9,
+            )
+
+    return quiet
 
 
 def io_seconds(model: nn.Module) -> float:
@@ -220,3 +302,20 @@ def busy(
     every = PROGRESS_REPORT_INTERVAL_SECONDS if interval is None else interval
     with Heartbeat(beat, every, "busy-heartbeat"):
         yield
+
+
+@contextlib.contextmanager
+def saving(observer: Observer | None, doing: str, seconds: float) -> Iterator[None]:
+    """:func:`busy` around a write, a checkpoint's or the output's (``doing``): meanwhile rank 0's
+    ``sftjob_train_phase`` reads ``saving``, which the TrainingStalled alert exempts as it does
+    ``evaluating`` (no step is taken while a 70B checkpoint is written for half an hour), and
+    ``training`` again once it is done."""
+    if observer is None:
+        yield
+        return
+    observer.metrics.enter(Phase.SAVING)
+    try:
+        with busy(observer, doing, seconds):
+            yield
+    finally:
+        observer.metrics.enter(Phase.TRAINING)

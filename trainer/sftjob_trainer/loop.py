@@ -175,25 +175,21 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
     the user changed (a job recreated over its kept checkpoints) starts a new schedule instead, laid out
     over ``planned`` steps, which the first step after the resume already follows. Either way a new
     learningRate or weightDecay replaces the checkpoint's (:func:`rebase`)."""
-    t = training
-    length = f"maxSteps {t.max_steps}" if t.max_steps is not None else f"epochs {t.epochs:g}"
     before = Course(**state.course) if state.course else None
-    if before is None or before.length != length:
-        course = Course.fresh(planned, length)
+    course = next_course(state.course, state.step, training, planned)
+    state.course = asdict(course)
+    if before is None or before.length != course.length:
         if before is not None:
             log.warning(
                 "resuming at step %d with another run length (%s, was %s): the learning-rate schedule"
                 " is laid out over %d steps",
                 state.step,
-                length,
+                course.length,
                 before.length or "unknown",
                 planned,
             )
-        state.course = asdict(course)
         rebase(parts, training, relaid=before is not None)
         return course
-    course = before.resumed(state.step, planned)
-    state.course = asdict(course)
     if course != before:
         log.warning(
             "resuming at step %d with a data layout that takes %d steps for the whole run instead of %d:"
@@ -208,6 +204,19 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
         follow_course(parts, training, course)
     rebase(parts, training)
     return course
+
+
+def next_course(saved: dict[str, Any], step: int, training: TrainingSettings, planned: int) -> Course:
+    """The course of an attempt that goes on from ``step``, after the course its checkpoint saved (``saved``,
+    a ``Course`` as a dict; empty on a fresh start or from an older checkpoint) with a layout that takes
+    ``planned`` steps for the whole run: that course resumed, or a fresh one over ``planned`` when there is
+    none or the run length (``epochs`` or ``maxSteps``) is not the one it was laid out for."""
+    t = training
+    length = f"maxSteps {t.max_steps}" if t.max_steps is not None else f"epochs {t.epochs:g}"
+    before = Course(**saved) if saved else None
+    if before is None or before.length != length:
+        return Course.fresh(planned, length)
+    return before.resumed(step, planned)
 
 
 def rebase(parts: Trainables, training: TrainingSettings, relaid: bool = False) -> None:

@@ -39,8 +39,9 @@ class Phase(StrEnum):
     LOADING_DATA = "loading_data"  # tokenizer, dataset download and tokenization
     LOADING_MODEL = "loading_model"  # model, adapters, sharding, optimizer
     RESTORING = "restoring"  # the newest checkpoint, or (FSDP, fresh start) the pretrained weights
-    TRAINING = "training"  # the optimizer steps and their checkpoints
+    TRAINING = "training"  # the optimizer steps
     EVALUATING = "evaluating"  # the loss on spec.evaluation's held-out examples, between two steps
+    SAVING = "saving"  # writing a checkpoint, or the final output
 
 
 def checkpoint_interval(every: CheckpointSettings, seconds_per_step: float | None) -> float:

@@ -11,9 +11,9 @@ compute. The ETA and the checkpoint interval count the rest of the loop too (eva
 over this attempt's steps: a run that evaluates for a minute every 50 two-second steps takes 3.2 s a
 step, not 2. Reports are sent from the training thread on purpose: a hung rank goes silent and the
 operator's stall detection (``restartPolicy.stallTimeoutSeconds``) ends the attempt; only a long save or
-load is reported from a thread while it runs (heartbeat.py, bounded), and so is the trackers' start and
-finish. The trackers get what the train log gets, at the same steps, plus each attempt's plan at its
-first step; one that fails is dropped, never raised into training.
+load is reported from a thread while it runs (heartbeat.py, bounded), and so is the trackers' start (their
+finish comes after the last report). The trackers get what the train log gets, at the same steps, plus
+each attempt's plan at its first step; one that fails is dropped, never raised into training.
 """
 
 from __future__ import annotations
@@ -54,18 +54,23 @@ class Observer:
         ctx: DistContext,
         metrics: TrainerMetrics,
         peak: float | None,
-        total: int,
+        total: int | None,
         schedule: Schedule,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ctx, self.metrics, self.peak, self.total, self.schedule = ctx, metrics, peak, total, schedule
+        """``total`` and ``schedule``: the steps and the data order of the course the attempt is expected to
+        follow (``resume.expected_course``); ``total`` None while that is not known, until :meth:`follow`."""
+        self.ctx, self.metrics, self.peak, self.schedule = ctx, metrics, peak, schedule
+        self.total = 0 if total is None else total
+        self.known = total is not None  # whether the total and the epoch are known, to be reported
         self.clock = clock
         self.every = config.training.logging_every_steps
         self.checkpoints = config.checkpoints
         # The best checkpoint is reported only where the rotation spares it (finalModel Best): under Last
         # it is removed like any other, and the report would name a folder that is gone.
         self.best_kept = config.evaluation is not None and config.evaluation.final_model == "Best"
-        self.metrics.total_steps.set(total)
+        if self.known:
+            self.metrics.total_steps.set(self.total)
         self.reporter = ProgressReporter(config.report)
         self.train_log = Path(config.output_dir) / TRAIN_LOG_FILE
         self.trackers = Trackers(config, metrics)
@@ -79,25 +84,24 @@ class Observer:
 
     def follow(self, schedule: Schedule, total: int) -> None:
         """The course this attempt follows once resumed (a changed data layout ends it at another step)."""
-        self.schedule, self.total = schedule, total
+        self.schedule, self.total, self.known = schedule, total, True
         self.metrics.total_steps.set(total)
 
     def phase(self, name: str, step: int, loss: float | None = None, *, then: Phase | None = None) -> None:
         """A setup phase is done: report it, so the stall clock restarts after a long download or load
         instead of running from container start to the first logging step; the metrics show the step
-        the attempt will resume from and the phase it goes on with (``then``)."""
-        log.info("%s (step %d of %d)", name, step, self.total)
-        epoch = self.schedule.epoch_of(step)
+        the attempt will resume from and the phase it goes on with (``then``); the total and the epoch
+        only once they are known (:attr:`known`)."""
+        log.info("%s (step %d of %s)", name, step, self.total if self.known else "?")
         self.metrics.step.set(step)
-        self.metrics.epoch.set(epoch)
         if then is not None:
             self.metrics.enter(then)
-        record: dict[str, Any] = {
-            "step": step,
-            "totalSteps": self.total,
-            "epoch": round(epoch, 4),
-            "phase": name,
-        }
+        record: dict[str, Any] = {"step": step}
+        if self.known:
+            epoch = self.schedule.epoch_of(step)
+            self.metrics.epoch.set(epoch)
+            record |= {"totalSteps": self.total, "epoch": round(epoch, 4)}
+        record["phase"] = name
         if loss is not None:
             self.metrics.loss.set(loss)
             record["loss"] = loss
@@ -294,19 +298,18 @@ class Observer:
         return _best(state, newest) if self.best_kept else None
 
     def close(self, error: BaseException | None = None, *, sigterm: bool = False) -> None:
-        """The attempt ends, ``error`` what ended it (None: it completed): the trackers that started, dropped
-        or not, finish its part of the run, then the progress reports stop; the metrics endpoint belongs to
-        the whole attempt (``run``). The run is finished, failed, or killed when preempted; an attempt that
-        got a SIGTERM (``sigterm``) is killed whatever error ended it (a collective a peer's shutdown broke)
-        and finishes its trackers in the preempted time, inside its grace period; one that completed all
-        the same is finished, in that time too."""
-        if self.trackers.started:
-            from sftjob_trainer import heartbeat  # heartbeat imports this module
-
-            outcome: Outcome = "killed" if sigterm and error is not None else outcome_of(error)
-            with heartbeat.busy(self, "finishing the experiment trackers", BUSY_SECONDS):
-                self.trackers.finish(outcome, hurry=sigterm)
+        """The attempt ends, ``error`` what ended it (None: it completed), its termination message written
+        (``train.run``): the progress reports stop, the last one sent, then the trackers that started,
+        dropped or not, finish its part of the run, each within its bound (tracking.py). In that order:
+        after a peer rank failed, torchrun gives this rank a fixed 30 s to exit, which the trackers alone
+        may take. The metrics endpoint belongs to the whole attempt (``run``). The run is finished, failed,
+        or killed when preempted; an attempt that got a SIGTERM (``sigterm``) is killed whatever error
+        ended it (a collective a peer's shutdown broke) and finishes its trackers in the preempted time,
+        inside its grace period; one that completed all the same is finished, in that time too."""
         self.reporter.close()
+        if self.trackers.started:
+            outcome: Outcome = "killed" if sigterm and error is not None else outcome_of(error)
+            self.trackers.finish(outcome, hurry=sigterm)
 
 
 def _eval_at(state: TrainState, step: int) -> float | None:

@@ -28,10 +28,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from sftjob.config import TrainerConfig
+from sftjob.config import TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import heartbeat, ownership
-from sftjob_trainer.batching import Schedule
+from sftjob_trainer.batching import Course, Schedule
 from sftjob_trainer.checkpoints import (
     BAD_PREFIX,
     SCALER_FILE,
@@ -53,6 +53,7 @@ from sftjob_trainer.checkpoints import (
 from sftjob_trainer.distributed import DistContext, load_rank0_weights, loads_on_rank0
 from sftjob_trainer.durable import fsync_dir
 from sftjob_trainer.failures import causes, permission_advice, permission_denied, storage_failure
+from sftjob_trainer.loop import next_course
 from sftjob_trainer.metrics import Phase, TrainerMetrics
 from sftjob_trainer.model import pretrained_weights
 from sftjob_trainer.observer import Observer
@@ -74,6 +75,23 @@ def same_data_order(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a checkpoint's :func:`fingerprint` gives the data order ``now`` does; the ``worldSize``
     older checkpoints recorded is ignored."""
     return {key: value for key, value in saved.items() if key != "worldSize"} == now
+
+
+def expected_course(root: Path, training: TrainingSettings, planned: int) -> Course | None:
+    """Rank 0, before the model loads: the course this attempt will follow when it resumes from the newest
+    checkpoint that looks complete (:func:`~sftjob_trainer.checkpoints.newest_complete_step`, the step the
+    setup's progress reports show), read from its state without loading it; a fresh one without such a
+    checkpoint. None when that state does not read (the resume skips such a checkpoint, or stops): the
+    setup's reports then leave the total and the epoch out until the resume knows them."""
+    try:
+        for _step, path in checkpoint_dirs(root):
+            if problem(path) is None:
+                saved = json.loads((path / STATE_FILE).read_text())
+                return next_course(saved.get("course") or {}, int(saved["step"]), training, planned)
+        return next_course({}, 0, training, planned)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        log.info("the course of the newest checkpoint in %s is not known before it loads: %s", root, exc)
+        return None
 
 
 def restore(
@@ -127,7 +145,7 @@ def load_pretrained(
 ) -> None:
     """Collective: rank 0's pretrained weights (``model.pretrained_weights``) into every rank's shards."""
     loading = time.monotonic()
-    with heartbeat.downloads(config, Phase.RESTORING, metrics, observer):
+    with heartbeat.downloads(config, Phase.RESTORING, metrics, observer, weights=True):
         weights = pretrained_weights(config, attention) if ctx.is_main else {}
     ctx.wait_for_rank0()  # its download may outlast NCCL's timeout: the others wait on the CPU
     load_rank0_weights(model, weights)

@@ -18,8 +18,9 @@ tracker is held to are here:
   logs asynchronously, with short HTTP timeouts and few retries unless the pod's environment says
   otherwise, and a failed batch is noticed at a later logging step. TensorBoard's writer writes in a
   thread too, but its queue is bounded: a checkpoint volume that hangs blocks ``add_scalar`` (as it hangs
-  the saves). Starting and finishing are bounded and run under ``heartbeat.busy``, so the progress
-  reports go on meanwhile.
+  the saves). Starting and finishing are bounded. Starting runs under ``heartbeat.busy``, so the progress
+  reports go on meanwhile; finishing comes last, after the attempt's termination message and its last
+  progress report, which a rank stopped by torchrun (30 s) must not lose to a slow tracking server.
 - **No telemetry to third parties**: MLflow's usage telemetry and W&B's error reporting are off unless the
   pod's environment turns them on.
 - **A job is one run across its attempts**, in each tracker (:mod:`sftjob_trainer.trackers`).
@@ -41,12 +42,13 @@ from sftjob_trainer.trackers import FINISH_SECONDS, Outcome, Tracker, configured
 
 log = logging.getLogger("sftjob_trainer")
 
-# How long starting or finishing the trackers reports progress (``heartbeat.busy``) at most: an MLflow
-# server that is down fails its first request in under a minute with MLFLOW_HTTP_DEFAULTS, W&B gives up
-# after its init timeout, and each tracker's finish is given up on after FINISH_SECONDS.
+# How long starting the trackers reports progress (``heartbeat.busy``) at most: an MLflow server that is
+# down fails its first request in under a minute with MLFLOW_HTTP_DEFAULTS, and W&B gives up after its
+# init timeout. (Each tracker's finish is given up on after FINISH_SECONDS.)
 BUSY_SECONDS: Final = 300.0
-# A preempted attempt finishes its trackers after its checkpoint, inside the pod's grace period, and its
-# exit code and termination message come after them: each gets only a few seconds then.
+# A preempted attempt finishes its trackers after its checkpoint, its termination message and its last
+# progress report, inside the pod's grace period, and its exit code comes after them: each gets only a
+# few seconds then.
 PREEMPTED_FINISH_SECONDS: Final = 5.0
 # A tracker failing to log this many times in a row is dropped for the rest of the attempt; a log that
 # works in between starts the count again (an MLflow server restarted in a days-long attempt).

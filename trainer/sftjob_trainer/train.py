@@ -75,6 +75,8 @@ def run(config_path: str) -> ExitCode:
     stop.install()
     ctx: DistContext | None = None
     metrics: TrainerMetrics | None = None
+    training: Training | None = None
+    error: BaseException | None = None  # what ended the attempt; None: it completed
     try:
         config_path = config_for_device(config_path)
         config = load_config(config_path)
@@ -86,7 +88,8 @@ def run(config_path: str) -> ExitCode:
             logging.getLogger().setLevel(logging.WARNING)
         if ctx.is_main:
             log.info("effective configuration (%s):\n%s", config_path, config.to_json())
-        summary = Training(config, ctx, stop, metrics).run()
+        training = Training(config, ctx, stop, metrics)
+        summary = training.run()
         loss = summary["finalLoss"]  # None when no step had a finite one
         write_termination_message(
             f"completed {summary['steps']} steps, final loss {'n/a' if loss is None else f'{loss:.4f}'},"
@@ -94,8 +97,14 @@ def run(config_path: str) -> ExitCode:
         )
         return ExitCode.OK
     except BaseException as exc:
+        error = exc
         return exit_with(exc, started, several_ranks=ctx is not None and ctx.active, sigterm=stop.requested)
     finally:
+        # The termination message is written: now the last progress report, then the trackers. After a
+        # peer rank failed, torchrun gives this one a fixed 30 s to exit, which the trackers' finish
+        # alone may take.
+        if training is not None:
+            training.close(error)
         stop.uninstall()
         if metrics is not None:
             metrics.close()
@@ -111,6 +120,18 @@ class Training:
         self.t = config.training
         self.io_seconds = heartbeat.BUSY_BASE_SECONDS  # how long a save or load reports: set with the model
         self.own_loss = False  # the trainer computes the loss, not the model (remote_code.py): set with it
+        self.observer: Observer | None = None  # rank 0's, once the data is loaded
+
+    def close(self, error: BaseException | None) -> None:
+        """The attempt ended (``error``: what ended it, None when it completed) and its termination message
+        is written: rank 0 sends its last progress report and finishes its experiment trackers
+        (:meth:`Observer.close`); never raises."""
+        if self.observer is None:
+            return
+        try:
+            self.observer.close(error, sigterm=self.stop.requested)
+        except Exception as exc:  # best effort, like the reports and the trackers themselves
+            log.warning("could not close the progress reports and the experiment trackers: %s", exc)
 
     def run(self) -> dict[str, Any]:
         config, ctx, t = self.config, self.ctx, self.t
@@ -162,29 +183,29 @@ class Training:
         _, peak = peak_flops(device_name, ctx.world_size)
         observer = None
         if self.metrics is not None:
-            observer = Observer(config, ctx, self.metrics, peak, planned, schedule)
-        try:
-            if observer is not None:
-                observer.metrics.bad_rows.inc(stats.bad_rows)
-                observer.phase("data ready", checkpoints.newest_complete_step(root), then=Phase.LOADING_MODEL)
-            self.stop.during_setup("after loading the data")
-            data = {
-                "format": fmt,
-                "badRows": stats.bad_rows,
-                "truncated": stats.truncated,
-                "withoutTarget": stats.without_target,
-            }
-            if evaluation is not None:
-                data["evalExamples"] = evaluation.examples
-            summary = self.train(
-                tokenizer, units, schedule, layout, attention, planned, observer, data, evaluation
-            )
-            if ctx.is_main:
-                log.info("done: %s", json.dumps(summary))
-            return summary
-        finally:
-            if observer is not None:
-                observer.close(sys.exc_info()[1], sigterm=self.stop.requested)  # the trackers' outcome
+            # The course of the checkpoint the attempt will most likely resume from, for the reports until
+            # it is restored: an OOM re-plan's resume ends at another step, reads other epochs' data.
+            expected = resume.expected_course(root, t, planned)
+            total, offset = (None, 0) if expected is None else (expected.total, expected.offset)
+            observer = Observer(config, ctx, self.metrics, peak, total, replace(schedule, offset=offset))
+            self.observer = observer
+            observer.metrics.bad_rows.inc(stats.bad_rows)
+            observer.phase("data ready", checkpoints.newest_complete_step(root), then=Phase.LOADING_MODEL)
+        self.stop.during_setup("after loading the data")
+        data = {
+            "format": fmt,
+            "badRows": stats.bad_rows,
+            "truncated": stats.truncated,
+            "withoutTarget": stats.without_target,
+        }
+        if evaluation is not None:
+            data["evalExamples"] = evaluation.examples
+        summary = self.train(
+            tokenizer, units, schedule, layout, attention, planned, observer, data, evaluation
+        )
+        if ctx.is_main:
+            log.info("done: %s", json.dumps(summary))
+        return summary
 
     def train(
         self,
@@ -206,7 +227,9 @@ class Training:
         # Model. Under FSDP: no weights yet, on any rank (they come from rank 0 or a checkpoint below).
         plan = precision_plan(config.method, t.precision)
         rank0_weights = loads_on_rank0(config, ctx)
-        with heartbeat.downloads(config, Phase.LOADING_MODEL, self.metrics, observer):
+        with heartbeat.downloads(
+            config, Phase.LOADING_MODEL, self.metrics, observer, weights=not rank0_weights
+        ):
             base = (
                 build_model(config, attention) if rank0_weights else load_model(config, ctx.device, attention)
             )
@@ -286,7 +309,7 @@ class Training:
             with heartbeat.busy(observer, "loading the best checkpoint", self.io_seconds):
                 output_step = selection.load_output(self.config, parts, state, ctx)
             summary |= {"stoppedEarly": state.step < course.total, "outputStep": output_step}
-        with heartbeat.busy(observer, "writing the output", self.io_seconds):
+        with heartbeat.saving(observer, "writing the output", self.io_seconds):
             output.write_model(self.config, self.ctx, model, tokenizer, summary)
         return summary
 
@@ -354,7 +377,8 @@ class Training:
             if save:
                 saved = time.monotonic()
                 selection.saving(state)
-                with heartbeat.busy(observer, f"saving the checkpoint of step {state.step}", self.io_seconds):
+                doing = f"saving the checkpoint of step {state.step}"
+                with heartbeat.saving(observer, doing, self.io_seconds):  # a SIGTERM's save as well
                     job = self.config.job
                     path = checkpoints.save(
                         Path(every.dir), state, parts, ctx, keep=every.keep, job=job, keep_best=best
