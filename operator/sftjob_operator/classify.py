@@ -5,21 +5,19 @@ once it has vanished), its node (or None once deleted), and the caller's ``now``
 time. No clocks, no I/O: the reconcile loop gathers the inputs and records the result in
 ``status.attempts``. What the container's termination message says (the trainer's exit code, hidden
 behind torchrun's 1, and a summary) is read by :mod:`sftjob_operator.termination`; why a container has not
-started, by :mod:`sftjob_operator.not_started`.
-``docs/failures.md`` explains every class to users.
+started, by :mod:`sftjob_operator.not_started`; how the attempt ends from its pods' verdicts, by
+:mod:`sftjob_operator.attempt_end`. ``docs/failures.md`` explains every class to users.
 """
 
 from __future__ import annotations
 
-import re
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sftjob.attempts import AttemptRecord
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
 from sftjob_operator.not_started import unmounted_failure, waiting_failure
 from sftjob_operator.termination import GPU_FAULT_SIGNATURE, gpu_runtime_failure, message_class, read_message
@@ -60,11 +58,6 @@ UNASKED_SIGTERM = (
 # The trainer's documented failure codes: the container's own code when it is one of these, else the
 # code the trainer tagged its message with (torchrun, the container's PID 1, exits 1 for any of them).
 TRAINER_FAILURE_CODES = frozenset(code for code in EXIT_CODE_CLASS if code != ExitCode.UNKNOWN)
-
-# torchrun's rendezvous gave up on a peer that never came (rank 0: "Timed out after 600 seconds waiting for
-# clients. 1/2 clients joined."; the others: "The client socket has timed out after 600000ms while trying
-# to connect to (host, port)."): a CommunicationError, yet no sign of a broken link or a bad node.
-PEER_NEVER_JOINED = re.compile(r"waiting for clients|timed out after \S+ while trying to connect to", re.I)
 
 
 class Outcome(StrEnum):
@@ -154,128 +147,10 @@ def classify_pod(
     return RUNNING
 
 
-# Root causes first: when one pod of a multi-node attempt dies, its peers see NCCL errors or are
-# killed by torchrun, so the least specific classes come last. A CommunicationError is last of all: it is
-# what the healthy ranks say when another one dies (a segfault is Unknown), so it is the cause only when
-# no pod says anything else.
-ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
-    FailureClass.NODE_LOST,
-    FailureClass.GPU_UNAVAILABLE,
-    FailureClass.DRIVER_MISMATCH,
-    FailureClass.IMAGE_PULL_ERROR,
-    FailureClass.CONFIG_ERROR,
-    FailureClass.MODEL_LOAD_ERROR,
-    FailureClass.DATA_ERROR,
-    FailureClass.DIVERGED,
-    FailureClass.DEADLINE_EXCEEDED,
-    FailureClass.HOST_OOM,
-    FailureClass.CUDA_OOM,
-    FailureClass.STORAGE_ERROR,
-    FailureClass.NETWORK_ERROR,
-    FailureClass.PREEMPTED,
-    FailureClass.STALLED,
-    FailureClass.UNKNOWN,
-    FailureClass.COMMUNICATION_ERROR,
-)
-
-
-# Failures a healthy rank reports when another rank dies: while a peer pod is still stopping, the
-# attempt waits this long after the first pod ended for the peer's own account (a CudaOOM, a crash).
-PEER_SYMPTOMS = frozenset({FailureClass.COMMUNICATION_ERROR, FailureClass.UNKNOWN})
-PEER_SETTLE_SECONDS = 30.0
-
-
-def classify_attempt(pods: Sequence[Classification]) -> Classification:
-    """One attempt's outcome from its pods': any failure ends it (all pods restart together) and the
-    most specific failure is its cause; it succeeded only when every pod did."""
-    failures = [p for p in pods if p.outcome is Outcome.FAILED]
-    if failures:
-        return min(failures, key=lambda p: ROOT_CAUSE_ORDER.index(p.failure_class or FailureClass.UNKNOWN))
-    if pods and all(p.outcome is Outcome.SUCCEEDED for p in pods):
-        return pods[0]
-    return RUNNING
-
-
-def peers_settling(
-    outcome: Classification, verdicts: Sequence[Classification], pods: Mapping[int, Obj], *, now: datetime
-) -> float | None:
-    """Seconds to wait before taking ``outcome`` as the attempt's: its failure is one a rank reports when
-    another rank dies (``PEER_SYMPTOMS``) and a peer pod has not ended yet, within ``PEER_SETTLE_SECONDS``
-    of the failed pod's end. The peer may be the one that died (its torchrun still stopping its other
-    ranks): judged now, its cause would be lost with the pod. None: decide now."""
-    if outcome.failure_class not in PEER_SYMPTOMS or not any(v.outcome is Outcome.RUNNING for v in verdicts):
-        return None
-    ranks = [v.node_rank for v in verdicts if v.over and v.node_rank is not None]
-    ended = [finished_at(pods[rank]) for rank in ranks if rank in pods]
-    first = min((t for t in ended if t is not None), default=None)
-    if first is None:
-        return None
-    left = PEER_SETTLE_SECONDS - (now - first).total_seconds()
-    return left if left > 0 else None
-
-
 def finished_at(pod: Obj) -> datetime | None:
     """When the pod's trainer container ended (None: it has not, or the pod does not say)."""
     terminated = _terminated_state(pod.get("status") or {})
     return parse_time(terminated.get("finishedAt")) if terminated else None
-
-
-def end_record(
-    record: AttemptRecord,
-    outcome: Classification,
-    *,
-    end_time: datetime,
-    progress_step: int | None,
-    checkpoint_step: int | None,
-) -> AttemptRecord:
-    """The ``status.attempts`` entry for an attempt that has just ended.
-
-    ``progress_step`` and ``checkpoint_step`` come from the trainer's last progress and checkpoint
-    annotations; the steps between them are the work a failed attempt loses (None for a success).
-    """
-    saved = checkpoint_step if checkpoint_step is not None else (record.resumed_from_step or 0)
-    failed = outcome.outcome is Outcome.FAILED
-    lost = None if progress_step is None or not failed else max(0, progress_step - saved)
-    return record.model_copy(
-        update={
-            "end_time": end_time,
-            "succeeded": outcome.outcome is Outcome.SUCCEEDED,
-            "reason": outcome.failure_class,
-            "exit_code": outcome.exit_code,
-            "message": outcome.message,
-            "node": outcome.node or record.node,
-            "node_rank": outcome.node_rank,
-            "lost_steps": lost,
-        }
-    )
-
-
-def peer_never_joined(record: AttemptRecord) -> bool:
-    """The attempt ended because a node never joined torchrun's rendezvous (it was Pending, pulling its
-    image, or waiting for GPUs), not because communication broke."""
-    if record.reason is not FailureClass.COMMUNICATION_ERROR:
-        return False
-    return PEER_NEVER_JOINED.search(record.message) is not None
-
-
-# An attempt that ended so leaves ranks that are all alive and save their SIGTERM checkpoint together.
-SAVED_TOGETHER = frozenset({FailureClass.PREEMPTED, FailureClass.DEADLINE_EXCEEDED})
-
-
-def cut_short(record: AttemptRecord | None) -> bool:
-    """The attempt failed with a rank dead, gone or hung: the collective SIGTERM save of its other pods
-    cannot complete, so they need no grace to save (``Actions.quick_delete_pods``)."""
-    return record is not None and record.failed and record.reason not in SAVED_TOGETHER
-
-
-def describe_failure(record: AttemptRecord) -> str:
-    """The one-line event message for a failed attempt: number, node, class, exit code, message."""
-    where = f" on {record.node}" if record.node else ""
-    code = f" (exit code {record.exit_code})" if record.exit_code is not None else ""
-    lost = f"; {record.lost_steps} step(s) since the last checkpoint" if record.lost_steps else ""
-    text = f": {record.message}" if record.message else ""
-    cls = record.reason or FailureClass.UNKNOWN
-    return f"attempt {record.attempt}{where} failed with {cls}{code}{text}{lost}"
 
 
 def _classify_ended(

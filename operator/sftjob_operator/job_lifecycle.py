@@ -25,7 +25,7 @@ from sftjob.failures import FailureClass
 from sftjob.gpu_products import selector_problem
 from sftjob.spec import GpuSpec, RestartPolicySpec, SFTJobSpec, valid_job_name
 from sftjob_operator import observe, pod_lifecycle
-from sftjob_operator.classify import describe_failure
+from sftjob_operator.attempt_end import describe_failure
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason
 from sftjob_operator.defaults import JobDefaults, effective

@@ -39,18 +39,15 @@ from sftjob.job_status import GpuStatus, ProgressStatus
 from sftjob.plan import Plan
 from sftjob.spec import SFTJobSpec
 from sftjob_operator import builders, observe, pod_lifecycle, pods
-from sftjob_operator.attempt_policy import GiveUp, NextAttempt, numbered
-from sftjob_operator.classify import (
-    Classification,
-    Outcome,
+from sftjob_operator.attempt_end import (
     classify_attempt,
-    classify_pod,
     cut_short,
     describe_failure,
     end_record,
     peers_settling,
-    running_since,
 )
+from sftjob_operator.attempt_policy import GiveUp, NextAttempt, numbered
+from sftjob_operator.classify import Classification, Outcome, classify_pod, running_since
 from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason
 from sftjob_operator.conditions import get as get_condition

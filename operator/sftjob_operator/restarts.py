@@ -24,8 +24,8 @@ from sftjob.job_plan import with_user_resources
 from sftjob.plan import Plan
 from sftjob.planner import replan_after_oom
 from sftjob.spec import SFTJobSpec, to_plan_request
+from sftjob_operator.attempt_end import peer_never_joined
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
-from sftjob_operator.classify import peer_never_joined
 from sftjob_operator.host_memory import NodeObj, raise_host_memory
 from sftjob_operator.planning import CandidatePlans
 

@@ -11,7 +11,7 @@ import torch
 
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError, read_exit_tag
-from sftjob_operator.classify import PEER_NEVER_JOINED
+from sftjob_operator.attempt_end import PEER_NEVER_JOINED
 from sftjob_operator.termination import GPU_FAULT_SIGNATURE
 from sftjob_trainer import distributed
 from tests.trainer.runs import RANKS, MakeConfig, torchrun, trainer_output

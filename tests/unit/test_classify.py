@@ -8,15 +8,8 @@ import pytest
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import ExitCode, FailureClass
-from sftjob_operator.classify import (
-    ROOT_CAUSE_ORDER,
-    Classification,
-    Outcome,
-    classify_attempt,
-    classify_pod,
-    describe_failure,
-    end_record,
-)
+from sftjob_operator.attempt_end import ROOT_CAUSE_ORDER, classify_attempt, describe_failure, end_record
+from sftjob_operator.classify import Classification, Outcome, classify_pod
 from tests.unit.classify_cases import NODE, NOW, classify, exited, node, pod, running, waiting
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from sftjob.attempts import RestartPolicy
 from sftjob.failures import FailureClass
-from sftjob_operator.classify import Outcome, end_record
+from sftjob_operator.attempt_end import end_record
+from sftjob_operator.classify import Outcome
 from sftjob_operator.not_started import (
     CREATE_GIVE_UP_SECONDS,
     CREATE_OTHER_GIVE_UP_SECONDS,

@@ -14,7 +14,8 @@ import pytest
 
 from sftjob.failures import FailureClass
 from sftjob_operator import handlers
-from sftjob_operator.classify import Classification, Outcome, classify_attempt
+from sftjob_operator.attempt_end import classify_attempt
+from sftjob_operator.classify import Classification, Outcome
 from sftjob_operator.expectations import Expectations
 from sftjob_operator.observe import JobView
 from sftjob_operator.reconcile import reconcile

@@ -8,7 +8,7 @@ import pytest
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import FailureClass, tag_exit_code
-from sftjob_operator.classify import end_record
+from sftjob_operator.attempt_end import end_record
 from sftjob_operator.restarts import avoided_nodes
 from tests.unit.classify_cases import NODE, NOW, RECORD, classify, exited, pod
 from tests.unit.test_termination_messages import torchrun_tail

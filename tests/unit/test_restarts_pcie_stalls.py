@@ -8,7 +8,7 @@ from sftjob.attempts import AttemptRecord
 from sftjob.config import DistributedSettings
 from sftjob.failures import FailureClass
 from sftjob.plan import Plan
-from sftjob_operator.classify import end_record
+from sftjob_operator.attempt_end import end_record
 from sftjob_operator.restarts import pcie_links_broken
 from tests.unit.classify_cases import NOW, classify, pod, running
 from tests.unit.restart_cases import A800, L40S, T0, candidates, plan, policy_decision, restart

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from sftjob.failures import ExitCode, FailureClass
-from sftjob_operator.classify import Outcome, end_record, peer_never_joined
+from sftjob_operator.attempt_end import end_record, peer_never_joined
+from sftjob_operator.classify import Outcome
 from tests.unit.classify_cases import NOW, RECORD, classify, exited, pod
 
 
