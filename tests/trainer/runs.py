@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MakeConfig = Callable[..., Path]
 
@@ -33,6 +35,17 @@ def train_log(config_path: Path) -> dict[int, float]:
         if "loss" in record:  # not an evaluation's line
             losses[record["step"]] = record["loss"]
     return losses
+
+
+def killed_at(config_path: Path, step: int) -> dict[str, Any]:
+    """The finished run's settings, its checkpoints after `step` removed: as if it had been killed there."""
+    from sftjob_trainer.checkpoints import checkpoint_dirs
+
+    settings: dict[str, Any] = json.loads(config_path.read_text())
+    for saved, path in checkpoint_dirs(Path(settings["checkpoints"]["dir"])):
+        if saved > step:
+            shutil.rmtree(path)
+    return settings
 
 
 def start_trainer(config_path: Path, termination_log: Path) -> subprocess.Popen[bytes]:

@@ -7,7 +7,6 @@ import itertools
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,10 @@ import torch
 from sftjob.config import TrainingSettings
 from sftjob.failures import ExitCode
 from sftjob_trainer.batching import Course, Schedule
-from sftjob_trainer.checkpoints import Trainables, checkpoint_dirs
+from sftjob_trainer.checkpoints import Trainables
 from sftjob_trainer.loop import build_scheduler, follow_course
 from sftjob_trainer.train import run
-from tests.trainer.runs import MakeConfig
+from tests.trainer.runs import MakeConfig, killed_at
 
 pytestmark = pytest.mark.trainer
 
@@ -87,17 +86,12 @@ def test_a_resume_with_halved_rows_ends_after_the_planned_epoch_with_a_smooth_le
     }
     config = trainer_config("messages", **overrides)
     assert run(str(config)) == ExitCode.OK
-    settings = json.loads(config.read_text())
+    settings = killed_at(config, 6)  # and restarted with half the row length
     output = Path(settings["outputDir"])
     first = [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
     planned = first[-1]["step"]
     assert first[-1]["epoch"] == 1.0
 
-    # Back to step 6, as if it had been killed there, and restart with half the row length.
-    root = Path(settings["checkpoints"]["dir"])
-    for step, path in checkpoint_dirs(root):
-        if step > 6:
-            shutil.rmtree(path)
     settings["training"]["packingLength"] = 64
     config.write_text(json.dumps(settings))
     with caplog.at_level(logging.WARNING):
@@ -121,11 +115,7 @@ def test_a_job_recreated_with_more_steps_over_its_kept_checkpoints_runs_them_all
 ) -> None:
     config = trainer_config("text", training={"maxSteps": 8}, checkpoints={"everySteps": 2, "keep": 20})
     assert run(str(config)) == ExitCode.OK
-    settings = json.loads(config.read_text())
-    root = Path(settings["checkpoints"]["dir"])
-    for step, path in checkpoint_dirs(root):
-        if step > 4:
-            shutil.rmtree(path)
+    settings = killed_at(config, 4)
     settings["training"]["maxSteps"] = 12  # not a layout change: the user asked for a longer run
     config.write_text(json.dumps(settings))
     with caplog.at_level(logging.WARNING):
@@ -168,11 +158,8 @@ def test_a_job_recreated_with_more_steps_and_a_lower_learning_rate_trains_every_
 
     config = trainer_config("text", training={"maxSteps": 8}, checkpoints={"everySteps": 2, "keep": 20})
     assert run(str(config)) == ExitCode.OK
-    settings = json.loads(config.read_text())
+    settings = killed_at(config, 4)
     output, root = Path(settings["outputDir"]), Path(settings["checkpoints"]["dir"])
-    for step, path in checkpoint_dirs(root):
-        if step > 4:
-            shutil.rmtree(path)
     first = len((output / "train_log.jsonl").read_text().splitlines())
     # 100 -> 200 steps in the review's words: the run longer, the rate ten times lower, some weight decay.
     settings["training"] |= {"maxSteps": 12, "learningRate": 3e-4, "weightDecay": 0.1}

@@ -4,7 +4,6 @@ setup phase, so the operator's stall clock (restartPolicy.stallTimeoutSeconds) o
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from sftjob_trainer.metrics import TrainerMetrics
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.resume import expected_course
 from sftjob_trainer.train import run
-from tests.trainer.runs import MakeConfig, train_log
+from tests.trainer.runs import MakeConfig, killed_at, train_log
 
 pytestmark = pytest.mark.trainer
 
@@ -240,10 +239,7 @@ def test_a_resume_after_a_replan_reports_the_total_and_epoch_of_its_course_from_
     }
     config = trainer_config("messages", **overrides)
     assert run(str(config)) == ExitCode.OK
-    settings = json.loads(config.read_text())
-    for step, path in checkpoint_dirs(Path(settings["checkpoints"]["dir"])):
-        if step > 6:  # as if killed at step 6
-            shutil.rmtree(path)
+    settings = killed_at(config, 6)
     settings["training"]["packingLength"] = 64  # an OOM re-plan halved the rows: twice the steps an epoch
     config.write_text(json.dumps(settings))
     recorder.progress_records.clear()

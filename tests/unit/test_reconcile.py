@@ -16,6 +16,7 @@ from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import GiveUp, NextAttempt
 from sftjob_operator.planning import CandidatePlans, planner_plan
 from sftjob_operator.reconcile import reconcile
+from sftjob_operator.reconcile_io import Actions
 from tests.unit.reconcile_cases import (
     CTX,
     NOW,
@@ -171,31 +172,27 @@ def test_a_job_past_its_deadline_fails_and_its_pods_go() -> None:
     assert late.delete_pods == ["job-1-0"] and late.status.attempts[0].reason == "DeadlineExceeded"
 
 
-def test_a_run_that_succeeded_before_a_late_pass_saw_it_succeeds_though_the_deadline_has_passed() -> None:
+def _seen_late(ended: dict[str, Any]) -> Actions:
+    """The pass that first sees `ended`, the attempt's pod, comes 30 s after the 60 s deadline."""
     spec = {**SPEC, "activeDeadlineSeconds": 60}
     obs = observed(spec=spec)
     first = reconcile(obs, CTX)
-    done = pod(phase="Succeeded", status=terminated(0, "Completed"))
-    late = reconcile(then(obs, first, pods=[done], now=NOW + timedelta(seconds=90)), CTX)
+    return reconcile(then(obs, first, pods=[ended], now=NOW + timedelta(seconds=90)), CTX)
+
+
+def test_a_run_that_succeeded_before_a_late_pass_saw_it_succeeds_though_the_deadline_has_passed() -> None:
+    late = _seen_late(pod(phase="Succeeded", status=terminated(0, "Completed")))
     assert late.status.phase == "Succeeded" and condition(late, "Succeeded") == ("True", "Completed")
 
 
 def test_an_attempt_that_failed_before_a_late_pass_keeps_its_class_and_no_new_attempt_starts() -> None:
-    spec = {**SPEC, "activeDeadlineSeconds": 60}
-    obs = observed(spec=spec)
-    first = reconcile(obs, CTX)
-    crashed = pod(phase="Failed", status=terminated(1, "Error", "Segmentation fault"))
-    late = reconcile(then(obs, first, pods=[crashed], now=NOW + timedelta(seconds=90)), CTX)
+    late = _seen_late(pod(phase="Failed", status=terminated(1, "Error", "Segmentation fault")))
     assert late.status.attempts[0].reason == "Unknown" and not late.children
     assert late.status.phase == "Failed" and condition(late, "Failed") == ("True", "DeadlineExceeded")
 
 
 def test_a_permanent_failure_before_a_late_pass_fails_the_job_for_itself_not_the_deadline() -> None:
-    spec = {**SPEC, "activeDeadlineSeconds": 60}
-    obs = observed(spec=spec)
-    first = reconcile(obs, CTX)
-    bad = pod(phase="Failed", status=terminated(11, "Error", "row 7 has no messages"))
-    late = reconcile(then(obs, first, pods=[bad], now=NOW + timedelta(seconds=90)), CTX)
+    late = _seen_late(pod(phase="Failed", status=terminated(11, "Error", "row 7 has no messages")))
     assert late.status.phase == "Failed" and condition(late, "Failed")[1] != "DeadlineExceeded"
     assert late.status.attempts[0].reason == "DataError"
 
