@@ -294,7 +294,7 @@ def dashboard_queries() -> list[tuple[str, str, str]]:
 def resolve(expr: str, namespace: str) -> str:
     for macro, value in GRAFANA_MACROS.items():
         expr = expr.replace(macro, value)
-    return expr.replace("$namespace", namespace).replace("$sftjob", JOB)
+    return expr.replace("$namespace", namespace).replace("$sftjob", JOB).replace("$operator", ".+")
 
 
 def test_every_dashboard_query_returns_series(scraped: Scraped) -> None:
@@ -322,6 +322,8 @@ def test_dashboard_variables_find_the_job(scraped: Scraped) -> None:
         "label/sftjob/values", **{"match[]": f'sftjob_train_step{{namespace="{scraped.namespace}"}}'}
     )
     assert jobs == [JOB]
+    operators = prometheus.api("label/job/values", **{"match[]": "sftjob_operator_build_info"})
+    assert operators == [f"{RELEASE}-sftjob-operator-metrics"]  # the fleet dashboard's operator variable
 
 
 def metric_names(expr: str) -> set[str]:

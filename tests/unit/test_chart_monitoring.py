@@ -193,7 +193,20 @@ def test_restarts_are_drawn_as_a_rate_per_hour_not_as_increases_over_overlapping
         for title, exprs in queries(dashboard).items():
             assert not any("increase(" in e and "[$__rate_interval]" in e for e in exprs), title
     (expr,) = queries("fleet-overview.json")["Restarts by failure class"]
-    assert expr == "sum by (failure_class) (rate(sftjob_restarts_total[$__rate_interval])) * 3600"
+    assert expr == (
+        'sum by (failure_class) (rate(sftjob_restarts_total{job=~"$operator"}[$__rate_interval])) * 3600'
+    )
+
+
+def test_every_fleet_panel_sums_only_the_chosen_operators_all_of_them_at_first() -> None:
+    for title, exprs in queries("fleet-overview.json").items():
+        for expr in exprs:
+            named = re.findall(r"\bsftjob_[a-zA-Z0-9_:]+", expr)
+            assert named and expr.count('job=~"$operator"') == len(named), title
+    variables = {v["name"]: v for v in load_dashboards()["fleet-overview.json"]["templating"]["list"]}
+    chosen = variables["operator"]
+    assert chosen["definition"] == "label_values(sftjob_operator_build_info, job)"  # one per release
+    assert chosen["multi"] and chosen["includeAll"] and chosen["current"]["value"] == ["$__all"]
 
 
 def test_the_start_latency_panel_says_it_measures_pods_running_not_the_first_step() -> None:
