@@ -305,9 +305,10 @@ def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any
 
 def _check_owner(kind: str, name: str, owner: str, existing: Mapping[str, Any]) -> None:
     """Raise :class:`NameTaken` unless ``existing`` (the object a create answered 409 for) is controlled
-    by the job with uid ``owner``."""
+    by the job with uid ``owner``, or is a checkpoint claim with no owner: one an earlier job of this
+    name kept on delete, whose checkpoints this job resumes from whatever its own ``keepOnDelete``."""
     theirs = controller_uid(existing)
-    if theirs == owner:
+    if theirs == owner or (theirs is None and kind == "PersistentVolumeClaim"):
         return
     if theirs is None:
         raise NameTaken(

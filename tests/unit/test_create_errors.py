@@ -143,6 +143,13 @@ def test_a_claim_kept_on_delete_has_no_owner_so_any_claim_of_its_name_is_it() ->
     assert api.verbs() == ["create"]
 
 
+def test_a_claim_kept_by_an_earlier_job_is_reused_by_one_that_does_not_keep_its_own() -> None:
+    api = FakeApi({"create": api_error(409, "already exists")}, existing=owned_by(None))
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", **owned_by(JOB_UID), "spec": {}}
+    assert fake_kube(api).ensure(claim) is False  # its checkpoints are resumed from, not refused
+    assert api.verbs() == ["create", "read"]
+
+
 def test_deletes_are_conditioned_on_the_uid_and_a_replaced_or_gone_pod_is_said_to_be_gone() -> None:
     assert fake_kube(FakeApi()).delete_pod("team", "job-1-0", "pod-uid") is True
     assert fake_kube(FakeApi()).delete_job("team", "job", JOB_UID) is True
