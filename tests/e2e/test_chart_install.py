@@ -229,6 +229,7 @@ def test_the_operator_account_may_do_its_job_and_nothing_else(cluster: Cluster, 
         ("escalate", "roles.rbac.authorization.k8s.io"),
         ("bind", "roles.rbac.authorization.k8s.io"),
         ("delete", "customresourcedefinitions.apiextensions.k8s.io"),
+        ("patch", "clusterkopfpeerings.kopf.dev/another-operator"),
     ]:
         assert not can_i(cluster, release.user, verb, resource, ns), (verb, resource)
 

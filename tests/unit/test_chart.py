@@ -317,6 +317,17 @@ def test_operator_may_not_read_secrets_or_touch_other_workloads() -> None:
             assert "patch" not in rule["verbs"] or rule["resources"] == ["clusterkopfpeerings"]
 
 
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_the_operator_may_patch_only_its_own_kopf_peering(value_set: str) -> None:
+    patching = [
+        rule
+        for rule in all_rules(render(value_set))
+        if "patch" in rule["verbs"] and set(rule["resources"]) & {"kopfpeerings", "clusterkopfpeerings"}
+    ]
+    assert all(rule.get("resourceNames") == [RELEASE] for rule in patching)
+    assert bool(patching) == (value_set != "monitoring")  # that set turns peering off
+
+
 def test_namespaced_install_grants_job_permissions_only_in_the_watched_namespaces() -> None:
     docs = render("namespaced")
     roles = find(docs, "Role")

@@ -61,7 +61,12 @@ ServiceAccount. docs/install.md lists why each rule exists.
 {{- define "sftjob.namespacedPeeringRules" -}}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
-  verbs: ["list", "watch", "patch"]
+  verbs: ["list", "watch"]
+# Its keep-alives go to its own peering only, never to another kopf operator's.
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  resourceNames: [{{ include "sftjob.peeringName" . | quote }}]
+  verbs: ["patch"]
 {{- end }}
 
 {{/* Cluster-scoped reads, needed in both scopes. */}}
@@ -89,5 +94,10 @@ ServiceAccount. docs/install.md lists why each rule exists.
 {{- define "sftjob.clusterPeeringRules" -}}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
-  verbs: ["list", "watch", "patch"]
+  verbs: ["list", "watch"]
+# Its keep-alives go to its own peering only, never to another kopf operator's.
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  resourceNames: [{{ include "sftjob.peeringName" . | quote }}]
+  verbs: ["patch"]
 {{- end }}
