@@ -1,6 +1,6 @@
 """The ``sftjob`` command: plan a fine-tuning job per GPU type without a cluster, list the GPU table.
 
-    sftjob plan -f sftjob.yaml [--gpu L40S] [--gpus 2 --seq 4096 ...]
+    sftjob plan -f sftjob.yaml [--gpu L40S] [--gpus 2 --seq 4096 ...]   (-f -: standard input)
     sftjob plan --model meta-llama/Llama-3.1-8B --method lora --gpu A40 [--gpus 2] [--seq 4096]
     sftjob gpus
 
@@ -8,7 +8,8 @@
 applied over it; or from the flags alone), validates it as admission does and plans it with the
 operator's own function (``job_plan``) for the GPU types the job allows unless ``--gpu`` names others.
 It exits 1 when the job fits on none of the GPU types shown or (with ``-f``) its checkpoint claim is too
-small for it, 2 on bad input, with the flag or the spec field to fix named.
+small for it, 2 on bad input, with the flag or the spec field to fix named, and on an unexpected error
+(never 1, which says nothing fits). The file is read as kubectl reads it (:mod:`sftjob.cli_input`).
 """
 
 from __future__ import annotations
@@ -18,27 +19,19 @@ import copy
 import dataclasses
 import json
 import os
-import re
 import sys
-from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
-from sftjob import constants as c
 from sftjob.architectures import Architecture
+from sftjob.cli_input import InputError, read_spec, source
 from sftjob.gpu_products import cards_for_job, cards_for_types, default_products, selector_problem
 from sftjob.gpus import GPU_TYPES, PROFILES, GpuProfile, profile_for_key
 from sftjob.job_plan import memory_problem, plan_job
+from sftjob.model_shapes import known_architecture
 from sftjob.plan_table import plan_json, render_gpus, render_plans
-from sftjob.spec import (
-    ANY_ORDER,
-    MAX_JOB_NAME,
-    SFTJobSpec,
-    to_plan_request,
-    valid_job_name,
-)
+from sftjob.spec import ANY_ORDER, SFTJobSpec, to_plan_request
 from sftjob.spec_rules import batch_problem, packing_problem, tensorboard_problem
 from sftjob.storage import too_small
 
@@ -60,66 +53,11 @@ FLAG_FIELDS: dict[str, str] = {
 FLAGS_DATASET = "none"
 UNNAMED_MODEL = "unnamed-model"
 
-
-GENERATED_SUFFIX = 5  # characters the API server appends to metadata.generateName
 # `sftjob plan` knows the built-in default of an unset spec.checkpoints.size, not the operator's.
 BUILT_IN_DEFAULT_CLAIM = (
     "the built-in default checkpoint claim {size} (the operator's may differ: its --checkpoint-size flag,"
     " the Helm value defaults.checkpoints.size)"
 )
-
-
-class InputError(Exception):
-    """Bad command-line or YAML input, with a message naming the flag or the field."""
-
-
-class _KubectlLoader(yaml.SafeLoader):
-    """YAML read into the numbers kubectl sends the API server: ``2e-4`` is a number (YAML 1.2; PyYAML's
-    YAML 1.1 wants a dot and makes it a string) and a whole number is an integer (``4096.0`` is sent as
-    ``4096``), so the types the spec is then strictly checked for are the ones the API server sees."""
-
-
-def _number(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int | float:
-    value = loader.construct_yaml_float(node)
-    return int(value) if value.is_integer() else value
-
-
-_KubectlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-    list("-+.0123456789"),
-)
-_KubectlLoader.add_constructor("tag:yaml.org,2002:float", _number)
-
-
-def _read_spec(path: str) -> dict[str, Any]:
-    """The spec in a YAML file holding a whole SFTJob (its kind, apiVersion and name checked as the API
-    server checks them) or just its spec."""
-    try:
-        doc = yaml.load(Path(path).read_text(), Loader=_KubectlLoader)
-    except (OSError, yaml.YAMLError) as e:
-        raise InputError(f"cannot read {path}: {e}") from e
-    if isinstance(doc, dict) and ("kind" in doc or "apiVersion" in doc):
-        api_version = f"{c.API_GROUP}/{c.API_VERSION}"
-        if doc.get("kind") != c.KIND or doc.get("apiVersion") != api_version:
-            raise InputError(
-                f"{path}: kind {doc.get('kind')!r}, apiVersion {doc.get('apiVersion')!r}: expected kind"
-                f" {c.KIND}, apiVersion {api_version} (one object per file)"
-            )
-        metadata = doc.get("metadata") or {}
-        name = metadata.get("name")
-        prefix = metadata.get("generateName")
-        if name is None and isinstance(prefix, str):  # the API server appends 5 characters
-            name = prefix + "x" * GENERATED_SUFFIX
-        if not isinstance(name, str) or not valid_job_name(name):
-            raise InputError(
-                f"{path}: metadata.name {name!r}: at most {MAX_JOB_NAME} characters, a lowercase letter"
-                " first, then lowercase letters, digits and '-' (pods are named <job>-<attempt>-<rank>)"
-            )
-    spec = doc.get("spec", doc) if isinstance(doc, dict) else None
-    if not isinstance(spec, dict):
-        raise InputError(f"{path}: expected an SFTJob object")
-    return spec
 
 
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -144,12 +82,12 @@ def _with_flags(spec: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
         doc["model"] = {}
     for flag, value in flags.items():
         *parents, leaf = FLAG_FIELDS[flag].split(".")[1:]
-        node = doc
-        for key in parents:
-            if not isinstance(node.get(key), dict):
-                node[key] = {}
-            node = node[key]
-        node[leaf] = value
+        parent: Any = doc
+        for key in parents:  # a missing block is made; a malformed one (gpu: L40S) is left to validation
+            if isinstance(parent, dict):
+                parent = parent.setdefault(key, {})
+        if isinstance(parent, dict):
+            parent[leaf] = value
     return doc
 
 
@@ -177,7 +115,7 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
     the flags whose names they use for the fields the flags set."""
     flags = _flags(args)
     if args.file:
-        doc, where, named = _with_flags(_read_spec(args.file), flags), f"{args.file}: ", list(flags)
+        doc, where, named = _with_flags(read_spec(args.file), flags), f"{source(args.file)}: ", list(flags)
     elif "--model" in flags or "--parameters" in flags:
         model = {"name": flags.get("--model", UNNAMED_MODEL)}
         doc = _with_flags({"model": model, "dataset": {"name": FLAGS_DATASET}}, flags)
@@ -199,6 +137,13 @@ def _spec(args: argparse.Namespace) -> tuple[SFTJobSpec, str, list[str]]:
 def _warnings(spec: SFTJobSpec, architecture: Architecture) -> list[str]:
     """What admission lets through but the job will not do as written."""
     found: list[str] = []
+    model = spec.model.name or spec.model.path or ""
+    known = known_architecture(model) if spec.model.architecture is None else None
+    if spec.model.parameters is not None and known is not None:  # the planner takes the built-in shape
+        found.append(
+            f"spec.model.parameters {spec.model.parameters} is ignored: {model} is planned as the built-in"
+            f" {known.name} ({known.parameters / 1e9:.2f}B params)"
+        )
     if spec.method == "full" and "lora" in spec.model_fields_set:
         found.append("spec.lora is ignored: method full trains every weight of the model, with no adapters")
     targets = spec.lora.target_modules
@@ -256,7 +201,7 @@ def _parser() -> argparse.ArgumentParser:
         help="plan a job per GPU type: memory breakdown, fit verdict, settings",
         description="Plan an SFTJob (-f) or one described by flags; with -f the flags override the file.",
     )
-    p.add_argument("-f", "--file", help="SFTJob YAML file")
+    p.add_argument("-f", "--file", help="SFTJob YAML file (or its spec); - reads standard input")
     p.add_argument("--model", help="hub id, e.g. meta-llama/Llama-3.1-8B (spec.model, replaced whole)")
     p.add_argument("--parameters", type=int, help="spec.model.parameters: the size of a model not built in")
     p.add_argument("--method", choices=["lora", "qlora", "full"], help="spec.method (default lora)")
@@ -305,7 +250,7 @@ def _plan_command(args: argparse.Namespace) -> int:
     short = next((problem for g in fitting if (problem := memory_problem(spec, g))), None)
     for warning in [short, *_warnings(spec, request.architecture)]:
         if warning:
-            print(f"sftjob: warning: {warning}", file=sys.stderr)
+            print(f"sftjob: warning: {_name_flags(warning, named)}", file=sys.stderr)
     volume = too_small(spec, plans[0], BUILT_IN_DEFAULT_CLAIM) if args.file else None
     if volume is not None:  # the operator would fail the job at admission for it
         print(f"sftjob: {volume}", file=sys.stderr)
@@ -329,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `sftjob plan ... | head` closed the pipe: end quietly, as a SIGPIPE would
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_CLOSED_PIPE
+    except Exception as e:  # a bug: exit 1 would say the job fits nowhere
+        print(f"sftjob: error: unexpected {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def batch_problem(spec: SFTJobSpec) -> str | None:
     if t.global_batch_size % gpus:
         return (
             f"spec.training.globalBatchSize {t.global_batch_size} is not divisible by the job's {gpus} GPUs"
-            " (gpu.count x gpu.nodes)"
+            " (spec.gpu.count x spec.gpu.nodes)"
         )
     if t.micro_batch_size is not None and (t.global_batch_size // gpus) % t.micro_batch_size:
         return (

@@ -3,8 +3,14 @@
 import json
 
 import pytest
+import yaml
 
 from sftjob.cli import main
+from sftjob.gpu_products import default_products
+from sftjob.gpus import profile_for_key
+from sftjob.plan_table import plan_json
+from sftjob.spec import SFTJobSpec
+from sftjob_operator.planning import plan_candidates
 
 JOB = """
 apiVersion: sftjob.io/v1alpha1
@@ -177,11 +183,17 @@ def test_a_jobs_preferred_gpu_types_are_the_ones_planned(tmp_path, capsys):
 
 
 def test_a_jobs_packing_length_and_resources_plan_as_the_operator_would(tmp_path, capsys):
-    job = tmp_path / "job.yaml"
     training = "training: {globalBatchSize: 16, learningRate: 0.0001, packingLength: 1024}"
-    job.write_text(JOB.replace("training: {globalBatchSize: 16, learningRate: 0.0001}", training))
-    code, out, _ = run(capsys, "plan", "-f", str(job), "-o", "json")
-    assert code == 0 and json.loads(out)[0]["packingLength"] == 1024
+    document = JOB.replace("training: {globalBatchSize: 16, learningRate: 0.0001}", training)
+    document += "  resources: {cpu: 6, memory: 40Gi}\n"
+    code, out, err = _plan_file(tmp_path, capsys, document)
+    (cli,) = json.loads(out)
+    spec = SFTJobSpec.model_validate(yaml.safe_load(document)["spec"])
+    operators = plan_candidates(spec, default_products()).plans["L40S"]
+    assert code == 0 and (cli["packingLength"], cli["podMemory"]) == (1024, "40Gi"), err
+    assert cli == json.loads(
+        json.dumps(plan_json(operators, spec.method, profile_for_key("L40S").memory_gib))
+    )
 
 
 def test_a_spec_admission_would_refuse_is_an_input_error_naming_the_field(tmp_path, capsys):
@@ -242,6 +254,16 @@ def test_a_size_given_for_a_model_of_the_built_in_table_is_said_to_be_ignored(ca
     assert code == 0 and "spec.model.parameters ignored, 8.03B params" in out
 
 
+def test_a_size_the_planner_ignores_is_warned_about_on_stderr_in_json_too(capsys):
+    flags = ("--model", "meta-llama/Llama-3.1-8B", "--parameters", "70000000000", "-o", "json")
+    code, out, err = run(capsys, "plan", *flags)
+    assert code == 0 and json.loads(out)
+    assert (
+        "sftjob: warning: --parameters 70000000000 is ignored: meta-llama/Llama-3.1-8B is planned as the"
+        " built-in Llama 3.x 8B (8.03B params)"
+    ) in err
+
+
 def test_capacity_is_the_usable_budget_as_in_the_status_and_card_is_the_cards_memory(capsys):
     code, out, _ = run(
         capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", "--gpu", "A800-SXM4-80GB", "-o", "json"
@@ -295,6 +317,33 @@ def test_flags_get_the_specs_checks_and_errors_name_the_flag(capsys, flags, name
     code, _, err = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B", *flags)
     assert code == 2 and named in err
     assert "spec." not in err and "gpus_per_node" not in err and "max_seq_length" not in err
+
+
+def test_a_flag_leaves_a_malformed_block_of_the_file_for_validation_to_refuse(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.replace("gpu: {type: L40S, count: 1}", "gpu: L40S"))
+    code, out, err = run(capsys, "plan", "-f", str(job), "--gpus", "2")
+    assert code == 2 and out == "" and "job.yaml: spec.gpu: Input should be an object" in err
+
+
+def test_a_batch_the_gpus_cannot_split_names_the_flag_that_set_their_count(tmp_path, capsys):
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB)
+    code, _, err = run(capsys, "plan", "-f", str(job), "--gpus", "3")
+    assert code == 2
+    assert (
+        "spec.training.globalBatchSize 16 is not divisible by the job's 3 GPUs (--gpus x spec.gpu.nodes)"
+        in err
+    )
+
+
+def test_an_unexpected_error_exits_2_in_one_line_not_1_which_says_nothing_fits(monkeypatch, capsys):
+    def broken(*_):
+        raise RuntimeError("planner\nbroke")
+
+    monkeypatch.setattr("sftjob.cli.plan_job", broken)
+    code, out, err = run(capsys, "plan", "--model", "meta-llama/Llama-3.1-8B")
+    assert (code, out, err) == (2, "", "sftjob: error: unexpected RuntimeError: planner broke\n")
 
 
 def test_a_flag_that_breaks_the_file_is_named_beside_the_files_field(tmp_path, capsys):
