@@ -82,6 +82,10 @@ def trainer_account_name(job: str) -> str:
     return f"{job}-trainer"
 
 
+def network_policy_name(job: str) -> str:
+    return f"{job}-trainers"
+
+
 def owner_reference(job: JobRef) -> Manifest:
     return {
         "apiVersion": f"{c.API_GROUP}/{c.API_VERSION}",
@@ -230,6 +234,27 @@ def rendezvous_service(job: JobRef) -> Manifest:
             "publishNotReadyAddresses": True,
             "selector": {c.LABEL_JOB: job.name, c.LABEL_CONTROLLER_UID: job.uid},
             "ports": [{"name": "rendezvous", "port": c.TORCHRUN_PORT, "targetPort": c.TORCHRUN_PORT}],
+        },
+    }
+
+
+def network_policy(job: JobRef) -> Manifest:
+    """The job's trainer pods accept connections only from each other (torchrun's store on rank 0 and
+    NCCL's sockets take no credentials: PyTorch supports them on a trusted network only) and, from
+    anywhere, on the metrics port the scraper reads. Ingress only; a cluster whose network plugin does not
+    enforce NetworkPolicies ignores it."""
+    trainers = {c.LABEL_JOB: job.name, c.LABEL_CONTROLLER_UID: job.uid}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(job, network_policy_name(job.name)),
+        "spec": {
+            "podSelector": {"matchLabels": trainers},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": trainers}}]},
+                {"ports": [{"protocol": "TCP", "port": c.TRAINER_METRICS_PORT}]},
+            ],
         },
     }
 

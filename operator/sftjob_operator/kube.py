@@ -105,6 +105,7 @@ class Kube:
     def __init__(self, api: client.ApiClient) -> None:
         self.core = client.CoreV1Api(api)
         self.rbac = client.RbacAuthorizationV1Api(api)
+        self.networking = client.NetworkingV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self.executor = ThreadPoolExecutor(API_CONCURRENCY, thread_name_prefix="sftjob-api")
         self.workloads_forbidden = False  # said once: a warning per pass would flood the log
@@ -274,11 +275,11 @@ class Kube:
         return True
 
     def _verbs(self, kind: str) -> _Verbs:
-        api = self.rbac if kind in ("Role", "RoleBinding") else self.core
-        snake = _SNAKE[kind]
+        api, snake = getattr(self, _API.get(kind, "core")), _SNAKE[kind]
         return _Verbs(*(getattr(api, f"{verb}_namespaced_{snake}") for verb in ("create", "read", "patch")))
 
 
+_API = {"Role": "rbac", "RoleBinding": "rbac", "NetworkPolicy": "networking"}  # the others: core
 _SNAKE = {
     "ConfigMap": "config_map",
     "Pod": "pod",
@@ -287,6 +288,7 @@ _SNAKE = {
     "PersistentVolumeClaim": "persistent_volume_claim",
     "Role": "role",
     "RoleBinding": "role_binding",
+    "NetworkPolicy": "network_policy",
 }
 _STATUS_KEYS = frozenset(f.alias or n for n, f in SFTJobStatus.model_fields.items())
 

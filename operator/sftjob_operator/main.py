@@ -97,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated Secrets (in each job's namespace) trainer pods pull their image with",
     )
     p.add_argument(
+        "--trainer-network-policy",
+        action=argparse.BooleanOptionalAction,
+        default=env("SFTJOB_TRAINER_NETWORK_POLICY", "true"),
+        help="give each job a NetworkPolicy that lets only its own pods (and, on the metrics port, anyone)"
+        " reach its trainers; SFTJOB_TRAINER_NETWORK_POLICY: true or false",
+    )
+    p.add_argument(
         "--gpu-products",
         default=env("SFTJOB_GPU_PRODUCTS"),
         help="JSON object (or @file) mapping GPU type to nvidia.com/gpu.product labels",
@@ -176,6 +183,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--trainer-image-pull-secrets / SFTJOB_TRAINER_IMAGE_PULL_SECRETS must be comma-separated "
             f"Secret names (lowercase DNS subdomains), got {', '.join(map(repr, bad))}"
         )
+    if isinstance(args.trainer_network_policy, str):  # not given as a flag: the environment's text
+        if args.trainer_network_policy.strip().lower() not in ("true", "false"):
+            p.error(
+                f"SFTJOB_TRAINER_NETWORK_POLICY must be true or false, got {args.trainer_network_policy!r}"
+            )
+        args.trainer_network_policy = args.trainer_network_policy.strip().lower() == "true"
     if not re.fullmatch(IMAGE, args.image):
         p.error(
             f"--image / SFTJOB_TRAINER_IMAGE must be an image reference without spaces, got {args.image!r}"
@@ -262,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         image=args.image,
         image_min_driver_major=args.image_min_driver_major or None,
         trainer_image_pull_secrets=args.trainer_image_pull_secrets,
+        trainer_network_policy=args.trainer_network_policy,
         defaults=args.defaults,
     )
     api = connect()

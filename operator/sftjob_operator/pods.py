@@ -27,6 +27,7 @@ from sftjob_operator.builders import (
     checkpoint_pvc,
     config_map,
     config_map_name,
+    network_policy,
     pod_name,
     pvc_name,
     rendezvous_service,
@@ -71,11 +72,15 @@ def attempt_children(
     image: str,
     ranks: Sequence[int],
     image_pull_secrets: Sequence[str] = (),
+    isolated: bool = True,
 ) -> list[Manifest]:
-    """Everything attempt ``job.attempt`` needs, in creation order (pods last, only those of ``ranks``)."""
+    """Everything attempt ``job.attempt`` needs, in creation order (pods last, only those of ``ranks``);
+    ``isolated``: with the NetworkPolicy that lets only the job's own pods reach its trainers."""
     pod_names = [pod_name(job.name, job.attempt, r) for r in range(spec.gpu.nodes)]
     account = service_account(job, image_pull_secrets)
     out = [account, role(job, pod_names), role_binding(job), config_map(job, spec, plans)]
+    if isolated:
+        out.append(network_policy(job))
     if spec.checkpoints.volume is None:
         out.append(checkpoint_pvc(job, spec))
     if spec.gpu.nodes > 1:

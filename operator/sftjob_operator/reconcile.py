@@ -425,7 +425,7 @@ class _Pass(JobPass):
         )  # fmt: skip
         return pods.attempt_children(
             job, spec, attempt.plans, affinity=affinity, image=spec.image or ctx.image, ranks=ranks,
-            image_pull_secrets=ctx.trainer_image_pull_secrets,
+            image_pull_secrets=ctx.trainer_image_pull_secrets, isolated=ctx.trainer_network_policy,
         )  # fmt: skip
 
     def all_bound_once(self, spec: SFTJobSpec) -> bool:

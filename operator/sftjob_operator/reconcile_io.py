@@ -54,6 +54,8 @@ class Context:
     image_min_driver_major: int | None = None
     # Secrets every trainer pod pulls its image with (its ServiceAccount's imagePullSecrets).
     trainer_image_pull_secrets: tuple[str, ...] = ()
+    # Each job's trainers reachable only from its own pods (and on the metrics port): a NetworkPolicy.
+    trainer_network_policy: bool = True
     plan_fn: PlanFn = planner_plan
     attempt_policy: AttemptPolicy = restarts.next_attempt
     final_failure: FinalFailure = restarts.final_failure

@@ -420,6 +420,10 @@ def test_the_charts_defaults_reach_the_jobs(cluster: Cluster, release: Release, 
         assert pod["spec"]["imagePullSecrets"] == [{"name": PULL_SECRET}]
         claims = cluster.kubectl_json("-n", namespace, "get", "pvc", "-o", "json")["items"]
         assert [pvc["spec"]["resources"]["requests"]["storage"] for pvc in claims] == [CHECKPOINT_SIZE]
+        # trainerNetworkPolicy.enabled (on by default): only the job's own pods reach its trainers.
+        policy = cluster.kubectl_json("-n", namespace, "get", "networkpolicy", "defaults-trainers")
+        selected = policy["spec"]["podSelector"]["matchLabels"]
+        assert selected.items() <= pod["metadata"]["labels"].items()
     finally:
         process.terminate()
         process.wait(30)

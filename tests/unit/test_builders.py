@@ -98,6 +98,26 @@ def test_multi_node_pods_meet_at_rank_zero_through_the_headless_service() -> Non
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
 
 
+def test_only_the_jobs_own_pods_reach_its_trainers_but_anyone_may_scrape_their_metrics() -> None:
+    s = spec(gpu={"type": "A800", "count": 4, "nodes": 2})
+    plans = plan_candidates(s, default_products(), fake_plan)
+    children = pods.attempt_children(JOB, s, plans, affinity={}, image="trainer:test", ranks=[0, 1])
+    (policy,) = [m for m in children if m["kind"] == "NetworkPolicy"]
+    trainers = {c.LABEL_JOB: "llama", c.LABEL_CONTROLLER_UID: "uid-1"}  # the pods' own labels
+    assert all(trainers.items() <= m["metadata"]["labels"].items() for m in children if m["kind"] == "Pod")
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # deleted with the job
+    assert policy["spec"] == {
+        "podSelector": {"matchLabels": trainers},
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [{"podSelector": {"matchLabels": trainers}}]},
+            {"ports": [{"protocol": "TCP", "port": c.TRAINER_METRICS_PORT}]},
+        ],
+    }
+    unguarded = pods.attempt_children(JOB, s, plans, affinity={}, image="t", ranks=[0], isolated=False)
+    assert "NetworkPolicy" not in {m["kind"] for m in unguarded}
+
+
 def test_a_pod_requests_its_gpus_tolerates_the_gpu_taint_and_never_restarts_itself() -> None:
     p = pod(spec(gpu={"type": "L40S", "count": 2}))
     resources = p["spec"]["containers"][0]["resources"]

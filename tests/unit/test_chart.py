@@ -256,6 +256,7 @@ def test_chart_defaults_are_the_operators_own_defaults() -> None:
         "SFTJOB_TRAINER_IMAGE": c.DEFAULT_TRAINER_IMAGE,
         "SFTJOB_IMAGE_MIN_DRIVER_MAJOR": str(c.MIN_DRIVER_MAJOR),
         "SFTJOB_TRAINER_IMAGE_PULL_SECRETS": "",
+        "SFTJOB_TRAINER_NETWORK_POLICY": "true",
         "SFTJOB_CHECKPOINT_STORAGE_CLASS": "",
         "SFTJOB_CHECKPOINT_SIZE": CheckpointSpec().size,
         "SFTJOB_MAX_RESTARTS": str(policy.max_restarts),

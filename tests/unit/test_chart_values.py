@@ -27,6 +27,7 @@ VARIABLES = {
     "defaults.trainerImage": "SFTJOB_TRAINER_IMAGE",
     "defaults.trainerImageMinDriverMajor": "SFTJOB_IMAGE_MIN_DRIVER_MAJOR",
     "defaults.trainerImagePullSecrets": "SFTJOB_TRAINER_IMAGE_PULL_SECRETS",
+    "trainerNetworkPolicy.enabled": "SFTJOB_TRAINER_NETWORK_POLICY",
 }
 # (--set value, whether the operator starts with it)
 CASES = [
@@ -54,6 +55,8 @@ CASES = [
     ("defaults.trainerImageMinDriverMajor=-1", False),
     ("defaults.trainerImagePullSecrets={regcred,mirror.example.com}", True),
     ("defaults.trainerImagePullSecrets=Reg_Cred", False),  # a string, not a list: the schema says so
+    ("trainerNetworkPolicy.enabled=false", True),
+    ("trainerNetworkPolicy.enabled=maybe", False),
 ]
 
 
@@ -104,3 +107,16 @@ def test_trainer_pull_secrets_reach_the_operator_as_the_list_of_names_it_parses(
     (value,) = [e["value"] for e in container["env"] if e["name"] == variable]
     monkeypatch.setenv(variable, value)
     assert parse_args([]).trainer_image_pull_secrets == ("regcred", "mirror.example.com")
+
+
+@pytest.mark.parametrize(("enabled", "isolated"), [("true", True), ("false", False)])
+def test_the_network_policy_value_reaches_the_operator_as_the_switch_it_parses(
+    enabled: str, isolated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rendered = helm(*template_args(sets=(f"trainerNetworkPolicy.enabled={enabled}",)))
+    deployment = next(d for d in yaml.safe_load_all(rendered.stdout) if d and d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (value,) = [e["value"] for e in container["env"] if e["name"] == "SFTJOB_TRAINER_NETWORK_POLICY"]
+    monkeypatch.setenv("SFTJOB_TRAINER_NETWORK_POLICY", value)
+    assert parse_args([]).trainer_network_policy is isolated
+    assert parse_args(["--no-trainer-network-policy"]).trainer_network_policy is False  # the flag wins

@@ -35,7 +35,7 @@ def test_a_new_job_records_attempt_one_before_creating_its_children_in_order() -
     _, actions = started()
     assert actions.status.attempt == 1 and actions.status.phase == "Pending" and actions.status_changed
     assert [m["kind"] for m in actions.children] == [
-        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PersistentVolumeClaim", "Pod",
+        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy", "PersistentVolumeClaim", "Pod",
     ]  # fmt: skip
     assert actions.children[-1]["metadata"]["name"] == "job-1-0"
     assert [e.reason for e in actions.events] == ["PodsCreated"]

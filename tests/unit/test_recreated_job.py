@@ -153,7 +153,8 @@ def test_the_role_binding_is_created_after_its_role_and_the_pods_after_both(
     api = kube()
     assert run_pass(api, []) is None
     assert api.created[-2:] == ["RoleBinding", "Pod"]
-    assert set(api.created[:-2]) == {"ServiceAccount", "Role", "ConfigMap", "PersistentVolumeClaim"}
+    first = {"ServiceAccount", "Role", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"}
+    assert set(api.created[:-2]) == first
 
 
 def test_a_role_that_could_not_be_created_holds_back_its_binding_and_the_pods(

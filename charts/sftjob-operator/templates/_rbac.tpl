@@ -46,6 +46,10 @@ ServiceAccount. docs/install.md lists why each rule exists.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["rolebindings"]
   verbs: ["create", "get"]
+# Each job's NetworkPolicy (trainerNetworkPolicy.enabled): only its own pods reach its trainers.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "get"]
 # Kueue's Workload of an attempt its queue holds (spec.queueName): read to say why it waits (the quota it
 # lacks, a LocalQueue that does not exist). Without Kueue the read finds nothing and the reason is left out.
 - apiGroups: ["kueue.x-k8s.io"]
