@@ -1,6 +1,6 @@
 """The trainer throughput benchmark's results: the verdicts on each row (ratio to the seed config, MFU
-target, peak memory against the planner's estimate and the card) and the files: JSON, a Markdown table,
-a PNG chart.
+target, peak memory against the planner's estimate and the card), or why a row gets none, and the files:
+JSON, a Markdown table, a PNG chart.
 
 Every file records the GPU, driver, library versions and the exact command, so a number can be traced
 back to how it was measured.
@@ -29,6 +29,11 @@ from sftjob_trainer.preflight import read_driver_info
 TARGETS = {("1.1B", "full", 80.0): 0.55, ("1.1B", "full", 46.0): 0.50, ("7B", "lora", 46.0): 0.50}
 # Issue 4: a planned config's measured peak memory lies within this fraction of the estimate.
 ESTIMATE_TOLERANCE = 0.15
+# A run cut off by the time limit is judged on its finished steps from this many on: the optimizer's
+# states exist from the end of the first, so the second is the first to reach the steady peak.
+PEAK_STEPS = 2
+# What liger_kernels_in calls Liger's loss: no logits in memory, as a plan with Liger is estimated.
+LIGER_LOSS = "fused linear cross-entropy"
 # What finish_rows derives; cleared first, so rows copied between runs or finished twice stay right.
 DERIVED = (
     "ratioToSeed",
@@ -39,12 +44,15 @@ DERIVED = (
     "targetMfu",
     "meetsTarget",
     "verdict",
+    "notJudged",
 )
 
 
 def finish_rows(rows: list[dict[str, Any]]) -> None:
     """Ratio to the seed config of the same model and method in the same run; for planned rows the peak
-    against the planner's estimate, whether it fits the card planned for, and the MFU target's verdict."""
+    against the planner's estimate, whether it fits the card planned for, and the MFU target's verdict.
+    Only rows with numbers (``ok``, or ``partial``: cut off by the time limit) are judged, and of those
+    not the ones whose numbers say nothing about the plan: ``notJudged`` says why."""
     seeds = {(r["model"], r["method"]): r.get("tokensPerSecond") for r in rows if r["config"] == "seed"}
     for r in rows:
         for key in DERIVED:
@@ -53,12 +61,26 @@ def finish_rows(rows: list[dict[str, Any]]) -> None:
         r["ratioToSeed"] = (
             round(r["tokensPerSecond"] / seed, 2) if seed and r.get("tokensPerSecond") else None
         )
+        if r.get("status") not in ("ok", "partial"):  # an OOM's peak is only what came before it
+            continue
+        if reason := _not_judged(r):
+            r["notJudged"] = reason
+            continue
         estimate, measured = r.get("predictedAllocatorGiB"), r.get("peakGiB")
         if estimate and measured:
             r["peakVsEstimate"] = round(measured / estimate - 1, 3)
             r["withinEstimate"] = abs(r["peakVsEstimate"]) <= ESTIMATE_TOLERANCE
         if r["config"] == "planned":
             _judge_plan(r)
+
+
+def _not_judged(r: dict[str, Any]) -> str | None:
+    """Why a measured row's numbers say nothing about its plan (its estimate, card and MFU target)."""
+    if r.get("predictedAllocatorGiB") and r.get("liger") and LIGER_LOSS not in (r.get("ligerKernels") or []):
+        return "planned with Liger, ran without its fused linear cross-entropy"
+    if r.get("status") == "partial" and r.get("stepsDone", 0) < PEAK_STEPS:
+        return f"cut off before step {PEAK_STEPS} ended, the first at the full peak"
+    return None
 
 
 def _judge_plan(r: dict[str, Any]) -> None:
@@ -135,6 +157,8 @@ COLUMNS = (
     ("fitsCard", "fits card"),
     ("ratioToSeed", "x seed"),
     ("verdict", "MFU target"),
+    ("notJudged", "not judged"),
+    ("workload", "workload"),
     ("status", "status"),
     ("note", "note"),
 )
@@ -166,7 +190,7 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, s
         f"Command: `{meta['command']}`; driver {meta['driver']}, CUDA {meta['cuda']},"
         f" {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}; bf16 matmul peak"
         f" {meta['matmulPeakTflops']} TFLOP/s; {meta['steps']} steps,"
-        f" first {meta['discardedSteps']} discarded.",
+        f" first {meta['discardedSteps']} discarded; workload {meta['workload']}.",
         "",
         "| " + " | ".join(title for _, title in COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

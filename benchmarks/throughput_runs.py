@@ -1,9 +1,12 @@
-"""Which configurations the trainer throughput benchmark runs, on which model shapes, in each mode.
+"""Which configurations the trainer throughput benchmark runs, on which model shapes and samples, in
+each mode, and the training settings each one trains with.
 
 Each model and method gets the seed guide's settings (``seed``), plain tuning with and without Liger
 (``plain``, ``plain+liger``) and the planner's plan for A800 at 80 GiB and for A40/L40S under a 46 GiB
 per-process cap (``planned``). Modes set the step counts and sample sizes: ``tiny`` for the CPU (CI),
-``quick`` and ``full`` for a GPU, ``plans`` for the planned rows' 20-step memory check.
+``quick`` and ``full`` for a GPU, ``plans`` for the planned rows' 20-step memory check. Workloads set the
+synthetic samples' length range and the LoRA dropout: issue 8's (8..4,096 tokens, the trainer's default
+dropout 0.05) or the anchors' (32..2,048, dropout 0) for rows compared with them like for like.
 
 The caps are the anchors' (shared/research/h200-anchors.md ran under 46 GiB), a little above the cards'
 own capacity (A40 44.35, L40S 44.42, A800 79.15 GiB): planned rows say apart whether their peak fits the
@@ -13,13 +16,43 @@ card itself (``fitsCard``, throughput_results).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from sftjob.architectures import Architecture
-from sftjob.config import LoraSettings, Method
+from sftjob.candidates import PlanRequest
+from sftjob.config import LoraSettings, Method, TrainingOverrides, TrainingSettings
+from sftjob.gpus import profile_for_type
 from sftjob.model_shapes import known_architecture
+from sftjob.planner import plan
 
 GLOBAL_BATCH = 32  # the seed guide's 4 x 8, and the global batch issue 8's MFU targets are for
-LORA = LoraSettings(r=16, alpha=32, dropout=0.05, target_modules="all-linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The synthetic samples' length range (log-normal around the mode's median, clipped) and the LoRA
+    adapters' dropout (r 16, alpha 32, every linear layer)."""
+
+    name: str
+    shortest: int
+    longest: int
+    lora_dropout: float
+
+    @property
+    def lora(self) -> LoraSettings:
+        return LoraSettings(r=16, alpha=32, dropout=self.lora_dropout, target_modules="all-linear")
+
+    def describe(self) -> str:
+        return f"{self.name}: lengths {self.shortest}..{self.longest}, LoRA dropout {self.lora_dropout:g}"
+
+
+WORKLOADS = {
+    # Issue 8's: lengths up to 4,096; the dropout a job gets when its spec names none (sftjob.config).
+    "issue": Workload("issue", 8, 4096, 0.05),
+    # shared/research/h200-anchors.md: lengths "clipped to 32..2048"; its LoRA rows name no dropout, so
+    # peft's LoraConfig default, 0 (dropout alone costs ~5% tokens/s: benchmarks/planner/README.md).
+    "anchors": Workload("anchors", 32, 2048, 0.0),
+}
 
 
 def _known(model: str) -> Architecture:
@@ -89,10 +122,18 @@ class Mode:
     steps: int
     discard: int
     max_accumulation: int | None
-    seq: int  # longest sample = packed row length
+    seq: int  # packed row length, so no sample is longer
     median: int
     samples: int
     global_batch: int = GLOBAL_BATCH  # what the planned rows ask the planner for
+    workload: Workload = WORKLOADS["issue"]
+
+    def with_workload(self, name: str) -> Mode:
+        """The mode on the named workload, its samples no longer than the mode's packed rows."""
+        workload = WORKLOADS[name]
+        return dataclasses.replace(
+            self, workload=dataclasses.replace(workload, longest=min(workload.longest, self.seq))
+        )
 
 
 MODES = {
@@ -102,3 +143,76 @@ MODES = {
     # 20 steps at global batch 8 (so a 7B step is seconds, not tens): micro-batch and memory as at 32.
     "plans": Mode(PLANNED_RUNS, 20, 4, None, 4096, 300, 4000, 8),
 }
+
+
+def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]]:
+    """The run's training settings, and planner details for planned rows."""
+    if run.config == "seed":  # the seed guide's TrainingArguments: fp16, 4 x 8, pad to the longest
+        return TrainingSettings(
+            precision="fp16",
+            micro_batch_size=4,
+            gradient_accumulation_steps=8,
+            global_batch_size=32,
+            packing=False,
+            learning_rate=2e-5,
+            weight_decay=0.01,
+            tf32=False,
+            dataloader_workers=0,
+        ), {}
+    if run.config.startswith("plain"):
+        return TrainingSettings(
+            precision="bf16",
+            micro_batch_size=run.micro,
+            gradient_accumulation_steps=run.accumulation,
+            global_batch_size=run.micro * run.accumulation,
+            packing=True,
+            packing_length=mode.seq,
+            liger_kernels=run.config == "plain+liger",
+            dataloader_workers=0,
+        ), {}
+    request = PlanRequest(
+        architecture=SHAPES[run.model],
+        method=run.method,
+        lora=mode.workload.lora,
+        max_seq_length=mode.seq,
+        overrides=TrainingOverrides(global_batch_size=mode.global_batch),
+    )
+    chosen = plan(request, profile_for_type(run.plan_for or "A800"))
+    outside_allocator = sum(t.gib for t in chosen.memory.terms if t.name == "overhead")
+    details = {
+        "planFits": chosen.fits,
+        "predictedPeakGiB": round(chosen.memory.total_gib, 1),
+        # What max_memory_allocated() can see: the estimate without the CUDA context and slack.
+        "predictedAllocatorGiB": round(chosen.memory.total_gib - outside_allocator, 2),
+        "plannedGlobalBatch": chosen.training.global_batch_size,
+        "planSummary": chosen.summary(),
+        "requestedGlobalBatch": mode.global_batch,
+    }
+    return chosen.training.model_copy(update={"dataloader_workers": 0}), details
+
+
+def configure(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]]:
+    """What the run trains with (its settings, accumulation capped to the mode's limit) and the row's
+    fields that say it, planner details included: also for a row copied from an identical run."""
+    planned, details = settings_for(run, mode)
+    t = planned
+    if mode.max_accumulation is not None and t.gradient_accumulation_steps > mode.max_accumulation:
+        t = t.model_copy(
+            update={
+                "gradient_accumulation_steps": mode.max_accumulation,
+                "global_batch_size": t.micro_batch_size * mode.max_accumulation,
+            }
+        )
+    w = mode.workload
+    return t, {
+        "microBatch": t.micro_batch_size,
+        "accumulation": t.gradient_accumulation_steps,
+        "accumulationCapped": t.gradient_accumulation_steps < planned.gradient_accumulation_steps,
+        "sequence": t.packing_length if t.packing else "padded",
+        "gradientCheckpointing": t.gradient_checkpointing,
+        "liger": t.liger_kernels,
+        "precision": t.precision,
+        "workload": w.name,
+        "sampleLengths": f"{w.shortest}..{w.longest}",
+        "loraDropout": None if run.method == "full" else w.lora_dropout,
+    } | details

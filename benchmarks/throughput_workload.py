@@ -21,10 +21,13 @@ from sftjob_trainer.data import IGNORE_INDEX, Example
 CHECK_LENGTHS = (100, 37, 250, 1, 124)  # examples in the self-check's packed row
 
 
-def synthetic_examples(samples: int, median: int, longest: int, vocab: int, seed: int = 0) -> list[Example]:
-    """Log-normal lengths (sigma 0.8) around the median; the first third of each sample is prompt."""
+def synthetic_examples(
+    samples: int, median: int, shortest: int, longest: int, vocab: int, seed: int = 0
+) -> list[Example]:
+    """Log-normal lengths (sigma 0.8) around the median, clipped to ``shortest..longest``; the first
+    third of each sample is prompt."""
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(median), 0.8, samples), 8, longest).astype(int)
+    lengths = np.clip(rng.lognormal(np.log(median), 0.8, samples), shortest, longest).astype(int)
     tokens = rng.integers(3, vocab, int(lengths.sum())).tolist()
     examples, start = [], 0
     for n in lengths.tolist():

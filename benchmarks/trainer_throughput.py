@@ -20,8 +20,14 @@ and its row compares the measured allocator peak with the planner's estimate of 
 ``withinEstimate`` at +-15%, ``fitsCard``: the reserved peak inside the card planned for). ``--profile``
 adds a torch profiler table of one more warm micro-batch and optimizer step per run
 (``<stem>-profile-<run>.txt``: the top kernels and ops by device time), for finding what limits MFU.
-Stopped by SIGINT (``timeout --signal=INT``), it writes the rows so far, the current one included, and
-exits 130.
+``--workload anchors`` trains on the anchors' samples (lengths 32..2,048, LoRA dropout 0) instead of
+issue 8's (8..4,096, dropout 0.05), to compare with them like for like; every row names its workload.
+A run whose settings equal an earlier run's is measured once: its row copies the numbers, keeps its own
+settings and plan, and says that the two are identical.
+
+Stopped by SIGINT (``timeout --signal=INT``) or SIGTERM, it writes the rows so far and exits 130; the
+run it was in keeps what its finished steps measured (``stepsDone``, peak memory, tokens/s and MFU of
+the timed steps; ``status: partial``), which goes into its row after every step.
 
 MFU (``mfu``) follows the anchors' convention so the numbers compare with
 shared/research/h200-anchors.md: 6·N (full) or 4·N (LoRA) FLOPs per real token, N = matmul weights;
@@ -36,6 +42,7 @@ import functools
 import gc
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -45,7 +52,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch
 from throughput_results import environment, finish_rows, write_results  # beside this script
-from throughput_runs import LORA, MODES, SHAPES, Mode, Run
+from throughput_runs import MODES, SHAPES, WORKLOADS, Mode, Run, configure
 from throughput_workload import (
     attention_check,
     matmul_peak,
@@ -55,16 +62,13 @@ from throughput_workload import (
     synthetic_examples,
 )
 
-from sftjob.candidates import PlanRequest
-from sftjob.config import TrainingOverrides, TrainingSettings
-from sftjob.gpus import profile_for_type
-from sftjob.planner import plan
+from sftjob.config import TrainingSettings
 from sftjob_trainer.attention import FLATTENED, VARLEN, kernel_backend
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, make_units
 from sftjob_trainer.checkpoints import Trainables
 from sftjob_trainer.data import Example
 from sftjob_trainer.distributed import DistContext
-from sftjob_trainer.flops import flops_model
+from sftjob_trainer.flops import FlopsModel, flops_model
 from sftjob_trainer.liger import liger_kernels_in
 from sftjob_trainer.loop import build_optimizer, build_scheduler, make_scaler, train_step
 from sftjob_trainer.model import precision_plan, prepare_for_training, resolve_attention
@@ -72,63 +76,8 @@ from sftjob_trainer.model import precision_plan, prepare_for_training, resolve_a
 GIB = 1024**3
 
 
-def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]]:
-    """The run's training settings, and planner details for planned rows."""
-    if run.config == "seed":  # the seed guide's TrainingArguments: fp16, 4 x 8, pad to the longest
-        return TrainingSettings(
-            precision="fp16",
-            micro_batch_size=4,
-            gradient_accumulation_steps=8,
-            global_batch_size=32,
-            packing=False,
-            learning_rate=2e-5,
-            weight_decay=0.01,
-            tf32=False,
-            dataloader_workers=0,
-        ), {}
-    if run.config.startswith("plain"):
-        return TrainingSettings(
-            precision="bf16",
-            micro_batch_size=run.micro,
-            gradient_accumulation_steps=run.accumulation,
-            global_batch_size=run.micro * run.accumulation,
-            packing=True,
-            packing_length=mode.seq,
-            liger_kernels=run.config == "plain+liger",
-            dataloader_workers=0,
-        ), {}
-    arch = SHAPES[run.model]
-    request = PlanRequest(
-        architecture=arch,
-        method=run.method,
-        lora=LORA,
-        max_seq_length=mode.seq,
-        overrides=TrainingOverrides(global_batch_size=mode.global_batch),
-    )
-    chosen = plan(request, profile_for_type(run.plan_for or "A800"))
-    outside_allocator = sum(t.gib for t in chosen.memory.terms if t.name == "overhead")
-    details = {
-        "planFits": chosen.fits,
-        "predictedPeakGiB": round(chosen.memory.total_gib, 1),
-        # What max_memory_allocated() can see: the estimate without the CUDA context and slack.
-        "predictedAllocatorGiB": round(chosen.memory.total_gib - outside_allocator, 2),
-        "plannedGlobalBatch": chosen.training.global_batch_size,
-        "planSummary": chosen.summary(),
-        "requestedGlobalBatch": mode.global_batch,
-    }
-    return chosen.training.model_copy(update={"dataloader_workers": 0}), details
-
-
-def cap_accumulation(t: TrainingSettings, limit: int | None) -> TrainingSettings:
-    if limit is None or t.gradient_accumulation_steps <= limit:
-        return t
-    return t.model_copy(
-        update={"gradient_accumulation_steps": limit, "global_batch_size": t.micro_batch_size * limit}
-    )
-
-
 def build_model(
-    run: Run, t: TrainingSettings, device: torch.device, attention: str
+    run: Run, mode: Mode, t: TrainingSettings, device: torch.device, attention: str
 ) -> tuple[Any, dict[str, Any]]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -141,7 +90,7 @@ def build_model(
         )
     if run.method == "qlora":
         quantize_linears(model, precision.compute_dtype)
-    return prepare_for_training(model, run.method, LORA, t, device), config.to_dict()
+    return prepare_for_training(model, run.method, mode.workload.lora, t, device), config.to_dict()
 
 
 def measure(
@@ -153,20 +102,12 @@ def measure(
     row: dict[str, Any],
     profile: Path | None = None,
 ) -> None:
-    """Train the run's steps, filling ``row`` as it goes: an interrupt (the time limit) keeps what was
-    measured. ``profile``: then one more warm micro-batch and optimizer step under the profiler."""
-    planned, details = settings_for(run, mode)
-    t = cap_accumulation(planned, mode.max_accumulation)
-    row |= {
-        "microBatch": t.micro_batch_size,
-        "accumulation": t.gradient_accumulation_steps,
-        "accumulationCapped": t.gradient_accumulation_steps < planned.gradient_accumulation_steps,
-        "sequence": t.packing_length if t.packing else "padded",
-        "gradientCheckpointing": t.gradient_checkpointing,
-        "liger": t.liger_kernels,
-        "precision": t.precision,
-    } | details
-    if details and not details["planFits"]:
+    """Train the run's steps, writing into ``row`` after each one what the steps so far measured: an
+    interrupt (the time limit) keeps it. ``profile``: then one more warm micro-batch and optimizer step
+    under the profiler."""
+    t, fields = configure(run, mode)
+    row |= fields
+    if row.get("planFits") is False:
         row |= {"status": "skipped", "note": "the planner found no configuration that fits"}
         return
     if run.method == "qlora" and (device.type != "cuda" or missing("bitsandbytes")):
@@ -178,7 +119,7 @@ def measure(
     row["attention"] = attention
     if attention == VARLEN:
         row["attentionKernel"] = kernel_backend(device)
-    model, hf_config = build_model(run, t, device, attention)
+    model, hf_config = build_model(run, mode, t, device, attention)
     row["ligerKernels"] = liger_kernels_in(getattr(model, "get_base_model", lambda: model)())
     ctx = DistContext(0, 1, 0, 1, device)
     optimizer = build_optimizer(model, t, device)
@@ -191,7 +132,8 @@ def measure(
     layout = Layout(t.packing, flatten=attention in FLATTENED, pad_id=0)
     batches = StepBatches(units, schedule, layout, 0, 0, mode.steps)
     steps = [batches[i] for i in range(mode.steps)]
-    counted = {"seconds": 0.0, "tokens": 0, "pairs": 0}
+    flops = flops_model(hf_config, run.method, 0)
+    timed = {"steps": 0.0, "seconds": 0.0, "tokens": 0.0, "pairs": 0.0}
     if device.type == "cuda":  # the training peak, not building the model (QLoRA builds it in bf16 first)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
@@ -201,24 +143,12 @@ def measure(
         if device.type == "cuda":  # train_step's own sync comes before the optimizer step: wait for it too
             torch.cuda.synchronize()
         if i >= mode.discard:
-            counted["seconds"] += time.perf_counter() - started
-            counted["tokens"] += result.tokens
-            counted["pairs"] += result.attention_pairs
-    flops = flops_model(hf_config, run.method, 0)
-    rate = counted["tokens"] / counted["seconds"]
-    pairs_rate = counted["pairs"] / counted["seconds"]
-    row |= {
-        "status": "ok",
-        "tokensPerSecond": round(rate, 1),
-        "lastLoss": round(result.loss, 4),
-        "mfu": round(flops.per_token * rate / peak, 4) if peak else None,
-        "mfuWithAttention": round(flops.step_flops(rate, pairs_rate) / peak, 4) if peak else None,
-    }
-    if device.type == "cuda":
-        row |= {
-            "peakGiB": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
-            "peakReservedGiB": round(torch.cuda.max_memory_reserved(device) / GIB, 2),
-        }
+            timed["steps"] += 1
+            timed["seconds"] += time.perf_counter() - started
+            timed["tokens"] += result.tokens
+            timed["pairs"] += result.attention_pairs
+        row |= {"stepsDone": i + 1, "lastLoss": round(result.loss, 4)} | so_far(device, timed, flops, peak)
+    row["status"] = "ok"
     if profile is not None:  # one micro-batch: a whole 7B LoRA step is ~600k events
         step = functools.partial(train_step, parts, steps[-1][:1], precision, t.max_grad_norm, ctx)
         try:
@@ -228,6 +158,26 @@ def measure(
         except KeyboardInterrupt:
             add_note(row, "profile cut short by the time limit")
             raise
+
+
+def so_far(
+    device: torch.device, timed: dict[str, float], flops: FlopsModel, peak: float | None
+) -> dict[str, Any]:
+    """The row's numbers after a step: peak memory since the first step, and the timed steps' rates."""
+    numbers: dict[str, Any] = {"timedSteps": int(timed["steps"])}
+    if device.type == "cuda":  # a few microseconds: the allocator's own counters
+        numbers |= {
+            "peakGiB": round(torch.cuda.max_memory_allocated(device) / GIB, 2),
+            "peakReservedGiB": round(torch.cuda.max_memory_reserved(device) / GIB, 2),
+        }
+    if timed["seconds"] > 0:
+        rate, pairs_rate = timed["tokens"] / timed["seconds"], timed["pairs"] / timed["seconds"]
+        numbers |= {
+            "tokensPerSecond": round(rate, 1),
+            "mfu": round(flops.per_token * rate / peak, 4) if peak else None,
+            "mfuWithAttention": round(flops.step_flops(rate, pairs_rate) / peak, 4) if peak else None,
+        }
+    return numbers
 
 
 def add_note(row: dict[str, Any], note: str) -> None:
@@ -274,9 +224,10 @@ def run_isolated(
             "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
         }
     except KeyboardInterrupt:
-        if row.get("status") != "ok":
-            row["status"] = "timeout"
-            add_note(row, "stopped by the time limit before its numbers were in")
+        if "status" not in row:  # stopped while it trained: keep what its finished steps measured
+            done = row.get("stepsDone", 0)
+            row["status"] = "partial" if done else "timeout"
+            add_note(row, f"stopped by the time limit after {done} of {mode.steps} steps")
         raise
     finally:
         vars(llama).clear()
@@ -293,7 +244,20 @@ def run_isolated(
         )
 
 
+def copied(source: Run, measured: dict[str, Any], run: Run, fields: dict[str, Any]) -> dict[str, Any]:
+    """The row of a run whose settings are identical to an earlier run's: that run's numbers, this run's
+    own settings and plan (so its verdicts see, say, that its accumulation was capped), and a note."""
+    note = f"identical configuration to {source.name}: measured once, this row compares nothing new"
+    print(f"{run.name}: {note}", flush=True)
+    own = {"config": run.config, "planFor": run.plan_for, "sameAs": source.name, "wallSeconds": 0.0}
+    return measured | fields | own | {"note": "; ".join(filter(None, (measured.get("note"), note)))}
+
+
 def main(argv: list[str] | None = None) -> int:
+    # `timeout --signal=INT` must stop a run cleanly also where SIGINT was ignored at the start (a command
+    # started in the background without job control), and so must a SIGTERM: both raise KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="CPU, tiny model, 2 steps (CI)")
@@ -307,11 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--max-accumulation", type=int, default=None, help="cap every run's accumulation (like for like)"
     )
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="issue",
+        help="sample lengths and LoRA dropout: issue 8's (8..4096, 0.05) or the anchors' (32..2048, 0)",
+    )
     parser.add_argument("--only", default=None, help="regex on run names, e.g. '1.1B/full' or 'planned'")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
     mode_name = "tiny" if args.tiny else "quick" if args.quick else "plans" if args.plans else "full"
-    mode = MODES[mode_name]
+    mode = MODES[mode_name].with_workload(args.workload)
     if args.max_accumulation is not None:
         mode = dataclasses.replace(mode, max_accumulation=args.max_accumulation)
     device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
@@ -321,29 +291,28 @@ def main(argv: list[str] | None = None) -> int:
     card_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
     peak = matmul_peak(device)
     runs = [r for r in mode.runs if args.only is None or re.search(args.only, r.name)]
+    w = mode.workload
     examples = {
-        v: synthetic_examples(mode.samples, mode.median, mode.seq, v)
+        v: synthetic_examples(mode.samples, mode.median, w.shortest, w.longest, v)
         for v in {SHAPES[r.model].vocab_size for r in runs}
     }
     meta = environment(device, peak, mode_name, mode.steps, mode.discard, mode.max_accumulation)
+    meta["workload"] = w.describe()
     meta["attentionSelfCheck"] = attention_check(device)
-    print(f"attention self-check: {meta['attentionSelfCheck']}", flush=True)
-    stem = f"trainer-throughput-{mode_name}" + (
-        f"-accum{args.max_accumulation}" if args.max_accumulation else ""
+    print(f"attention self-check: {meta['attentionSelfCheck']}; workload {meta['workload']}", flush=True)
+    stem = (
+        f"trainer-throughput-{mode_name}"
+        + (f"-accum{args.max_accumulation}" if args.max_accumulation else "")
+        + (f"-{w.name}" if args.workload != "issue" else "")
     )
     rows: list[dict[str, Any]] = []
-    measured: dict[str, dict[str, Any]] = {}  # A40 and L40S plans are often the same: measure once
+    measured: dict[str, tuple[Run, dict[str, Any]]] = {}  # A40 and L40S plans are often the same
     interrupted = False
     for run in runs:
-        settings, details = settings_for(run, mode)
-        key = f"{run.model}/{run.method}/{run.cap_gib}/{cap_accumulation(settings, mode.max_accumulation)}"
+        settings, fields = configure(run, mode)
+        key = f"{run.model}/{run.method}/{run.cap_gib}/{settings}"
         if key in measured:
-            same = measured[key]
-            note = "measured once: same settings as " + " ".join(
-                filter(None, (same["config"], same["planFor"]))
-            )
-            copy = {"config": run.config, "planFor": run.plan_for, "wallSeconds": 0.0, "note": note}
-            rows.append(same | details | copy)
+            rows.append(copied(*measured[key], run, fields))
         else:
             card = round(card_gib, 1) if card_gib else None
             profile = args.out / f"{stem}-profile-{re.sub(r'[^A-Za-z0-9.]+', '-', run.name)}.txt"
@@ -351,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {}
             try:
                 run_isolated(run, mode, device, examples, peak, card, row, profile if args.profile else None)
-            except KeyboardInterrupt:  # `timeout --signal=INT`: keep this run's row, write, stop
+            except KeyboardInterrupt:  # the time limit: keep this run's row, write, stop
                 interrupted = True
-            measured[key] = row
+            measured[key] = (run, row)
             rows.append(row)
         finish_rows(rows)  # written after every run, so a session cut short still leaves its results
         paths = write_results(rows, meta, args.out, stem)

@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # The GPU measurements still owed to issues 4 and 8, as one script for a session lent the H200 (15 minutes
 # of device time, start-up included). Run it through the device tool from the repository root, with the
-# wheels the GPU image lacks in .whl/ (liger-kernel, bitsandbytes, pydantic and its deps; see
-# benchmarks/README.md), e.g. the command `SFTJOB_GPU_CHECK_SECONDS=500 hack/gpu-check.sh` with carry .whl
-# and timeout_s 570.
+# wheels the GPU image lacks in .whl/ (benchmarks/README.md lists them and the `pip download` command),
+# e.g. the command `SFTJOB_GPU_CHECK_SECONDS=500 hack/gpu-check.sh` with carry .whl and timeout_s 570.
+# Before step 1 it installs the wheels and imports what the runs need (Liger, bitsandbytes, pydantic, the
+# project); where one is missing it stops there (exit 3), since every planned run would silently go
+# without Liger, or QLoRA be skipped.
 # Results go to $OUT (the device tool's folder) or benchmarks/results/gpu-check/; every run writes its rows
-# as it ends, and a step stopped by the budget writes the row it was in, so a cut-short session keeps what
-# finished. In order:
-#   1. 7B LoRA plain+Liger against the planned A40 config, both at accumulation 4 (the anchor's setting;
-#      issue 8's only like-for-like 7B LoRA row): about a minute, capped at 150 s, first so it is never
-#      starved;
+# as it ends, and a run stopped by the budget (SIGINT from timeout, or SIGTERM) writes the row it was in
+# with what its finished steps measured (status partial), so a cut-short session keeps what it measured.
+# In order:
+#   1. 7B LoRA plain+Liger and the planned A40 config at accumulation 4 (the anchor's setting) on the
+#      anchors' workload (lengths 32..2,048, LoRA dropout 0): issue 8's like-for-like 7B LoRA row against
+#      the anchor's 12,900 tokens/s. Capped at 4, the A40 plan's settings are plain+Liger's: measured once,
+#      and the planned row says it is identical (no MFU verdict at a capped accumulation). About a minute,
+#      capped at 150 s, first so it is never starved;
 #   2. --plans --profile for the rest of the budget: the planned configs, the A40 plans first, then L40S,
 #      then A800 (1.1B full, 7B LoRA, 7B QLoRA each; A40/L40S under a 46 GiB cap, A800 at 80 GiB) for 20
 #      steps, peak memory against the planner's estimate and the card, a profiler table of one micro-batch
 #      per run.
 # The device tool returns at most 8 files: the log, .json/.md/.png per step and one archive of the rest
-# (the profiler tables). GPU and driver are in the log and in each JSON's meta.
+# (the profiler tables). GPU, driver and Python are in the log and in each JSON's meta.
 # SFTJOB_GPU_CHECK_DRY=1 runs the same steps on the CPU with the tiny model (to test this script).
 # SFTJOB_GPU_CHECK_SECONDS (default 480) bounds the whole script, pip install and packing included.
 set -euo pipefail
@@ -28,16 +33,34 @@ exec > >(tee -a "$out/gpu-check.log") 2>&1
 
 if [[ "${SFTJOB_GPU_CHECK_DRY:-}" == 1 ]]; then
   python=(.venv/bin/python)
+  needs='import peft, pydantic, transformers, sftjob.planner, sftjob_trainer.loop'
   compare=(--tiny --only '^tiny/full/(plain\+liger|planned-A40)$')
   plans=(--tiny --only planned)
 else
   python=(python3)
-  site=/tmp/sftjob-site
-  "${python[@]}" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl
-  export PYTHONPATH="$site:$PWD/operator:$PWD/trainer:$PWD/benchmarks"
+  "${python[@]}" -c 'import sys, sysconfig; print("python", sys.version.split()[0], sysconfig.get_platform())'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  if ! compgen -G '.whl/*.whl' >/dev/null; then
+    echo "== stopping before step 1: no wheels in .whl/ (carry .whl; benchmarks/README.md lists them)"
+    exit 3
+  fi
+  site=/tmp/sftjob-site
+  if ! "${python[@]}" -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl; then
+    echo "== stopping before step 1: the wheels in .whl/ did not install (above): one version of each,"
+    echo "   built for this Python (printed above; benchmarks/README.md has the pip download command)"
+    exit 3
+  fi
+  export PYTHONPATH="$site:$PWD/operator:$PWD/trainer:$PWD/benchmarks"
+  # What the runs import: Liger as the trainer applies it, bitsandbytes for QLoRA, pydantic for the planner.
+  needs='import bitsandbytes, peft, pydantic, transformers, sftjob.planner, sftjob_trainer.loop
+from liger_kernel.transformers import _apply_liger_kernel_to_instance'
   compare=(--only '^7B/lora/(plain\+liger|planned-A40)$')
   plans=(--plans)
+fi
+if ! "${python[@]}" -c "$needs"; then
+  echo "== stopping before step 1: an import failed (above); carry the wheels benchmarks/README.md lists"
+  echo "   in .whl/. Without liger_kernel every planned run would go without the Liger its plan assumed."
+  exit 3
 fi
 
 export PYTHONUNBUFFERED=1
@@ -52,7 +75,7 @@ step() { # step CAP_SECONDS ARGS...: one benchmark run, stopped (SIGINT: it writ
     "${python[@]}" benchmarks/trainer_throughput.py "$@" --out "$out" || echo "== exit $?"
   echo "== $((SECONDS - start))s"
 }
-step 150 "${compare[@]}" --max-accumulation 4
+step 150 "${compare[@]}" --max-accumulation 4 --workload anchors
 step "$budget" "${plans[@]}" --profile
 
 shopt -s nullglob
