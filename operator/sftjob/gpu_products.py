@@ -8,22 +8,26 @@ nowhere else, so it is planned for that card alone (and fails when that card's p
 instead of waiting Pending for nodes its affinity and its selector can never both match).
 
 The product mapping is operator configuration (``--gpu-products``); the default comes from
-``sftjob.gpus``. Pure: no I/O, no cluster.
+``sftjob.gpus``. A label the table lacks is planned as a card of its type by the memory size it names
+(:func:`_card`); a time-sliced label (``-SHARED``) as its card, marked so the plan says that its budget
+assumes the job has the GPU to itself. Pure: no I/O, no cluster.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sftjob import constants as c
 from sftjob.gpus import (
     GPU_TYPES,
     GpuProfile,
+    is_time_sliced,
+    named_gb,
     normalise_product,
     products_for_type,
     profile_for_product,
-    profile_for_type,
+    profiles_for_type,
 )
 from sftjob.spec import SFTJobSpec
 
@@ -45,7 +49,8 @@ def default_products() -> dict[str, list[str]]:
 
 
 def profile_of(product: str, gpu_type: str | None = None) -> GpuProfile | None:
-    """The profile for a node's product label; a configured product the table lacks plans as its type."""
+    """The profile for a node's product label; a configured product the table lacks is one of its type's
+    cards (:func:`_card`)."""
     return profile_for_product(product) if gpu_type is None else _card(product, gpu_type)
 
 
@@ -70,19 +75,18 @@ def cards_for_types(
     """Every card of ``gpu_types`` (in that order) under ``products``; a ``node_selector`` naming one
     of their product labels narrows them to that product's card. A selector naming a product outside
     them narrows nothing: admission refuses it (:func:`selector_problem`), and a job started
-    before the operator's mapping changed keeps its cards."""
-    profiles: dict[str, GpuProfile] = {}
-    by_product: dict[str, str] = {}
-    for gpu_type in gpu_types:
-        for product in products[gpu_type]:
-            profile = _card(product, gpu_type)
-            profiles.setdefault(profile.key, profile)
-            by_product[product] = profile.key
+    before the operator's mapping changed keeps its cards. A card is time-sliced when any of its labels
+    is."""
+    cards = {product: _card(product, gpu_type) for gpu_type in gpu_types for product in products[gpu_type]}
     wanted = (node_selector or {}).get(c.GFD_PRODUCT)
-    if wanted is None or wanted not in by_product:
-        return GpuCards(profiles, by_product)
-    key = by_product[wanted]
-    return GpuCards({key: profiles[key]}, {wanted: key}, selected=wanted)
+    selected = wanted if wanted in cards else None
+    if selected is not None:
+        cards = {selected: cards[selected]}
+    profiles: dict[str, GpuProfile] = {}
+    for card in cards.values():
+        if card.key not in profiles or card.time_sliced:
+            profiles[card.key] = card
+    return GpuCards(profiles, {product: card.key for product, card in cards.items()}, selected)
 
 
 def cards_for_job(spec: SFTJobSpec, products: ProductMap) -> GpuCards:
@@ -92,7 +96,17 @@ def cards_for_job(spec: SFTJobSpec, products: ProductMap) -> GpuCards:
 
 
 def _card(product: str, gpu_type: str) -> GpuProfile:
-    return profile_for_product(product) or profile_for_type(gpu_type)
+    """The card of ``gpu_type`` a node labelled ``product`` has: the built-in table's; for a label it
+    lacks, the type's card of the memory size the label names ("NVIDIA-A800-40GB-Active": the 40 GB
+    card), else the type's least card (least memory, then PCIe before NVLink): a plan for a smaller card
+    than the node's leaves memory unused, one for a bigger card runs out of it."""
+    card = profile_for_product(product)
+    if card is None:
+        cards = profiles_for_type(gpu_type)
+        size = named_gb(product)
+        named = [p for p in cards if size is not None and named_gb(p.key) == size]
+        card = min(named or cards, key=lambda p: (p.memory_gib, p.nvlink_gbs or 0))
+    return replace(card, time_sliced=True) if is_time_sliced(product) else card
 
 
 def card_config(files: Collection[str], planned: Mapping[str, str], product: str | None) -> str | None:

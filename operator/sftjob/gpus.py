@@ -38,6 +38,9 @@ class GpuProfile:
     nvlink_gbs: float | None  # the datasheet's figure, both directions together; None: PCIe only
     pcie_gen: int
     products: tuple[str, ...]  # GFD product labels and torch/NVML device names
+    # Some node's product label says the card is time-sliced (GFD's "-SHARED" suffix): the job may share
+    # it with other pods, and time-slicing isolates no memory between them.
+    time_sliced: bool = False
 
     @property
     def has_fp8(self) -> bool:
@@ -108,10 +111,31 @@ _DEFAULT_KEY = {
 }
 
 
+# GFD appends this to the product label of a time-sliced GPU; the card is the same.
+TIME_SLICED_SUFFIX = "-shared"
+# A memory size in a product label or profile key ("NVIDIA-A800-40GB-PCIe", "A800-PCIE-40GB").
+_NAMED_GB = re.compile(r"(\d+)gb\b")
+
+
+def _dashed(name: str) -> str:
+    return re.sub(r"\s+", "-", name.strip()).casefold()
+
+
 def normalise_product(name: str) -> str:
     """GFD labels are NVML names with spaces turned into dashes; compare both spellings that way."""
-    name = re.sub(r"\s+", "-", name.strip()).casefold()
-    return name.removesuffix("-shared")  # GFD's time-slicing suffix; the card is the same
+    return _dashed(name).removesuffix(TIME_SLICED_SUFFIX)
+
+
+def is_time_sliced(product: str) -> bool:
+    """Whether a GFD product label is that of a time-sliced GPU (``NVIDIA-L40S-SHARED``)."""
+    return _dashed(product).endswith(TIME_SLICED_SUFFIX)
+
+
+def named_gb(name: str) -> int | None:
+    """The memory size (GB) a product label or profile key names, the smallest when it names several (a
+    MIG slice's label names its card's and its own); None when it names none."""
+    sizes = [int(size) for size in _NAMED_GB.findall(name.casefold())]
+    return min(sizes, default=None)
 
 
 _BY_PRODUCT = {normalise_product(p): profile for profile in PROFILES for p in profile.products}
@@ -139,10 +163,15 @@ def profile_for_type(gpu_type: str) -> GpuProfile:
     return next(p for p in PROFILES if p.key == key)
 
 
+def profiles_for_type(gpu_type: str) -> list[GpuProfile]:
+    """Every card of a family ("Any": of all user-selectable families), in table order."""
+    families = GPU_TYPES if gpu_type.strip().casefold() == ANY_GPU.casefold() else (_family(gpu_type),)
+    return [profile for profile in PROFILES if profile.family in families]
+
+
 def products_for_type(gpu_type: str) -> list[str]:
     """GFD product labels of every card in a family ("Any": all user-selectable families)."""
-    families = GPU_TYPES if gpu_type.strip().casefold() == ANY_GPU.casefold() else (_family(gpu_type),)
-    return [p for profile in PROFILES if profile.family in families for p in profile.products if " " not in p]
+    return [p for profile in profiles_for_type(gpu_type) for p in profile.products if " " not in p]
 
 
 def profile_for_key(key: str) -> GpuProfile:

@@ -25,6 +25,7 @@ def _arch(
     vocab: int,
     tied: bool,
     head_dim: int | None = None,
+    sliding_window: int | None = None,
 ) -> Architecture:
     return Architecture(
         layers=layers,
@@ -36,6 +37,7 @@ def _arch(
         tied_embeddings=tied,
         head_dim=head_dim,
         attention_bias=family == "qwen2",
+        sliding_window=sliding_window,
         family=family,
     )
 
@@ -68,6 +70,8 @@ def _moe(
     )
 
 
+MISTRAL_V0_1_WINDOW = 4096  # Mistral 7B v0.1's sliding_window
+
 # Shapes from each model's published config.json. Patterns match the lower-cased hub id anywhere,
 # so "meta-llama/Llama-3.1-8B-Instruct" and "unsloth/llama-3.1-8b" both find the 8B row.
 KNOWN_ARCHITECTURES: tuple[tuple[str, str, Architecture], ...] = (
@@ -86,12 +90,29 @@ KNOWN_ARCHITECTURES: tuple[tuple[str, str, Architecture], ...] = (
     ("Qwen2.5 14B", r"qwen2\.5-([a-z]+-)?14b\b", _arch("qwen2", 48, 5120, 40, 8, 13824, 152064, False)),
     ("Qwen2.5 32B", r"qwen2\.5-([a-z]+-)?32b\b", _arch("qwen2", 64, 5120, 40, 8, 27648, 152064, False)),
     ("Qwen2.5 72B", r"qwen2\.5-([a-z]+-)?72b\b", _arch("qwen2", 80, 8192, 64, 8, 29568, 152064, False)),
+    # v0.1 attends within a 4096-token window, v0.2 and v0.3 (32k vocabulary) over the whole row. An id
+    # naming no version (a fine-tune: "teknium/OpenHermes-2.5-Mistral-7B" is v0.1) gets v0.1's window,
+    # which only matters past 4096-token rows (eager attention, its scores counted), and v0.3's vocabulary.
     (
         "Mistral 7B v0.1",
         r"mistral-7b(-instruct)?-v0\.1\b",
-        _arch("mistral", 32, 4096, 32, 8, 14336, 32000, False).model_copy(update={"sliding_window": 4096}),
+        _arch("mistral", 32, 4096, 32, 8, 14336, 32000, False, sliding_window=MISTRAL_V0_1_WINDOW),
     ),
-    ("Mistral 7B", r"mistral-7b\b", _arch("mistral", 32, 4096, 32, 8, 14336, 32768, False)),
+    (
+        "Mistral 7B v0.2",
+        r"mistral-7b(-instruct)?-v0\.2\b",
+        _arch("mistral", 32, 4096, 32, 8, 14336, 32000, False),
+    ),
+    (
+        "Mistral 7B v0.3",
+        r"mistral-7b(-instruct)?-v0\.3\b",
+        _arch("mistral", 32, 4096, 32, 8, 14336, 32768, False),
+    ),
+    (
+        "Mistral 7B, version not named (v0.1's window assumed)",
+        r"mistral-7b\b",
+        _arch("mistral", 32, 4096, 32, 8, 14336, 32768, False, sliding_window=MISTRAL_V0_1_WINDOW),
+    ),
     ("Gemma 2 2B", r"gemma-2-2b\b", _arch("gemma2", 26, 2304, 8, 4, 9216, 256000, True, 256)),
     ("Gemma 2 9B", r"gemma-2-9b\b", _arch("gemma2", 42, 3584, 16, 8, 14336, 256000, True, 256)),
     ("Gemma 2 27B", r"gemma-2-27b\b", _arch("gemma2", 46, 4608, 32, 16, 36864, 256000, True, 128)),

@@ -38,6 +38,12 @@ CHEAPER_METHODS: dict[Method, tuple[Method, ...]] = {
     "lora": ("qlora",),
     "qlora": (),
 }
+# A time-sliced card's plan says what its budget assumes (GpuProfile.time_sliced).
+TIME_SLICED_REASON = (
+    "time-sliced GPU (a -SHARED product label): time-slicing isolates no memory between the pods sharing"
+    " it, so this budget assumes the job has the card to itself; another pod's memory on it can run the job"
+    " out of memory"
+)
 
 
 def _training(request: PlanRequest, fixed: Fixed, c: Candidate, cpus_per_gpu: int) -> TrainingSettings:
@@ -159,9 +165,11 @@ def _no_fit_verdict(request: PlanRequest, gpu: GpuProfile, c: Candidate, fixed: 
 
 def _suggest(request: PlanRequest, gpu: GpuProfile, rows_tried: int | None = None) -> list[str]:
     """What would fit instead, each found by planning it (without suggestions of its own). After an
-    OOM ladder ran out, ``rows_tried`` is the row length that still ran out of memory: only shorter rows,
-    and more GPUs only when they shard the model, are worth suggesting, whatever the estimate says of the
-    rest (it predicted this job to fit too, and a replica per GPU needs as much memory on two as on one)."""
+    OOM ladder ran out, ``rows_tried`` is the row length that still ran out of memory where the estimate
+    said it would fit: settings left to the planner, cheaper methods and bigger cards are planned with rows
+    no longer than those (and say so), shorter rows are shorter still, and more GPUs count only when they
+    shard the model (a replica per GPU needs as much memory on two as on one; sharding frees memory at
+    any row length, so they are planned as the job is)."""
     out: list[str] = []
 
     def fits(r: PlanRequest, g: GpuProfile) -> Plan | None:
@@ -172,26 +180,31 @@ def _suggest(request: PlanRequest, gpu: GpuProfile, rows_tried: int | None = Non
         speed = f"~{p.predicted_tokens_per_second:,.0f} tokens/s"
         return f"~{p.memory.total_gib:.1f}/{p.memory.budget_gib:.1f} GiB, {speed}"
 
-    o = request.overrides
+    rows = request.packing_length or request.max_seq_length  # tokens per row as the user set them
+    base, at = request, ""
+    if rows_tried is not None and rows_tried < rows:  # the ladder shortened rows the user left to it
+        base = request.model_copy(update={"max_seq_length": rows_tried, "packing_length": None})
+        at = f" at maxSeqLength {rows_tried}"
+    o = base.overrides
     if o.micro_batch_size is not None or o.gradient_checkpointing is not None:
-        freed = request.model_copy(
+        freed = base.model_copy(
             update={
                 "overrides": o.model_copy(update={"micro_batch_size": None, "gradient_checkpointing": None})
             }
         )
         if p := fits(freed, gpu):
-            out.append(f"leave microBatchSize/gradientCheckpointing to the planner: {p.summary()}")
+            out.append(f"leave microBatchSize/gradientCheckpointing to the planner{at}: {p.summary()}")
     # Cards at least a GiB bigger (an L40S is not a bigger A40).
     bigger = [b for b in map(profile_for_type, GPU_TYPES) if b.memory_gib > gpu.memory_gib + 1]
     for method in CHEAPER_METHODS[request.method]:
         update: dict[str, object] = {"method": method}
         if method == "qlora":  # one GPU only (admission refuses more)
             update |= {"gpus_per_node": 1, "nodes": 1}
-        cheaper = request.model_copy(update=update)
+        cheaper = base.model_copy(update=update)
         for card in (gpu, *bigger):
             if p := fits(cheaper, card):
                 gpus = p.distributed.nnodes * p.distributed.nproc_per_node
-                out.append(f"method {method} fits on {gpus} x {card.key} ({show(p)})")
+                out.append(f"method {method}{at} fits on {gpus} x {card.key} ({show(p)})")
                 break
     if request.method != "qlora":  # one GPU only
         for gpus, nodes in ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8)):
@@ -205,25 +218,33 @@ def _suggest(request: PlanRequest, gpu: GpuProfile, rows_tried: int | None = Non
                 )
                 break
     for card in bigger:
-        if p := fits(request, card):
-            out.append(f"fits on {request.world_size} x {card.key} ({show(p)})")
-    length = min(request.max_seq_length, rows_tried or request.max_seq_length) // 2
+        if p := fits(base, card):
+            out.append(f"fits on {request.world_size} x {card.key}{at} ({show(p)})")
+    # Shorter rows: a packingLength the user set is the one to lower (below maxSeqLength, as admission
+    # wants it); otherwise maxSeqLength.
+    field = "packing_length" if request.packing_length else "max_seq_length"
+    name = "packingLength" if request.packing_length else "maxSeqLength"
+    length = min(rows, rows_tried or rows) // 2
     while length >= MIN_PACKING_LENGTH:
-        shorter = request.model_copy(update={"max_seq_length": length, "packing_length": None})
-        if p := fits(shorter, gpu):
-            out.append(f"maxSeqLength {length} fits ({show(p)})")
+        if p := fits(request.model_copy(update={field: length}), gpu):
+            out.append(f"{name} {length} fits ({show(p)})")
             break
         length //= 2
     return out
 
 
+def _card_reasons(gpu: GpuProfile) -> list[str]:
+    return [TIME_SLICED_REASON] if gpu.time_sliced else []
+
+
 def _plan(request: PlanRequest, gpu: GpuProfile, suggest: bool) -> Plan:
-    fixed, reasons = fixed_choices(request, gpu)
-    reasons.insert(
-        0,
+    fixed, choices = fixed_choices(request, gpu)
+    reasons = [
         f"model: {request.architecture.name or 'custom'}"
         f" ({request.architecture.parameters / 1e9:.2f}B parameters), {request.method}",
-    )
+        *_card_reasons(gpu),
+        *choices,
+    ]
     best, fits = search(request, gpu, fixed)
     reasons += _describe(request, gpu, best)
     if fits:
@@ -260,9 +281,13 @@ def replan_after_oom(request: PlanRequest, gpu: GpuProfile, previous: Plan) -> P
 
     Rungs, each skipped when the user fixed that setting: halve the micro-batch (doubling
     accumulation); turn on gradient checkpointing; halve the packed-row length (not below 512).
-    When no rung is left the plan comes back with ``fits=False`` and suggestions.
+    When no rung is left the plan comes back with ``fits=False`` and suggestions. A plan made for a
+    time-sliced card keeps saying so, though ``gpu`` comes from the table by the plan's key.
     """
-    fixed, reasons = fixed_choices(request, gpu)
+    if TIME_SLICED_REASON in previous.reasons:
+        gpu = replace(gpu, time_sliced=True)
+    fixed, choices = fixed_choices(request, gpu)
+    reasons = [*_card_reasons(gpu), *choices]
     t, o = previous.training, request.overrides
     local = t.global_batch_size // request.world_size
     micro, checkpointing = t.micro_batch_size, t.gradient_checkpointing

@@ -162,7 +162,15 @@ def test_a_known_shape_survives_the_round_trip_through_a_transformers_config(mod
 def test_mistral_7b_v0_1_has_its_sliding_window_and_later_versions_none() -> None:
     assert resolve_architecture("mistralai/Mistral-7B-v0.1").sliding_window == 4096
     assert resolve_architecture("mistralai/Mistral-7B-Instruct-v0.1").sliding_window == 4096
+    assert resolve_architecture("mistralai/Mistral-7B-Instruct-v0.2").sliding_window is None
+    assert resolve_architecture("mistral-community/Mistral-7B-v0.2").vocab_size == 32000
     assert resolve_architecture("mistralai/Mistral-7B-Instruct-v0.3").sliding_window is None
+
+
+def test_a_mistral_7b_naming_no_version_gets_v0_1s_sliding_window() -> None:
+    # Fine-tunes of v0.1 rarely say so (OpenHermes 2.5 attends within 4096 tokens); v0.2/v0.3's full
+    # attention assumed windowed only costs eager attention past 4096-token rows, counted in the plan.
+    assert resolve_architecture("teknium/OpenHermes-2.5-Mistral-7B").sliding_window == 4096
 
 
 def test_a_sliding_window_is_read_from_config_json_only_where_layers_use_it() -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from sftjob import constants as c
-from sftjob.gpu_products import cards_for_job, cards_for_types, default_products
+from sftjob.gpu_products import cards_for_job, cards_for_types, default_products, profile_of
 from sftjob.spec import SFTJobSpec
 
 PRODUCTS = default_products()
@@ -48,10 +50,36 @@ def test_a_node_selector_on_other_labels_or_on_a_product_outside_the_job_narrows
     assert foreign.selected is None
 
 
-def test_a_configured_product_the_gpu_table_lacks_is_planned_as_its_types_default_card() -> None:
+def test_a_configured_product_the_gpu_table_lacks_is_planned_as_its_types_least_card() -> None:
     cards = cards_for_types(["A800"], {"A800": ["NVIDIA-A800-SXM4-80GB", "Vendor-A800-Custom"]})
-    assert list(cards.profiles) == ["A800-SXM4-80GB"]
+    assert list(cards.profiles) == ["A800-SXM4-80GB", "A800-PCIE-40GB"]
     assert cards.profile_by_product == {
         "NVIDIA-A800-SXM4-80GB": "A800-SXM4-80GB",
-        "Vendor-A800-Custom": "A800-SXM4-80GB",
+        "Vendor-A800-Custom": "A800-PCIE-40GB",
     }
+
+
+@pytest.mark.parametrize(
+    ("product", "key"),
+    [
+        ("NVIDIA-A800-40GB-Active", "A800-PCIE-40GB"),
+        ("Vendor-A800-80GB", "A800-PCIE-80GB"),  # the size of two cards: the one without NVLink
+        ("NVIDIA-A800-64GB", "A800-PCIE-40GB"),  # a size no A800 card has: the least card
+        ("NVIDIA-A800-SXM4-80GB-MIG-1g.10gb", "A800-PCIE-40GB"),  # a slice, not its 80 GB card
+    ],
+)
+def test_a_configured_product_naming_a_memory_size_is_planned_as_its_types_card_of_that_size(
+    product: str, key: str
+) -> None:
+    assert cards_for_types(["A800"], {"A800": [product]}).profile_by_product == {product: key}
+    assert profile_of(product, "A800").key == key  # status.gpu.profile of a pod that landed there
+
+
+def test_a_time_sliced_product_is_planned_as_its_card_marked_time_sliced() -> None:
+    products = {"L40S": ["NVIDIA-L40S", "NVIDIA-L40S-SHARED"]}
+    cards = cards_for_types(["L40S"], products)
+    assert cards.profile_by_product == {"NVIDIA-L40S": "L40S", "NVIDIA-L40S-SHARED": "L40S"}
+    assert cards.profiles["L40S"].time_sliced
+    whole = cards_for_types(["L40S"], products, {c.GFD_PRODUCT: "NVIDIA-L40S"})
+    assert not whole.profiles["L40S"].time_sliced
+    assert not cards_for_job(job({"type": "L40S"}), PRODUCTS).profiles["L40S"].time_sliced

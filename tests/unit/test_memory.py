@@ -12,7 +12,11 @@ NO_DROPOUT = LoraSettings(r=16, dropout=0.0)  # peft's default, as in the anchor
 H200_GIB = 139.8
 TOLERANCE = 0.15  # the bar for estimate vs measured peak
 
-# shared/research/h200-anchors.md: (run, measured peak GiB, inputs); packed rows of 4096 tokens
+# shared/research/h200-anchors.md: (run, measured peak GiB, inputs); packed rows of 4096 tokens. The note
+# names the accumulation of the runs that used one ("batch 2 × accumulation 2"); "batch 4" and "batch 8"
+# ran at accumulation 1, not the seed guide's 8: the 1.1B checkpointed run's 22.4 GiB peak is less than its
+# fp32 weights, gradients kept between micro-batches, AdamW states, bf16 weight copies, checkpointed
+# hidden states and fp32 logits take together (~22.8 GiB).
 ANCHORS = [
     ("1.1B full b4", 56.6, MemoryInputs(TINY, "full", NO_DROPOUT, 4, 4096)),
     ("1.1B full b8", 98.9, MemoryInputs(TINY, "full", NO_DROPOUT, 8, 4096)),

@@ -1,12 +1,14 @@
 """The planner: fit verdicts per GPU, method and size, overrides, batch exactness, fp8, the OOM ladder."""
 
+from dataclasses import replace
+
 import pytest
 from pydantic import ValidationError
 
 from sftjob.config import LoraSettings, TrainingOverrides
 from sftjob.gpus import GPU_TYPES, profile_for_type
 from sftjob.model_shapes import resolve_architecture
-from sftjob.planner import PlanRequest, plan, plan_all, replan_after_oom
+from sftjob.planner import TIME_SLICED_REASON, PlanRequest, plan, plan_all, replan_after_oom
 from sftjob.throughput import ThroughputInputs, predict
 
 A800, A40, L40S = (profile_for_type(t) for t in GPU_TYPES)
@@ -263,6 +265,37 @@ def test_an_exhausted_oom_ladder_never_suggests_rows_as_long_as_those_that_ran_o
     assert any(s.startswith("method qlora") for s in p.suggestions), p.suggestions
 
 
+def test_an_exhausted_oom_ladder_plans_its_other_suggestions_with_the_rows_that_ran_out_of_memory():
+    r = request("8B", "lora", gpus_per_node=2, max_seq_length=4096)
+    p = plan(r, L40S)
+    while p.fits:
+        p = replan_after_oom(r, L40S, p)
+    assert p.training.packing_length == 512
+    assert any(s.startswith("method qlora at maxSeqLength 512 fits on 1 x L40S") for s in p.suggestions)
+    assert any(s.startswith("fits on 2 x A800-SXM4-80GB at maxSeqLength 512") for s in p.suggestions)
+    # Only sharding over more GPUs is planned at the job's own rows.
+    assert all("at maxSeqLength 512" in s or "with fsdp" in s for s in p.suggestions), p.suggestions
+
+
+def test_a_shorter_row_suggestion_lowers_the_packing_length_the_user_set():
+    gemma = "google/gemma-2-9b"  # eager attention: its rows' score matrices make long rows expensive
+    fixed = plan(request(gemma, "lora", max_seq_length=16384, packing_length=8192), L40S)
+    assert not fixed.fits
+    assert "packingLength 4096 fits" in " | ".join(fixed.suggestions)
+    assert not [s for s in fixed.suggestions if s.startswith("maxSeqLength")]  # 4096 < packingLength 8192
+    free = plan(request(gemma, "lora", max_seq_length=16384), L40S)
+    assert "maxSeqLength 4096 fits" in " | ".join(free.suggestions)
+
+
+def test_a_time_sliced_cards_plan_says_its_budget_assumes_the_job_has_the_card_to_itself():
+    r = request("8B", "lora", max_seq_length=4096)
+    shared = plan(r, replace(L40S, time_sliced=True))
+    assert TIME_SLICED_REASON in shared.reasons
+    assert TIME_SLICED_REASON not in plan(r, L40S).reasons
+    # The operator re-plans after an OOM with the table's profile, found by the plan's key.
+    assert TIME_SLICED_REASON in replan_after_oom(r, L40S, shared).reasons
+
+
 def test_oom_ladder_skips_what_the_user_fixed():
     overrides = TrainingOverrides(micro_batch_size=4, gradient_checkpointing=False)
     r = request("1B", "lora", overrides=overrides, packing_length=2048)
@@ -348,6 +381,13 @@ def test_mistral_v0_1_packed_past_its_window_is_planned_with_eager_attention():
     assert any("sliding window of 4096" in r for r in long.reasons)
     short = plan(request("mistralai/Mistral-7B-v0.1", "lora", max_seq_length=4096), L40S)
     assert short.training.attention == "sdpa"
+
+
+def test_a_mistral_7b_fine_tune_naming_no_version_is_planned_with_v0_1s_window():
+    hermes = "teknium/OpenHermes-2.5-Mistral-7B"  # a fine-tune of v0.1
+    assert plan(request(hermes, "lora", max_seq_length=8192), L40S).training.attention == "eager"
+    v0_3 = plan(request("mistralai/Mistral-7B-Instruct-v0.3", "lora", max_seq_length=8192), L40S)
+    assert v0_3.training.attention == "sdpa"
 
 
 def test_checkpointing_that_lets_ddp_fit_beats_sharding_at_micro_batch_one():
