@@ -10,6 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sftjob.config import DistributedSettings, TrainingSettings
 
+# A time-sliced card's plan says what its budget assumes (GpuProfile.time_sliced).
+TIME_SLICED_REASON = (
+    "time-sliced GPU (a -SHARED product label): time-slicing isolates no memory between the pods sharing"
+    " it, so this budget assumes the job has the card to itself; another pod's memory on it can run the job"
+    " out of memory"
+)
+
 
 class MemoryTerm(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -85,4 +92,6 @@ class Plan(BaseModel):
             parts.append("Liger kernels")
         parts.append(f"~{self.memory.total_gib:.1f}/{self.memory.budget_gib:.1f} GiB")
         parts.append(f"~{self.predicted_tokens_per_second:,.0f} tokens/s")
+        if TIME_SLICED_REASON in self.reasons:
+            parts.append("time-sliced GPU: the budget assumes no other pod uses it")
         return ", ".join(parts)

@@ -26,7 +26,7 @@ from sftjob.candidates import (
 )
 from sftjob.config import DistributedSettings, Method, Optimizer, TrainingSettings
 from sftjob.gpus import GPU_TYPES, GpuProfile, profile_for_type
-from sftjob.plan import Plan
+from sftjob.plan import TIME_SLICED_REASON, Plan
 from sftjob.resources import checkpoint_gib, pod_environment, pod_resources, workers_per_process
 
 __all__ = ["PlanRequest", "plan", "plan_all", "replan_after_oom"]
@@ -38,12 +38,6 @@ CHEAPER_METHODS: dict[Method, tuple[Method, ...]] = {
     "lora": ("qlora",),
     "qlora": (),
 }
-# A time-sliced card's plan says what its budget assumes (GpuProfile.time_sliced).
-TIME_SLICED_REASON = (
-    "time-sliced GPU (a -SHARED product label): time-slicing isolates no memory between the pods sharing"
-    " it, so this budget assumes the job has the card to itself; another pod's memory on it can run the job"
-    " out of memory"
-)
 
 
 def _training(request: PlanRequest, fixed: Fixed, c: Candidate, cpus_per_gpu: int) -> TrainingSettings:

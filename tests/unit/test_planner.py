@@ -8,7 +8,8 @@ from pydantic import ValidationError
 from sftjob.config import LoraSettings, TrainingOverrides
 from sftjob.gpus import GPU_TYPES, profile_for_type
 from sftjob.model_shapes import resolve_architecture
-from sftjob.planner import TIME_SLICED_REASON, PlanRequest, plan, plan_all, replan_after_oom
+from sftjob.plan import TIME_SLICED_REASON
+from sftjob.planner import PlanRequest, plan, plan_all, replan_after_oom
 from sftjob.throughput import ThroughputInputs, predict
 
 A800, A40, L40S = (profile_for_type(t) for t in GPU_TYPES)
@@ -294,6 +295,9 @@ def test_a_time_sliced_cards_plan_says_its_budget_assumes_the_job_has_the_card_t
     assert TIME_SLICED_REASON not in plan(r, L40S).reasons
     # The operator re-plans after an OOM with the table's profile, found by the plan's key.
     assert TIME_SLICED_REASON in replan_after_oom(r, L40S, shared).reasons
+    # status.plan.summary, which kubectl describe shows, says so too.
+    assert shared.summary().endswith("time-sliced GPU: the budget assumes no other pod uses it")
+    assert "time-sliced" not in plan(r, L40S).summary()
 
 
 def test_oom_ladder_skips_what_the_user_fixed():
