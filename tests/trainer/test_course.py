@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,8 @@ import torch
 from sftjob.config import TrainingSettings
 from sftjob.failures import ExitCode
 from sftjob_trainer.batching import Course, Schedule
-from sftjob_trainer.checkpoints import Trainables
-from sftjob_trainer.loop import build_scheduler, follow_course
+from sftjob_trainer.checkpoints import Trainables, TrainState
+from sftjob_trainer.loop import build_scheduler, continue_course, follow_course
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, killed_at
 
@@ -74,6 +75,63 @@ def test_the_learning_rate_continues_from_the_same_fraction_of_the_run_after_a_l
     assert all(b <= a for a, b in itertools.pairwise(after))  # cosine: only down, no jump
     assert after[-1] <= expected[-1] + 1e-12 and after[-1] < 1e-6  # and down to ~0 at the end
     assert course.position(40) == 26.5 and expected[27] < after[20] < expected[26]  # step 41, not 1.84e-4
+
+
+def _trained(parts: Trainables, first: int, last: int, skipped: frozenset[int] = frozenset()) -> list[float]:
+    """The learning rate of each of the steps ``first`` to ``last``; a ``skipped`` step (fp16 overflow,
+    non-finite: loop._update) updates nothing and holds the schedule back."""
+    rates = []
+    for step in range(first, last + 1):
+        rates.append(parts.optimizer.param_groups[0]["lr"])
+        if step not in skipped:
+            parts.optimizer.step()
+            parts.scheduler.step()
+    return rates
+
+
+def test_steps_skipped_before_a_layout_change_hold_the_learning_rate_back_after_it_as_before_it() -> None:
+    skipped = frozenset({3, 4, 5, 6})
+    uninterrupted = _parts(33)
+    expected = _trained(uninterrupted, 1, 33, skipped)
+
+    interrupted = _parts(33)
+    assert _trained(interrupted, 1, 20, skipped) == expected[:20]
+    saved = interrupted.scheduler.state_dict(), interrupted.optimizer.state_dict()
+    resumed = _parts(100)
+    resumed.optimizer.load_state_dict(saved[1])
+    resumed.scheduler.load_state_dict(saved[0])
+    assert resumed.scheduler.last_epoch == 16  # 20 steps, 16 updates
+    state = TrainState(step=20, course=asdict(Course.fresh(33, "epochs 1")))
+    course = continue_course(state, resumed, SETTINGS, 100)
+    after = _trained(resumed, 21, course.total)
+
+    assert course.total == 60 and course.rate_from == 16  # the data from step 20, the rate from update 16
+    assert after[0] == expected[20]  # step 21 at the rate the run had set
+    assert expected[21] < after[1] < after[0]  # then a third of a planned step on: no jump to step 19's
+    assert all(b <= a for a, b in itertools.pairwise(after))
+    # It ends held back by the four skipped steps, as the uninterrupted run ends.
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(
+        uninterrupted.optimizer.param_groups[0]["lr"]
+    )
+
+
+def test_the_learning_rate_goes_on_from_where_it_stood_through_two_layout_changes_with_skipped_steps() -> (
+    None
+):
+    first = Course.fresh(33).resumed(20, 100, updates=16)
+    assert first.position(20) == 20 and first.rate_position(16) == 16
+    second = first.resumed(30, 200, updates=24)  # 10 steps on, 2 of them skipped
+    assert second.position(30) == first.position(30)  # the same fraction of the run done
+    assert second.rate_position(24) == first.rate_position(24)  # the rate where it stood
+    end = 24 + second.total - 30  # updates at the end, no step skipped since
+    assert second.rate_position(end) == pytest.approx(33 - 4 - 2 * first.pace)  # held back by the skips only
+
+
+def test_a_course_saved_without_where_the_rate_stood_resumes_as_it_was_laid_out() -> None:
+    laid_out = Course.fresh(33).resumed(20, 100)  # no step skipped: the rate where the run is
+    older = {k: v for k, v in asdict(laid_out).items() if k not in ("updates_from", "rate_from")}
+    assert Course.saved(older) == laid_out
+    assert [laid_out.rate_position(u) for u in (20, 40)] == [laid_out.position(s) for s in (20, 40)]
 
 
 def test_a_resume_with_halved_rows_ends_after_the_planned_epoch_with_a_smooth_learning_rate(

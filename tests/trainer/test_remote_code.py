@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from sftjob.config import ModelSource
-from sftjob.failures import ExitCode, TrainerError
+from sftjob.failures import ExitCode
 from sftjob_trainer import train
 from sftjob_trainer.attention import VARLEN
 from sftjob_trainer.batching import Layout, collate, make_units
@@ -138,7 +139,7 @@ def _source(folder: Path) -> ModelSource:
 def _attention(folder: Path, requested: str, packing: bool) -> str:
     source = _source(folder)
     model_config = load_model_config(source)
-    loads_as = resolve_model_class(model_config, packing, source)
+    loads_as, packing = resolve_model_class(model_config, packing, source)
     return resolve_attention(requested, CPU, packing, model_config, 64, loads_as)
 
 
@@ -149,13 +150,13 @@ def _load(folder: Path, attention: str) -> Any:
 
 
 @pytest.mark.parametrize("requested", ["sdpa", "eager"])
-def test_a_packed_run_of_remote_code_with_attention_of_its_own_is_a_config_error(
-    own_attention_model: Path, requested: str
+def test_a_packed_run_of_remote_code_with_attention_of_its_own_trains_on_padded_batches_saying_why(
+    own_attention_model: Path, requested: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with pytest.raises(TrainerError) as err:
-        _attention(own_attention_model, requested, packing=True)
-    assert err.value.code == ExitCode.CONFIG_ERROR
-    assert "OwnAttentionForCausalLM" in str(err.value) and "spec.training.packing: false" in str(err.value)
+    with caplog.at_level(logging.WARNING):
+        assert _attention(own_attention_model, requested, packing=True) == "eager"
+    assert "packing off: OwnAttentionForCausalLM is the model's own code" in caplog.text
+    assert "training on padded batches instead" in caplog.text
 
 
 def test_unpacked_remote_code_without_sdpa_attention_loads_with_eager(own_attention_model: Path) -> None:
@@ -270,16 +271,15 @@ def _data_never_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(train, "load_examples", read)
 
 
-def test_a_packed_run_of_remote_code_with_attention_of_its_own_fails_before_its_data_is_read(
-    trainer_config: MakeConfig,
-    own_attention_model: Path,
-    termination_log: Path,
-    monkeypatch: pytest.MonkeyPatch,
+def test_a_packed_run_of_remote_code_with_attention_of_its_own_trains_padded_to_the_end(
+    trainer_config: MakeConfig, own_attention_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _data_never_read(monkeypatch)
     model = {"path": str(own_attention_model), "trustRemoteCode": True}
-    assert run(str(trainer_config(model=model, training={"packing": True}))) == ExitCode.CONFIG_ERROR
-    assert "spec.training.packing: false" in termination_log.read_text()
+    with caplog.at_level(logging.INFO):
+        config = trainer_config(model=model, method="full", training={"packing": True, "maxSteps": 1})
+        assert run(str(config)) == ExitCode.OK
+    assert "packing off: OwnAttentionForCausalLM" in caplog.text
+    assert "training units (one example each)" in caplog.text
 
 
 def test_remote_code_importing_a_package_the_image_lacks_ends_the_job_with_a_config_error_naming_it(

@@ -21,6 +21,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -180,11 +181,16 @@ class Course:
     with. A fresh run ends there. A resume whose layout takes ``planned`` steps for a whole run where the
     course expected another number (an OOM re-plan halved the rows: twice the steps per epoch) continues
     from the same fraction of the run: from ``from_step``, at ``from_position`` in the schedule, it ends
-    at ``total`` after the share of ``planned`` steps still to do, follows the schedule at that pace
-    (:meth:`position`, so the learning rate continues smoothly) and reads the last steps of the new
-    layout's epochs (``offset``: the run's end meets the end of its planned data). A resume with an
-    unchanged layout keeps the course as it is. ``length`` is the run length the user asked for
-    (``epochs`` or ``maxSteps``): a job recreated with another one starts a new course instead.
+    at ``total`` after the share of ``planned`` steps still to do, and reads the last steps of the new
+    layout's epochs (``offset``: the run's end meets the end of its planned data). The learning rate
+    goes on from where it stood (``rate_from``, after ``updates_from`` optimizer updates) at the new
+    pace (:meth:`rate_position`). A resume with an unchanged layout keeps the course as it is.
+    ``length`` is the run length the user asked for (``epochs`` or ``maxSteps``): a job recreated with
+    another one starts a new course instead.
+
+    Steps and positions count training steps; the schedule counts updates (the scheduler's
+    ``last_epoch``): a skipped step (loop.py: fp16 overflow, non-finite) is a step but no update, and
+    holds the schedule back by one step of the current layout, as HF's Trainer does.
     """
 
     schedule_steps: int
@@ -193,28 +199,56 @@ class Course:
     from_position: float = 0.0
     offset: int = 0
     length: str = field(default="", compare=False)
+    updates_from: int = 0
+    rate_from: float = 0.0
 
     @classmethod
     def fresh(cls, planned: int, length: str = "") -> Course:
         return cls(planned, planned, length=length)
+
+    @classmethod
+    def saved(cls, fields: dict[str, Any]) -> Course:
+        """The course a checkpoint saved (``dataclasses.asdict``); one saved before the learning rate's
+        own start was kept resumed with no skipped step before it."""
+        rate = {"updates_from": fields.get("from_step", 0), "rate_from": fields.get("from_position", 0.0)}
+        return cls(**(rate | fields))
 
     @property
     def replanned(self) -> bool:
         """Whether the run no longer follows its schedule step for step (a resume changed the layout)."""
         return self != Course.fresh(self.schedule_steps)
 
-    def position(self, step: int) -> float:
-        """Where ``step`` is in the learning-rate schedule (in steps of the first plan)."""
-        pace = (self.schedule_steps - self.from_position) / max(1, self.total - self.from_step)
-        return self.from_position + (step - self.from_step) * pace
+    @property
+    def pace(self) -> float:
+        """Steps of the planned schedule per step of this layout."""
+        return (self.schedule_steps - self.from_position) / max(1, self.total - self.from_step)
 
-    def resumed(self, step: int, planned: int) -> Course:
-        """The course of a run restarted at ``step`` with a layout that takes ``planned`` steps in all."""
+    def position(self, step: int) -> float:
+        """How far along the run ``step`` is (in steps of the first plan)."""
+        return self.from_position + (step - self.from_step) * self.pace
+
+    def rate_position(self, updates: int) -> float:
+        """Where the learning rate is in the planned schedule after ``updates`` optimizer updates."""
+        return self.rate_from + (updates - self.updates_from) * self.pace
+
+    def resumed(self, step: int, planned: int, updates: int | None = None) -> Course:
+        """The course of a run restarted at ``step``, after ``updates`` optimizer updates (the restored
+        scheduler's; ``step`` when none was skipped), with a layout that takes ``planned`` steps in all."""
         if self._end(self.from_step, self.from_position, planned) == self.total:
             return self
+        updates = step if updates is None else updates
         position = self.position(step)
         total = self._end(step, position, planned)
-        return Course(self.schedule_steps, total, step, position, offset=planned - total, length=self.length)
+        return Course(
+            self.schedule_steps,
+            total,
+            step,
+            position,
+            offset=planned - total,
+            length=self.length,
+            updates_from=updates,
+            rate_from=self.rate_position(updates),
+        )
 
     def _end(self, step: int, position: float, planned: int) -> int:
         left = max(0.0, (self.schedule_steps - position) * planned / self.schedule_steps)

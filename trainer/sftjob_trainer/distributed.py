@@ -262,18 +262,44 @@ def wrap_model(
 
 
 def _fully_shard(model: nn.Module, compute_dtype: torch.dtype, mesh: DeviceMesh | None) -> nn.Module:
-    """FSDP2: shard every decoder layer, then the root; bf16/fp16 compute with fp32 gradient reduction."""
+    """FSDP2: shard every block (:func:`fsdp_blocks`), then the root; bf16/fp16 compute with fp32
+    gradient reduction."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    layers: Any = next(
-        (m for name, m in model.named_modules() if name.endswith("layers") and isinstance(m, nn.ModuleList)),
-        [],
-    )
-    for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    blocks = fsdp_blocks(model)
+    if blocks:
+        kinds = ", ".join(sorted({type(block).__name__ for block in blocks}))
+        log.info("FSDP: %d blocks (%s) gathered one at a time", len(blocks), kinds)
+    else:
+        log.warning(
+            "FSDP: %s names no blocks to keep whole (_no_split_modules): it is sharded as one unit, which"
+            " every forward and backward gathers whole, where the plan counted one layer at a time",
+            type(model).__name__,
+        )
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP shards and gathers one at a time: those of the classes transformers keeps whole on
+    one device (``_no_split_modules``, gathered from every submodel: the decoder layers, and a multimodal
+    model's vision encoder layers), found anywhere in the model (under peft's wrapper too), outermost
+    first, in order. Not the first ``ModuleList`` named ``layers``: GPT-2, Falcon and Bloom keep their
+    layers in ``transformer.h``, MPT in ``transformer.blocks``, and Gemma 3's first such list is its
+    vision tower's."""
+    kinds: set[str] = set()
+    for module in model.modules():
+        kinds.update(getattr(module, "_no_split_modules", None) or ())
+    blocks: list[nn.Module] = []
+    taken: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if type(module).__name__ in kinds and not name.startswith(taken):
+            blocks.append(module)
+            taken += (f"{name}.",)
+    return blocks
 
 
 def _materialise(model: nn.Module, device: torch.device) -> None:

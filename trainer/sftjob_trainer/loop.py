@@ -147,11 +147,12 @@ def build_scheduler(
 
 
 def _at_pace(shape: Callable[[float], float], course: Course) -> Callable[[int], float]:
-    """The learning-rate factor of a step, read from the planned schedule at the course's position (a
-    plain function: LambdaLR keeps no state of it in the checkpoint)."""
+    """The learning-rate factor after a number of optimizer updates (LambdaLR's ``last_epoch``, which
+    skipped steps do not advance), read from the planned schedule where the course puts the rate (a plain
+    function: LambdaLR keeps no state of it in the checkpoint)."""
 
-    def factor(step: int) -> float:
-        return shape(course.position(step))
+    def factor(updates: int) -> float:
+        return shape(course.rate_position(updates))
 
     return factor
 
@@ -175,8 +176,8 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
     the user changed (a job recreated over its kept checkpoints) starts a new schedule instead, laid out
     over ``planned`` steps, which the first step after the resume already follows. Either way a new
     learningRate or weightDecay replaces the checkpoint's (:func:`rebase`)."""
-    before = Course(**state.course) if state.course else None
-    course = next_course(state.course, state.step, training, planned)
+    before = Course.saved(state.course) if state.course else None
+    course = next_course(state.course, state.step, training, planned, parts.scheduler.last_epoch)
     state.course = asdict(course)
     if before is None or before.length != course.length:
         if before is not None:
@@ -206,17 +207,20 @@ def continue_course(state: TrainState, parts: Trainables, training: TrainingSett
     return course
 
 
-def next_course(saved: dict[str, Any], step: int, training: TrainingSettings, planned: int) -> Course:
-    """The course of an attempt that goes on from ``step``, after the course its checkpoint saved (``saved``,
-    a ``Course`` as a dict; empty on a fresh start or from an older checkpoint) with a layout that takes
+def next_course(
+    saved: dict[str, Any], step: int, training: TrainingSettings, planned: int, updates: int | None = None
+) -> Course:
+    """The course of an attempt that goes on from ``step``, after ``updates`` optimizer updates (the
+    restored scheduler's count; ``step`` when unknown) and the course its checkpoint saved (``saved``, a
+    ``Course`` as a dict; empty on a fresh start or from an older checkpoint) with a layout that takes
     ``planned`` steps for the whole run: that course resumed, or a fresh one over ``planned`` when there is
     none or the run length (``epochs`` or ``maxSteps``) is not the one it was laid out for."""
     t = training
     length = f"maxSteps {t.max_steps}" if t.max_steps is not None else f"epochs {t.epochs:g}"
-    before = Course(**saved) if saved else None
+    before = Course.saved(saved) if saved else None
     if before is None or before.length != length:
         return Course.fresh(planned, length)
-    return before.resumed(step, planned)
+    return before.resumed(step, planned, updates)
 
 
 def rebase(parts: Trainables, training: TrainingSettings, relaid: bool = False) -> None:

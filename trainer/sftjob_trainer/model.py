@@ -46,16 +46,29 @@ def precision_plan(method: Method, precision: Precision) -> PrecisionPlan:
     return PrecisionPlan(compute, load, autocast=half, grad_scaler=precision == "fp16")
 
 
-def resolve_model_class(model_config: Any, packing: bool, source: ModelSource) -> Any:
-    """The class the model loads as, its code fetched from ``source`` for remote code, and checked before
-    the data is read (remote_code.py): code needing a package the image lacks is a ConfigError naming it,
-    and so are packed rows for a model whose attention is its own."""
+def resolve_model_class(model_config: Any, packing: bool, source: ModelSource) -> tuple[Any, bool]:
+    """The class the model loads as, its code fetched from ``source`` for remote code, and whether its
+    rows may be packed, checked before the data is read (remote_code.py): code needing a package the image
+    lacks is a ConfigError naming it. A model that runs with eager attention whatever the data (its
+    attention its own, no SDPA, soft-capped logits) and whose eager masks are not known to keep packed
+    examples apart is trained on padded batches instead, with a warning: packing only saves time, and its
+    packed examples would attend to each other (:func:`resolve_attention` checks again once the longest
+    example is known, and refuses then)."""
     try:
         found = remote_code.causal_lm_class(model_config, _model_ref(source), **_hub_kwargs(source))
     except Exception as exc:
         raise _load_error("model code", source, exc) from exc
-    remote_code.check_packing(found, packing)
-    return found
+    reason = attention.eager_reason(model_config, found, None)
+    problem = attention.packed_eager_problem(model_config, found) if packing and reason else None
+    if problem is not None:
+        log.warning(
+            "packing off: %s, and this model runs with eager attention (%s), so packed examples would attend"
+            " to each other: training on padded batches instead (the same examples and loss, slower; set"
+            " spec.training.packing: false to plan for it)",
+            problem,
+            reason,
+        )
+    return found, packing and problem is None
 
 
 def resolve_attention(
@@ -69,8 +82,10 @@ def resolve_attention(
     """The ``attn_implementation`` to load: packed SDPA runs become varlen attention (no dense mask); a
     model whose attention SDPA does not compute exactly (``model_config``, a transformers config), whose
     class has no SDPA attention, or (packed) whose attention is its own code and never sees the examples'
-    boundaries, eager. ``model_class`` is the one :func:`resolve_model_class` found; without it,
-    transformers' class for ``model_config``.
+    boundaries, eager. Packed rows under eager attention (chosen here or planned) are a ConfigError
+    unless the model's eager masks keep the examples apart (``attention.packed_eager_problem``).
+    ``model_class`` is the one :func:`resolve_model_class` found; without it, transformers' class for
+    ``model_config``.
     """
     model_class = model_class or remote_code.causal_lm_class(model_config)
     if requested == "flash_attention_2":
@@ -79,38 +94,28 @@ def resolve_attention(
         if device.type != "cuda" or not is_flash_attn_2_available():
             log.warning("attention flash_attention_2 planned but not available here: using sdpa")
             requested = "sdpa"
-    if requested == "sdpa" and model_config is not None:
-        gap = attention.sdpa_gap(model_config, longest_example if packing else None)
-        if gap is not None:
-            log.warning(
-                "attention sdpa planned, but %s, which %s does not implement: using eager attention%s",
-                gap,
-                attention.VARLEN if packing else "sdpa",
-                " (packed examples kept apart by a block-diagonal mask)" if packing else "",
-            )
-            return "eager"
-    if requested == "sdpa" and model_class is not None and not getattr(model_class, "_supports_sdpa", True):
-        log.warning("attention sdpa planned, but %s has no SDPA attention: using eager", model_class.__name__)
-        return "eager"
-    own_attention = model_class is not None and not model_class.is_backend_compatible()
-    if packing and requested == "sdpa" and own_attention:
-        # Its attention is its own code, which never gets the examples' boundaries: masked eager instead.
+    reason = attention.eager_reason(model_config, model_class, longest_example if packing else None, packing)
+    chosen = "eager" if requested == "sdpa" and reason is not None else requested
+    if packing and chosen == "eager":
+        attention.check_packed_eager(model_config, model_class, reason or "as planned")
+    if chosen != requested:
         log.warning(
-            "packed rows: %s takes no attention function of transformers' registry, so %s would let packed"
-            " examples attend to each other: using eager attention with a block-diagonal mask",
-            model_class.__name__,
-            attention.VARLEN,
+            "attention sdpa planned, but %s: using eager attention%s",
+            reason,
+            " (its mask keeps packed examples apart: a block-diagonal mask from their position_ids)"
+            if packing
+            else "",
         )
-        return "eager"
-    if packing and requested == "sdpa":
+    if packing and chosen == "sdpa":
         attention.register()
+        dropout = attention.attention_dropout(model_config) if model_config is not None else 0.0
         log.info(
             "packed rows: attention %s (%s), examples kept apart without a mask",
             attention.VARLEN,
-            attention.kernel_backend(device),
+            attention.kernel_backend(device, dropout),
         )
         return attention.VARLEN
-    return requested
+    return chosen
 
 
 def check_positions(model_config: Any, longest_example: int) -> None:

@@ -7,9 +7,11 @@ from the model's own files; :func:`causal_lm_class` finds it the same way, befor
 classes, that code
 
 - may have no SDPA attention: the trainer loads it with eager attention (``model.resolve_attention``);
-- keeps packed examples apart only when its layers take transformers' attention functions and masks
-  (``is_backend_compatible()``), which get the examples' boundaries; with attention of its own, packed
-  examples would attend to each other, so a packed run of it is a ConfigError (:func:`check_packing`);
+- keeps packed examples apart only when its layers take transformers' attention functions
+  (``is_backend_compatible()``), which get the examples' boundaries as ``sftjob_varlen``'s arguments;
+  with attention of its own it would run eager, whose masks no one checked to keep them apart, so a
+  packed run of it is a ConfigError (``attention.packed_eager_problem``), as is one that runs eager
+  for any other reason (no SDPA attention);
 - usually returns the mean loss of its micro-batch, ignoring ``num_items_in_batch``: loss and gradients
   would be scaled by the accumulation steps times the ranks, and the evaluation loss would depend on the
   micro-batch size. The trainer computes the loss of such a model itself, from its logits
@@ -19,8 +21,6 @@ classes, that code
 from __future__ import annotations
 
 from typing import Any
-
-from sftjob.failures import ExitCode, TrainerError
 
 AUTO_CLASS = "AutoModelForCausalLM"
 
@@ -49,23 +49,6 @@ def is_remote(model_class: type) -> bool:
     """Whether the class is the model's own code rather than one of transformers' (``transformers.models``;
     remote code is imported as ``transformers_modules``)."""
     return not model_class.__module__.startswith("transformers.")
-
-
-def check_packing(model_class: Any, packing: bool) -> None:
-    """Refuses packed rows for a model of its own code whose attention never sees the examples' boundaries."""
-    if (
-        not packing
-        or model_class is None
-        or not is_remote(model_class)
-        or model_class.is_backend_compatible()
-    ):
-        return
-    raise TrainerError(
-        ExitCode.CONFIG_ERROR,
-        f"{model_class.__name__} is the model's own code (spec.model.trustRemoteCode) with attention that"
-        " transformers does not provide, which never sees where packed examples start: they would attend"
-        " to each other. Set spec.training.packing: false",
-    )
 
 
 def computes_own_loss(base_model: Any) -> bool:

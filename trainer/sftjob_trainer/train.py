@@ -144,11 +144,14 @@ class Training:
         # Data: every rank tokenizes the same rows the same way; the schedule picks its share.
         if self.metrics is not None:
             self.metrics.enter(Phase.LOADING_DATA)
-        packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
         with heartbeat.downloads(config, Phase.LOADING_DATA, self.metrics):
             tokenizer = load_tokenizer(config.model)
             model_config = load_model_config(config.model)  # before the data: a bad model fails in seconds
-            model_class = resolve_model_class(model_config, t.packing, config.model)
+            model_class, packing = resolve_model_class(model_config, t.packing, config.model)
+            if packing != t.packing:  # packed examples of this model would attend to each other
+                t = self.t = t.model_copy(update={"packing": False, "packing_length": None})
+                config = self.config = config.model_copy(update={"training": t})
+            packing_length = (t.packing_length or config.dataset.max_seq_length) if t.packing else None
             examples, stats, fmt = load_examples(config.dataset, tokenizer, packing_length)
             examples, held = held_out(config, examples, stats.rows, fmt, tokenizer, packing_length)
         units = make_units(examples, packing_length)
