@@ -37,13 +37,30 @@ build_kueue() {
   hack/build-control-plane.sh kueue >/dev/null
 }
 
-# prometheus and promtool from the Debian package (the metrics tests run a real Prometheus).
+# prometheus and promtool from the Debian package (the metrics tests run their own Prometheus on a free
+# port). Installing it would also start its system service on :9090 and enable it at boot: a policy-rc.d
+# keeps it from starting during the install, and where systemd runs it is left disabled and stopped.
 install_prometheus() {
-  if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
-    step "installing prometheus (Debian package)"
-    local sudo=
-    [ "$(id -u)" = 0 ] || sudo=sudo
-    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus >/dev/null \
-      || { $sudo apt-get update -qq && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus >/dev/null; }
+  if command -v prometheus >/dev/null && command -v promtool >/dev/null; then return; fi
+  step "installing prometheus (Debian package, system-wide; its service is left stopped and disabled)"
+  local sudo=
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  local apt=($sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120)
+  local policy=/usr/sbin/policy-rc.d ours=
+  if [ ! -e "$policy" ]; then  # exit 101: no service may start (removed again below, or on exit)
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+    $sudo chmod 755 "$policy"
+    ours=1
+    trap "$sudo rm -f $policy" EXIT
+  fi
+  "${apt[@]}" install -y --no-install-recommends prometheus >/dev/null \
+    || { "${apt[@]}" update -qq && "${apt[@]}" install -y --no-install-recommends prometheus >/dev/null; }
+  if [ -n "$ours" ]; then
+    $sudo rm -f "$policy"
+    trap - EXIT
+  fi
+  if [ -d /run/systemd/system ]; then
+    $sudo systemctl disable --now prometheus.service >/dev/null 2>&1 \
+      || echo "warning: could not disable prometheus.service; '${sudo:+sudo }systemctl disable --now prometheus' does" >&2
   fi
 }

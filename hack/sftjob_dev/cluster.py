@@ -37,6 +37,11 @@ START_TIMEOUT = 120.0
 KUBECTL_TIMEOUT = 120.0
 HOSTPATH_PV_ROOT = "/tmp/hostpath_pv/"  # hard-coded in the in-tree host-path provisioner
 NOT_READY_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
+# For processes that keep running with the cluster (the demo's operator, the runner's trainers): the API
+# server sets no --service-account-max-token-expiration, so a token lasts the full year asked for.
+LONG_LIVED_TOKEN = "8760h"
+# What a pod gets to find its own cluster's API server (the `kubernetes` Service).
+IN_CLUSTER_ENV_PREFIXES = ("KUBERNETES_SERVICE_", "KUBERNETES_PORT")
 DEFAULT_STORAGE_CLASS = {
     "apiVersion": "storage.k8s.io/v1",
     "kind": "StorageClass",
@@ -45,6 +50,13 @@ DEFAULT_STORAGE_CLASS = {
     "reclaimPolicy": "Delete",
     "volumeBindingMode": "Immediate",
 }
+
+
+def outside_pod_env() -> dict[str, str]:
+    """This process's environment without the in-cluster variables: run inside a pod (a devcontainer,
+    a CI runner pod), the Kubernetes client and kopf would otherwise prefer the pod's service account
+    and act on that cluster instead of the local one their KUBECONFIG names."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(IN_CLUSTER_ENV_PREFIXES)}
 
 
 class Cluster:
@@ -177,10 +189,12 @@ class Cluster:
         if any(running.values()):
             up = ", ".join(name for name, ok in running.items() if ok)
             raise ClusterError(f"a partly running cluster is in {self.workdir} ({up}); run `down` first")
-        chosen = choose_ports(ports)
+        if ports:
+            choose_ports(ports)  # a busy or bad explicit port fails now, not after a first build of minutes
         bin_dir = binaries.ensure_built() if build else binaries.bin_dir()
         if not build and binaries.missing(bin_dir):
             raise ClusterError(f"binaries missing from {bin_dir}: {', '.join(binaries.missing(bin_dir))}")
+        chosen = choose_ports(ports)  # after the build, so nothing else has taken them meanwhile
         started = time.monotonic()
         try:
             self._start(bin_dir, chosen, timeout)

@@ -36,12 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client, config, watch
 
 from sftjob import constants as c
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode
-from sftjob_dev.cluster import Cluster
+from sftjob_dev.cluster import LONG_LIVED_TOKEN, Cluster, outside_pod_env
 from sftjob_dev.errors import ClusterError
 from sftjob_dev.localize import config_key, local_config, pod_env
 from sftjob_operator.builders import trainer_account_name
@@ -52,7 +53,7 @@ log = logging.getLogger("sftjob_dev.runner")
 POLL_SECONDS = 0.5
 WATCH_SECONDS = 60
 STOP_GRACE_SECONDS = 60.0  # the trainer finishes its step and saves a checkpoint on SIGTERM
-TOKEN_DURATION = "24h"
+RETRY_SECONDS = 5.0  # a pod's start or outcome that met a transient API error is tried again after this
 MESSAGE_CHARS = 1000
 TERMINAL_PHASES = ("Succeeded", "Failed")
 
@@ -90,25 +91,34 @@ class Runner:
         self.custom = client.CustomObjectsApi(api)
         self.trainers: dict[str, Trainer] = {}  # by pod uid
         self.done: set[str] = set()  # pod uids finished or not ours: never started again
-        self.waiting: dict[str, dict[str, Any]] = {}  # pods whose job's previous trainer still runs
+        # Pods to try again, not before the time: their job's previous trainer still runs (0), or
+        # starting met a transient API error.
+        self.waiting: dict[str, tuple[float, dict[str, Any]]] = {}
+        # Outcome annotations a transient API error kept off their pod: (namespace, pod) -> (time, them).
+        self.unsteered: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
         self.events: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self.stop_requested = threading.Event()
 
     # --- the loop ---------------------------------------------------------------------------------
     def run(self) -> None:
-        """Until SIGTERM/SIGINT: react to pod events, reap exited trainers; then stop them all."""
+        """Until SIGTERM/SIGINT: react to pod events, reap exited trainers; then stop them all (also
+        when the loop fails, so no trainer outlives the runner)."""
         threading.Thread(target=self._watch, name="pod-watch", daemon=True).start()
         log.info("watching pods of SFTJobs annotated %s=true (workdir %s)", c.LOCAL_TRAINER, self.root)
-        while not self.stop_requested.is_set():
-            try:
-                kind, pod = self.events.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                pass
-            else:
-                self._on_pod(kind, pod)
-            self._reap()
-            self._retry_waiting()
-        self.shutdown()
+        try:
+            while not self.stop_requested.is_set():
+                try:
+                    kind, pod = self.events.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    pass
+                else:
+                    self._on_pod(kind, pod)
+                self._reap()
+                self._retry_waiting()
+                self._retry_unsteered()
+        finally:
+            self.stop_requested.set()  # the pod watch too
+            self.shutdown()
 
     def _watch(self) -> None:
         """Every pod with the job label, as events; a fresh list (ADDED for each pod) after any error."""
@@ -155,11 +165,22 @@ class Runner:
             return
         if self._busy(meta["namespace"], (meta.get("labels") or {}).get(c.LABEL_JOB, "")):
             # The previous pod's trainer is still saving its checkpoint: like a volume still attached.
-            self.waiting[uid] = pod
+            self.waiting[uid] = (0.0, pod)
             return
         try:
             self._start(pod)
         except Exception as exc:  # one bad pod must not stop the runner
+            if _transient(exc):
+                log.warning(
+                    "cannot start a trainer for pod %s/%s yet (%s); trying again in %.0fs",
+                    meta["namespace"],
+                    meta["name"],
+                    _describe(exc),
+                    RETRY_SECONDS,
+                )
+                self.done.discard(uid)
+                self.waiting[uid] = (time.monotonic() + RETRY_SECONDS, pod)
+                return
             log.exception("cannot start a trainer for pod %s/%s: %s", meta["namespace"], meta["name"], exc)
             self.done.add(uid)
             message = f"local trainer runner: {exc}"
@@ -169,8 +190,10 @@ class Runner:
         return any(t.namespace == namespace and t.job == job for t in self.trainers.values())
 
     def _retry_waiting(self) -> None:
-        for pod in list(self.waiting.values()):
-            self._on_pod("MODIFIED", pod)
+        now = time.monotonic()
+        for not_before, pod in list(self.waiting.values()):
+            if not_before <= now:
+                self._on_pod("MODIFIED", pod)
 
     # --- starting ---------------------------------------------------------------------------------
     def _start(self, pod: dict[str, Any]) -> None:
@@ -197,7 +220,7 @@ class Runner:
         termination_log = folder / f"{name}.termination-log"
         termination_log.unlink(missing_ok=True)
         env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")},
+            **outside_pod_env(),
             "OMP_NUM_THREADS": "1",  # a shared dev machine; the pod's own env may override it
             **pod_env(pod, CONTAINER, mounts),
             c.CONFIG_ENV: str(config_path),
@@ -267,7 +290,9 @@ class Runner:
         account = trainer_account_name(job)
         path = folder / "trainer.kubeconfig"
         try:
-            return self.cluster.service_account_kubeconfig(namespace, account, path, duration=TOKEN_DURATION)
+            return self.cluster.service_account_kubeconfig(
+                namespace, account, path, duration=LONG_LIVED_TOKEN
+            )
         except ClusterError as exc:
             log.warning(
                 "no token for ServiceAccount %s/%s (%s): the trainer reports as admin",
@@ -315,11 +340,32 @@ class Runner:
             annotations[c.SIM_EXIT_CODE] = str(exit_code)
         if preempted:
             annotations[c.SIM_DISRUPTION] = "PreemptionByScheduler"
+        self._annotate(namespace, pod, annotations)
+
+    def _annotate(self, namespace: str, pod: str, annotations: dict[str, str]) -> None:
         try:
             self.core.patch_namespaced_pod(pod, namespace, {"metadata": {"annotations": annotations}})
-        except client.ApiException as exc:
-            if exc.status != 404:
+        except Exception as exc:
+            if _transient(exc):
+                log.warning(
+                    "cannot annotate pod %s/%s yet (%s); trying again in %.0fs",
+                    namespace,
+                    pod,
+                    _describe(exc),
+                    RETRY_SECONDS,
+                )
+                self.unsteered[(namespace, pod)] = (time.monotonic() + RETRY_SECONDS, annotations)
+            elif not isinstance(exc, client.ApiException):
+                raise
+            elif exc.status != 404:  # a pod already gone needs no outcome
                 log.warning("cannot annotate pod %s/%s: %s", namespace, pod, exc.reason)
+
+    def _retry_unsteered(self) -> None:
+        now = time.monotonic()
+        for (namespace, pod), (not_before, outcome) in list(self.unsteered.items()):
+            if not_before <= now:
+                del self.unsteered[(namespace, pod)]
+                self._annotate(namespace, pod, outcome)
 
     def _terminate(self, trainer: Trainer) -> None:
         trainer.stopping_since = time.monotonic()
@@ -345,6 +391,19 @@ def _signal(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Signal the trainer and its dataloader workers (its own process group)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)
+
+
+def _transient(exc: BaseException) -> bool:
+    """An API error that may pass: the server overloaded or restarting (429, 5xx), or no connection."""
+    if isinstance(exc, client.ApiException):
+        return exc.status == 429 or (exc.status or 0) >= 500
+    return isinstance(exc, (urllib3.exceptions.HTTPError, ConnectionError))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, client.ApiException):
+        return f"HTTP {exc.status} {exc.reason}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _last_line(path: Path) -> str:

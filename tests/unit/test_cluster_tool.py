@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from sftjob import constants as c
-from sftjob_dev import components, processes
+from sftjob_dev import binaries, components, processes
+from sftjob_dev import cluster as cluster_module
 from sftjob_dev.cli import main
 from sftjob_dev.components import Layout
 from sftjob_dev.errors import ClusterError
@@ -219,3 +220,27 @@ def test_a_second_up_on_the_same_run_folder_is_refused_while_one_runs(
         code, err = run_cli(capsys, "up", "--workdir", str(tmp_path))
     assert code == 1
     assert err == f"error: another up/down is already running on {tmp_path}\n"
+
+
+def test_free_ports_are_picked_after_a_first_build_so_nothing_takes_them_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+
+    def build() -> Path:
+        calls.append("build")
+        return tmp_path
+
+    def pick(explicit: dict[str, int] | None = None) -> dict[str, int]:
+        calls.append("ports")
+        return choose_ports(explicit)
+
+    def start(*args: Any) -> None:
+        raise ClusterError("stop before starting anything")
+
+    monkeypatch.setattr(binaries, "ensure_built", build)
+    monkeypatch.setattr(cluster_module, "choose_ports", pick)
+    monkeypatch.setattr(cluster_module.Cluster, "_start", start)
+    with pytest.raises(ClusterError, match="stop before starting anything"):
+        cluster_module.Cluster(tmp_path).up()
+    assert calls == ["build", "ports"]
