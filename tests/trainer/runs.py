@@ -18,6 +18,13 @@ MakeConfig = Callable[..., Path]
 
 RANKS = 2  # torchrun's processes in the multi-rank tests: a one-node, two-GPU pod
 LAUNCH_TIMEOUT_SECONDS = 180
+# trainer_config overrides for one epoch of 256 rows packed into 128-token rows, checkpointed every 2 steps
+# and all kept: a run to kill at a step and resume with another row length.
+ONE_PACKED_EPOCH: dict[str, object] = {
+    "rows": 256,
+    "training": {"maxSteps": None, "epochs": 1.0, "packingLength": 128},
+    "checkpoints": {"everySteps": 2, "keep": 20},
+}
 
 
 def train_log(config_path: Path) -> dict[int, float]:

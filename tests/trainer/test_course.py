@@ -19,7 +19,7 @@ from sftjob_trainer.batching import Course, Schedule
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.loop import build_scheduler, continue_course, follow_course
 from sftjob_trainer.train import run
-from tests.trainer.runs import MakeConfig, killed_at
+from tests.trainer.runs import ONE_PACKED_EPOCH, MakeConfig, killed_at
 
 pytestmark = pytest.mark.trainer
 
@@ -137,12 +137,7 @@ def test_a_course_saved_without_where_the_rate_stood_resumes_as_it_was_laid_out(
 def test_a_resume_with_halved_rows_ends_after_the_planned_epoch_with_a_smooth_learning_rate(
     trainer_config: MakeConfig, caplog: pytest.LogCaptureFixture
 ) -> None:
-    overrides = {
-        "rows": 256,
-        "training": {"maxSteps": None, "epochs": 1.0, "packingLength": 128},
-        "checkpoints": {"everySteps": 2, "keep": 20},
-    }
-    config = trainer_config("messages", **overrides)
+    config = trainer_config("messages", **ONE_PACKED_EPOCH)
     assert run(str(config)) == ExitCode.OK
     settings = killed_at(config, 6)  # and restarted with half the row length
     output = Path(settings["outputDir"])

@@ -23,7 +23,7 @@ from sftjob_trainer.metrics import TrainerMetrics
 from sftjob_trainer.observer import Observer
 from sftjob_trainer.resume import expected_course
 from sftjob_trainer.train import run
-from tests.trainer.runs import MakeConfig, killed_at, train_log
+from tests.trainer.runs import ONE_PACKED_EPOCH, MakeConfig, killed_at, train_log
 
 pytestmark = pytest.mark.trainer
 
@@ -232,12 +232,7 @@ def test_a_restart_reports_the_step_it_resumes_from_while_it_loads(
 def test_a_resume_after_a_replan_reports_the_total_and_epoch_of_its_course_from_the_first_setup_report(
     trainer_config: MakeConfig, recorder: Recorder
 ) -> None:
-    overrides = {
-        "rows": 256,
-        "training": {"maxSteps": None, "epochs": 1.0, "packingLength": 128},
-        "checkpoints": {"everySteps": 2, "keep": 20},
-    }
-    config = trainer_config("messages", **overrides)
+    config = trainer_config("messages", **ONE_PACKED_EPOCH)
     assert run(str(config)) == ExitCode.OK
     settings = killed_at(config, 6)
     settings["training"]["packingLength"] = 64  # an OOM re-plan halved the rows: twice the steps an epoch
