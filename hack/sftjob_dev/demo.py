@@ -30,7 +30,8 @@ from sftjob import constants as c
 from sftjob_dev import processes
 from sftjob_dev.cluster import LONG_LIVED_TOKEN, REPO_ROOT, Cluster, outside_pod_env
 from sftjob_dev.errors import ClusterError
-from sftjob_dev.runner import STOP_GRACE_SECONDS, assets_dir, free_ports, local_dir
+from sftjob_dev.ports import free_ports
+from sftjob_dev.runner import STOP_GRACE_SECONDS, assets_dir, local_dir
 
 CHART = REPO_ROOT / "charts" / "sftjob-operator"
 CRDS = REPO_ROOT / "crds"

@@ -55,3 +55,15 @@ def choose_ports(explicit: dict[str, int] | None = None) -> dict[str, int]:
         for s in held:
             s.close()
     return {name: ports[name] for name in PORT_NAMES}
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports on loopback (all held until all are picked)."""
+    held = [socket.socket() for _ in range(count)]
+    try:
+        for s in held:
+            s.bind((HOST, 0))
+        return [int(s.getsockname()[1]) for s in held]
+    finally:
+        for s in held:
+            s.close()

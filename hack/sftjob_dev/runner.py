@@ -26,7 +26,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +44,7 @@ from sftjob.failures import ExitCode
 from sftjob_dev.cluster import LONG_LIVED_TOKEN, Cluster, outside_pod_env
 from sftjob_dev.errors import ClusterError
 from sftjob_dev.localize import config_key, local_config, pod_env
+from sftjob_dev.ports import free_ports
 from sftjob_operator.builders import trainer_account_name
 from sftjob_operator.pods import CONTAINER
 
@@ -412,18 +412,6 @@ def _last_line(path: Path) -> str:
     except OSError:
         return ""
     return lines[-1][:MESSAGE_CHARS] if lines else ""
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports on loopback (all held until all are picked)."""
-    held = [socket.socket() for _ in range(count)]
-    try:
-        for s in held:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in held]
-    finally:
-        for s in held:
-            s.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,6 @@ the session's tests never wait on it.
 from __future__ import annotations
 
 import base64
-import os
 import shlex
 import shutil
 import subprocess
@@ -24,9 +23,10 @@ from typing import Any
 
 import pytest
 import yaml
-from operator_harness import REPO, free_port, wait_for
+from operator_harness import REPO, wait_for
 
-from sftjob_dev.cluster import Cluster
+from sftjob_dev.cluster import Cluster, outside_pod_env
+from sftjob_dev.ports import free_ports
 
 BUILD = REPO / "hack" / "build-control-plane.sh"
 NAMESPACE_LABEL = "sftjob.dev/kueue-e2e"
@@ -81,7 +81,7 @@ class Kueue:
         certs.mkdir(parents=True, exist_ok=True)
         shutil.copy(self.cluster.pki.server_crt, certs / "tls.crt")
         shutil.copy(self.cluster.pki.server_key, certs / "tls.key")
-        webhook, health, metrics = free_port(), free_port(), free_port()
+        webhook, health, metrics = free_ports(3)
         config = self.folder / "config.yaml"
         config.write_text(
             yaml.safe_dump(
@@ -119,7 +119,7 @@ class Kueue:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 ["unshare", "-rm", "sh", "-c", script],
-                env={**os.environ, **self.cluster.env()},
+                env={**outside_pod_env(), **self.cluster.env()},
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )

@@ -6,9 +6,7 @@ The fixtures in ``conftest.py`` hand these to the tests; test modules import the
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sftjob_dev.cluster import Cluster
+from sftjob_dev.cluster import Cluster, outside_pod_env
+from sftjob_dev.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
@@ -30,12 +29,6 @@ START_TIMEOUT = 60.0
 READY_TIMEOUT = 180.0
 READY_NAMESPACE = "test-operator-ready"  # matches the operator's --namespace test-*
 Completed = subprocess.CompletedProcess[str]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(
@@ -71,7 +64,7 @@ class Operator:
             return str(r.read().decode())
 
     def start(self) -> None:
-        live, self.metrics_port = free_port(), free_port()
+        live, self.metrics_port = free_ports(2)
         argv = [
             sys.executable, "-m", "sftjob_operator", "--standalone",
             # Only the tests' own namespaces (the root conftest names them test-*): tests that run an
@@ -84,7 +77,11 @@ class Operator:
         ]  # fmt: skip
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                argv, env={**os.environ, **self.cluster.env()}, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+                argv,
+                env={**outside_pod_env(), **self.cluster.env()},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
             )
         wait_for("the operator's liveness endpoint", lambda: self._alive(live), timeout=START_TIMEOUT)
         self._wait_reconciling()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -234,12 +234,15 @@ def test_unknown_failures_back_off_then_exhaust_max_restarts(jobs: Jobs) -> None
 
 
 def test_preemptions_restart_at_once_without_using_the_restart_budget(jobs: Jobs) -> None:
-    jobs.apply(job("preempt", restartPolicy={"maxRestarts": 0}))
+    # A backoff long enough that "at once" cannot be mistaken for a backoff that passed.
+    backoff = 30
+    jobs.apply(job("preempt", restartPolicy={"maxRestarts": 0, "backoffSeconds": backoff}))
     for attempt in (1, 2):
         fail(jobs, "preempt", attempt, 20, "SIGTERM: checkpoint-120 saved")
         record = ended(jobs, "preempt", attempt)
         assert (record["reason"], record["exitCode"]) == ("Preempted", 20)
-    pod_of(jobs, "preempt", 3)
+        after = waited(pod_of(jobs, "preempt", attempt + 1), record)
+        assert after < timedelta(seconds=5), f"attempt {attempt + 1} came {after} after the preemption"
     status = jobs.status("preempt")
     assert status["restarts"] == 2 and status["phase"] != "Failed"
     assert has_event(jobs, "preempt", "Warning", "Preempted", "attempt 2")
@@ -303,16 +306,25 @@ def test_a_trainer_that_reports_no_progress_is_ended_as_stalled_and_restarted(jo
 def test_an_operator_killed_mid_backoff_waits_out_the_same_backoff_and_creates_one_pod(
     jobs: Jobs, operator: Operator
 ) -> None:
-    jobs.apply(job("midbackoff", restartPolicy={"backoffSeconds": 12}))
+    backoff, margin = timedelta(seconds=30), timedelta(seconds=8)
+    jobs.apply(job("midbackoff", restartPolicy={"backoffSeconds": int(backoff.total_seconds())}))
     fail(jobs, "midbackoff", 1, 17, "OSError: [Errno 28] No space left on device")
     record = ended(jobs, "midbackoff", 1)
     assert record["reason"] == "StorageError"
     jobs.wait_phase("midbackoff", "Restarting")
     operator.kill()
-    time.sleep(3)
+    # Down longer than the margin: a backoff started afresh by the restarted operator ends past it.
+    time.sleep(margin.total_seconds() + 2)
     operator.start()
+    back = datetime.now(UTC) - datetime.fromisoformat(record["endTime"])
+    if back > backoff - timedelta(seconds=3):
+        pytest.fail(
+            f"the operator was back (reconciling) only {back} after attempt 1 ended, too close to the end of"
+            f" its {backoff} backoff: this run cannot tell the same backoff from none at all",
+            pytrace=False,
+        )
     second = pod_of(jobs, "midbackoff", 2, timeout=60)
-    assert waited(second, record) >= timedelta(seconds=12)
+    assert backoff <= waited(second, record) < backoff + margin, f"{waited(second, record)} after the end"
     time.sleep(3)
     live = [
         p["metadata"]["name"] for p in jobs.pods("midbackoff") if not p["metadata"].get("deletionTimestamp")

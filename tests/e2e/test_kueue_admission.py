@@ -107,7 +107,8 @@ def test_a_queued_job_waits_gated_for_quota_and_its_pod_group_is_admitted_whole(
     assert f"Kueue's queue {queue}" in scheduled["message"]
     assert "insufficient unused quota for nvidia.com/gpu" in scheduled["message"]  # Kueue's own words
     assert jobs.status("second").get("startTime") is None  # the deadline has not started
-    workload = wait_for("second's Workload", lambda: _workload(jobs, group.pop()))
+    name = next(iter(group))
+    workload = wait_for("second's Workload", lambda: _workload(jobs, name))
     assert [s["count"] for s in workload["spec"]["podSets"]] == [2]
     reserved = next(c for c in workload["status"]["conditions"] if c["type"] == "QuotaReserved")
     assert (
@@ -197,7 +198,11 @@ def test_the_queue_objects_of_the_queued_example_are_kueues_and_run_the_example_
         jobs.apply(yaml.safe_load(example))
         (pod,) = jobs.running_pods("llama-8b-lora-queued", timeout=60)
         assert pod["metadata"]["labels"].get("kueue.x-k8s.io/managed") == "true"
-        assert jobs.node_product(pod["spec"]["nodeName"]) == "NVIDIA-L40S"  # the flavor's node label
+        # The operator only prefers L40S (node affinity, no nodeSelector): the selector is Kueue's, from
+        # the l40s flavor's nodeLabels, put on the pod when it admitted the group.
+        selector = pod["spec"].get("nodeSelector") or {}
+        assert selector.get("nvidia.com/gpu.product") == "NVIDIA-L40S", pod["spec"]
+        assert jobs.node_product(pod["spec"]["nodeName"]) == "NVIDIA-L40S"
     finally:
         jobs.delete_all()
         cluster.kubectl("delete", "clusterqueue", "gpus", "--wait=false", check=False)

@@ -20,8 +20,7 @@ from operator_harness import REPO, Jobs, wait_for
 from sftjob_dev.cluster import Cluster
 from sftjob_dev.runner import local_dir
 
-pytestmark = [pytest.mark.e2e, pytest.mark.trainer]
-pytest.importorskip("torch")
+pytestmark = [pytest.mark.e2e, pytest.mark.trainer]  # needs torch: see conftest.py
 
 DEMO_JOB = REPO / "examples" / "demo" / "tiny-copy.yaml"
 

@@ -160,14 +160,19 @@ def test_a_claim_marked_keep_on_delete_outlives_its_job(jobs: Jobs) -> None:
     assert not claim["metadata"].get("ownerReferences")
 
 
+def pods_created(metrics: str) -> float:
+    line = next(
+        line for line in metrics.splitlines() if line.startswith("sftjob_operator_pods_created_total ")
+    )
+    return float(line.split()[1])
+
+
 def test_the_operator_serves_its_metrics_and_counts_what_it_did(jobs: Jobs, operator: Operator) -> None:
+    before = pods_created(operator.metrics())  # the counter is the session operator's, over every test
     jobs.apply(sftjob("counted"))
     jobs.running_pods("counted")
     jobs.wait_phase("counted", "Running")
     text = operator.metrics()
-    created = next(
-        line for line in text.splitlines() if line.startswith("sftjob_operator_pods_created_total ")
-    )
-    assert float(created.split()[1]) >= 1
+    assert pods_created(text) == before + 1  # the job's one pod
     assert 'sftjob_operator_reconcile_total{result="success"}' in text
     assert 'sftjob_jobs{gpu_type="L40S",phase="Running"}' in text

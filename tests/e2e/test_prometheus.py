@@ -10,7 +10,6 @@ with the chart's alert rules loaded. Nothing connects to a pod or node address o
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -27,11 +26,12 @@ from typing import Any
 import pytest
 import yaml
 from helmchart import CHART, NAMESPACE, RELEASE, alert_groups
-from operator_harness import free_port, wait_for
+from operator_harness import wait_for
 
 from sftjob import constants as c
 from sftjob.failures import ExitCode
-from sftjob_dev.cluster import Cluster
+from sftjob_dev.cluster import Cluster, outside_pod_env
+from sftjob_dev.ports import free_ports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.trainer]
 
@@ -199,9 +199,9 @@ def scraped(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     assert prometheus_bin, "install the Debian package: apt-get install -y --no-install-recommends prometheus"
     folder = tmp_path_factory.mktemp("prometheus")
     namespace = f"prom-{uuid.uuid4().hex[:6]}"
-    trainer_port, operator_port, prometheus_port, liveness_port = (free_port() for _ in range(4))
+    trainer_port, operator_port, prometheus_port, liveness_port = free_ports(4)
     processes: list[subprocess.Popen[bytes]] = []
-    env = os.environ | {"KUBECONFIG": str(cluster.kubeconfig), "HF_HUB_OFFLINE": "1"}
+    env = outside_pod_env() | {"KUBECONFIG": str(cluster.kubeconfig), "HF_HUB_OFFLINE": "1"}
 
     def start(name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> None:
         log = (folder / f"{name}.log").open("wb")
