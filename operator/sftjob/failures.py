@@ -102,6 +102,37 @@ GPU_FAULT_PATTERN = (
 )
 # The image's PyTorch (or a CUDA extension in it) was built without this GPU's architecture.
 NO_KERNEL_IMAGE = "no kernel image is available for execution on the device"
+# What a GPU out of memory says, read by the trainer and the operator alike, before any NCCL rule: PyTorch's
+# caching allocator; a CUDA call outside it (cuBLAS workspace, kernels, context); and NCCL allocating its own
+# buffers, whose "Last error" PyTorch quotes. NCCL's CUCHECK writes "Cuda failure %d '%s'" (cuMemCreate on the
+# cuMem path: "Cuda failure 2 'out of memory'"), CUDACHECK "Cuda failure '%s'", and ncclCudaCalloc/Malloc then
+# overwrite the last error with "Failed to CUDA calloc %ld bytes" / "Failed to CUDA malloc %ld bytes"
+# (NVIDIA/nccl src/include/cudawrap.h, checks.h, alloc.h; debug.cc keeps only the last WARN).
+CUDA_OOM_PATTERN = (
+    r"CUDA out of memory|CUDA error: out of memory|Cuda failure (?:\d+ )?'out of memory'"
+    r"|Failed to CUDA [cm]alloc|CUBLAS_STATUS_ALLOC_FAILED"
+)
+
+
+class OomPhase(StrEnum):
+    """Where the trainer ran out of GPU memory outside the forward and backward passes, the memory the OOM
+    ladder's rungs (micro-batch, checkpointing, row length) lower: its message says so right after the
+    words ``CUDA out of memory`` (``CUDA out of memory while loading the model from org/model: ...``), where
+    the operator reads it (:func:`oom_phase`) to skip the ladder."""
+
+    LOADING = "while loading"  # the model, its weights onto the GPUs and their sharding, or a checkpoint
+    OPTIMIZER_STEP = "in the optimizer step"  # the optimizer's state (allocated at its first step)
+    SAVING = "while saving"  # a checkpoint or the output
+
+
+CUDA_OOM_REASON = "CUDA out of memory"
+
+
+def oom_phase(reason: str) -> OomPhase | None:
+    """The phase a CUDA OOM reason names (the trainer's, as recorded), or None: in the forward or backward
+    pass, or not said."""
+    return next((p for p in OomPhase if reason.startswith(f"{CUDA_OOM_REASON} {p.value}")), None)
+
 
 _EXIT_TAG = re.compile(r"\[exit (\d{1,3})\] ?")
 

@@ -2,10 +2,11 @@
 
 :mod:`sftjob_operator.classify` judges each trainer pod on its own. All pods of an attempt restart together,
 so one failure ends it, and when a rank dies its peers fail too (NCCL errors, torchrun's SIGTERM): the
-attempt takes the most specific cause among its pods, and waits a moment for a peer still stopping to give
-its own account. The record it leaves then tells the restart policy whether a node never joined the
-rendezvous, the reconcile whether the pods left can still save their checkpoint, and the event what
-failed. Pure functions: the reconcile loop gathers the inputs and records the result.
+attempt takes the most specific cause among its pods, and waits for a peer still stopping (up to its
+torchrun's shutdown timeout) to give its own account. The record it leaves then tells the restart policy
+whether a node never joined the rendezvous, the reconcile whether the pods left can still save their
+checkpoint, and the event what failed. Pure functions: the reconcile loop gathers the inputs and records
+the result.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from datetime import datetime
 
 from sftjob.attempts import AttemptRecord
 from sftjob.failures import FailureClass
-from sftjob_operator.classify import RUNNING, Classification, Obj, Outcome, finished_at
+from sftjob_operator.classify import RUNNING, Classification, Obj, Outcome, finished_at, running_since
 
 # torchrun's rendezvous gave up on a peer that never came (rank 0: "Timed out after 600 seconds waiting for
 # clients. 1/2 clients joined."; the others: "The client socket has timed out after 600000ms while trying
@@ -49,10 +50,14 @@ ROOT_CAUSE_ORDER: tuple[FailureClass, ...] = (
 )
 
 
-# Failures a healthy rank reports when another rank dies: while a peer pod is still stopping, the
-# attempt waits this long after the first pod ended for the peer's own account (a CudaOOM, a crash).
+# Failures a healthy rank reports when another rank dies (an Unknown is also the SIGTERM torchrun sends the
+# ranks of a pod nothing asked to stop): while a peer pod's trainer still runs, the attempt waits for the
+# peer's own account (a CudaOOM, a crash). Its torchrun may be stopping its other ranks, stuck in a CUDA or
+# NCCL wait on the dead peer where no Python handler runs, for up to its --shutdown-timeout: the pod's grace
+# less pods.TORCHRUN_SHUTDOWN_MARGIN_SECONDS, so the wait lasts the pod's grace after the first pod ended.
 PEER_SYMPTOMS = frozenset({FailureClass.COMMUNICATION_ERROR, FailureClass.UNKNOWN})
-PEER_SETTLE_SECONDS = 30.0
+# The grace of a pod that does not say (Kubernetes' default, which the API server writes into every pod).
+DEFAULT_GRACE_SECONDS = 30.0
 
 
 def classify_attempt(pods: Sequence[Classification]) -> Classification:
@@ -70,18 +75,30 @@ def peers_settling(
     outcome: Classification, verdicts: Sequence[Classification], pods: Mapping[int, Obj], *, now: datetime
 ) -> float | None:
     """Seconds to wait before taking ``outcome`` as the attempt's: its failure is one a rank reports when
-    another rank dies (``PEER_SYMPTOMS``) and a peer pod has not ended yet, within ``PEER_SETTLE_SECONDS``
-    of the failed pod's end. The peer may be the one that died (its torchrun still stopping its other
-    ranks): judged now, its cause would be lost with the pod. None: decide now."""
-    if outcome.failure_class not in PEER_SYMPTOMS or not any(v.outcome is Outcome.RUNNING for v in verdicts):
+    another rank dies (``PEER_SYMPTOMS``) and a peer pod's trainer still runs, within that pod's grace
+    (its torchrun's shutdown timeout and the margin after it) of the first failed pod's end. The peer may be
+    the one that died (its torchrun still stopping its other ranks): judged now, its cause would be lost
+    with the pod. A peer still Pending has nothing to say. None: decide now."""
+    if outcome.failure_class not in PEER_SYMPTOMS:
+        return None
+    peers = [v.node_rank for v in verdicts if v.outcome is Outcome.RUNNING and v.node_rank is not None]
+    running = [pods[rank] for rank in peers if rank in pods]
+    graces = [_grace(p) for p in running if running_since(p.get("status") or {}) is not None]
+    if not graces:
         return None
     ranks = [v.node_rank for v in verdicts if v.over and v.node_rank is not None]
     ended = [finished_at(pods[rank]) for rank in ranks if rank in pods]
     first = min((t for t in ended if t is not None), default=None)
     if first is None:
         return None
-    left = PEER_SETTLE_SECONDS - (now - first).total_seconds()
+    left = max(graces) - (now - first).total_seconds()
     return left if left > 0 else None
+
+
+def _grace(pod: Obj) -> float:
+    """The pod's grace period: its torchrun's ``--shutdown-timeout`` plus the margin (pods.py)."""
+    grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
+    return float(grace) if isinstance(grace, int | float) else DEFAULT_GRACE_SECONDS
 
 
 def end_record(

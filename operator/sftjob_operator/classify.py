@@ -20,7 +20,14 @@ from typing import Any
 
 from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
 from sftjob_operator.not_started import unmounted_failure, waiting_failure
-from sftjob_operator.termination import GPU_FAULT_SIGNATURE, gpu_runtime_failure, message_class, read_message
+from sftjob_operator.pods import CONTAINER
+from sftjob_operator.termination import (
+    CUDA_OOM_SIGNATURE,
+    GPU_FAULT_SIGNATURE,
+    gpu_runtime_failure,
+    message_class,
+    read_message,
+)
 
 Obj = Mapping[str, Any]
 
@@ -118,9 +125,10 @@ def classify_pod(
     terminated = _terminated_state(status)
     phase = status.get("phase")
 
-    if phase == "Succeeded" or (
-        terminated is not None and terminated.get("exitCode") == 0 and phase != "Failed"
-    ):
+    # The trainer finished: the pod may still be Running (a sidecar that does not stop on its own), or have
+    # Failed without a reason of its own because another container did (a sidecar OOMKilled on the way).
+    finished = terminated is not None and terminated.get("exitCode") == 0
+    if phase == "Succeeded" or (finished and (phase != "Failed" or not status.get("reason"))):
         return Classification(Outcome.SUCCEEDED, exit_code=0, node=node_name)
     deleting = (pod.get("metadata") or {}).get("deletionTimestamp") is not None
     if phase == "Failed" or terminated is not None:
@@ -200,14 +208,26 @@ def _classify_ended(
         )
     if code is not None and code in TRAINER_FAILURE_CODES:
         cls = EXIT_CODE_CLASS[code]
-        if cls in STOPPING_SYMPTOMS and stopped_by and not node_gone:
+        # On a node that is gone, a trainer stopping (its SIGTERM code, its peers' broken collectives) went
+        # with the node, as a pod deleted there does below, unless a reason of its own stopped the pod
+        # first (a node shutdown, a preemption).
+        stopped_first = bool(disruption_reason or pod_reason in STOP_REASONS)
+        if (
+            cls in STOPPING_SYMPTOMS
+            and node_gone
+            and (disruption_reason in NODE_GONE_DISRUPTIONS or not stopped_first)
+        ):
+            return fail(FailureClass.NODE_LOST, _node_lost_message(node_name, disruption_reason, text))
+        if cls in STOPPING_SYMPTOMS and stopped_by:
             said_stopped = cls is FailureClass.PREEMPTED and text  # e.g. "checkpoint saved at step N"
             return fail(
                 FailureClass.PREEMPTED, text if said_stopped else _disruption_message(stopped_by, code, text)
             )
         if cls is FailureClass.PREEMPTED:  # a SIGTERM nothing sent to the pod: torchrun stopping its ranks
             return fail(FailureClass.UNKNOWN, f"{UNASKED_SIGTERM}: {text}" if text else UNASKED_SIGTERM)
-        if cls is FailureClass.COMMUNICATION_ERROR and GPU_FAULT_SIGNATURE.search(said.text):
+        if cls is FailureClass.COMMUNICATION_ERROR and CUDA_OOM_SIGNATURE.search(said.text):
+            cls = FailureClass.CUDA_OOM  # NCCL ran out of GPU memory (a trainer older than its OOM words)
+        elif cls is FailureClass.COMMUNICATION_ERROR and GPU_FAULT_SIGNATURE.search(said.text):
             cls = FailureClass.GPU_UNAVAILABLE  # NCCL failed because a GPU or its NVLinks did
         return fail(cls, text or f"trainer exited with code {code} ({ExitCode(code).name})")
     if terminated is not None and terminated.get("reason") in START_FAILURES:
@@ -219,11 +239,11 @@ def _classify_ended(
         memory = "memory" in pod_message and "ephemeral" not in pod_message
         return fail(FailureClass.HOST_OOM if memory else FailureClass.PREEMPTED, f"evicted: {pod_message}")
     if disruption_reason in NODE_GONE_DISRUPTIONS and node_gone:
-        return fail(FailureClass.NODE_LOST, f"node {node_name} lost ({disruption_reason})")
+        return fail(FailureClass.NODE_LOST, _node_lost_message(node_name, disruption_reason, ""))
     if disruption_reason or pod_reason in STOP_REASONS:
         return fail(FailureClass.PREEMPTED, _disruption_message(disruption_reason or pod_reason, code, text))
     if node_gone and (code is None or signalled):
-        return fail(FailureClass.NODE_LOST, f"node {node_name} is gone or NotReady")
+        return fail(FailureClass.NODE_LOST, _node_lost_message(node_name, "", ""))
     if deleting and (code is None or signalled):
         return fail(FailureClass.PREEMPTED, _disruption_message(stopped_by, code, text))
     said_so = message_class(said, own_image=own_image)
@@ -239,20 +259,24 @@ def _failed(cls: FailureClass, code: int | None, message: str, node: str | None)
     return Classification(Outcome.FAILED, cls, code, _trim(message), node)
 
 
+def _trainer_state(status: Obj) -> Obj:
+    """The state of the pod's trainer container (``pods.CONTAINER``), empty while the kubelet reports none.
+    Any other container (a sidecar a mutating webhook injected: istio-proxy, a log shipper, a Vault agent)
+    neither ends the attempt nor says how it ended: one that exits 0 is no success, one OOMKilled under its
+    own limit no HostOOM of the trainer's."""
+    statuses: list[Obj] = status.get("containerStatuses") or []
+    trainer = next((cs for cs in statuses if cs.get("name") == CONTAINER), None)
+    return (trainer or {}).get("state") or {}
+
+
 def _terminated_state(status: Obj) -> Obj | None:
-    """The trainer container's terminated state; a failed container wins over a finished sidecar."""
-    states = [(cs.get("state") or {}).get("terminated") for cs in status.get("containerStatuses") or []]
-    ended = [s for s in states if s]
-    return next((s for s in ended if s.get("exitCode") != 0), ended[0] if ended else None)
+    """The trainer container's terminated state (None: it has not ended)."""
+    return _trainer_state(status).get("terminated") or None
 
 
 def running_since(status: Obj) -> datetime | None:
-    """When the pod's container started running (None: not running)."""
-    for cs in status.get("containerStatuses") or []:
-        started = ((cs.get("state") or {}).get("running") or {}).get("startedAt")
-        if started:
-            return parse_time(started)
-    return None
+    """When the pod's trainer container started running (None: not running)."""
+    return parse_time((_trainer_state(status).get("running") or {}).get("startedAt"))
 
 
 def _condition(obj_status: Obj, type_: str) -> Obj | None:
@@ -272,6 +296,15 @@ def _not_ready_for(node: Obj, now: datetime) -> float | None:
         return None
     since = parse_time(ready.get("lastTransitionTime")) if ready else None
     return float("inf") if since is None else max(0.0, (now - since).total_seconds())
+
+
+def _node_lost_message(node_name: str | None, disruption_reason: str, text: str) -> str:
+    lost = (
+        f"node {node_name} lost ({disruption_reason})"
+        if disruption_reason
+        else f"node {node_name} is gone or NotReady"
+    )
+    return f"{lost}: {text}" if text else lost
 
 
 def _disruption_message(reason: str, code: int | None, text: str) -> str:

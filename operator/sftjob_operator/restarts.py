@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 
 from sftjob.attempts import AttemptRecord, RestartPolicy, follows_the_job, not_the_jobs_fault
-from sftjob.failures import NODE_FAULT, PERMANENT, FailureClass
+from sftjob.failures import CUDA_OOM_REASON, NODE_FAULT, PERMANENT, FailureClass, oom_phase
 from sftjob.gpus import profile_for_key
 from sftjob.job_plan import with_user_resources
 from sftjob.plan import Plan
@@ -56,7 +56,23 @@ ADVICE: dict[FailureClass, str] = {
     FailureClass.NETWORK_ERROR: "check the egress to the hub (HF_ENDPOINT), or put the model on a volume",
     FailureClass.DRIVER_MISMATCH: "use a spec.image built for a CUDA the nodes' drivers support",
     FailureClass.GPU_UNAVAILABLE: "use a spec.image with PyTorch built for CUDA and no NVIDIA driver files",
+    # docs/failures.md's "You" column, for the classes that end a job by using up restartPolicy.maxRestarts.
+    FailureClass.STORAGE_ERROR: "give the checkpoints more room (a larger checkpoints.size or volume, or a"
+    " smaller checkpoints.keep) and the hub cache too; a multi-node job needs a checkpoints.volume every node"
+    " mounts (ReadWriteMany)",
+    FailureClass.COMMUNICATION_ERROR: "between nodes, check the network between the pods (every TCP port open"
+    " between them, the MTU, NCCL_SOCKET_IFNAME, the RDMA GID); inside a node, the PCIe ACS/IOMMU settings",
+    FailureClass.STALLED: "look for a hang (NCCL, a stuck download or data source) in the pod logs, or raise"
+    " restartPolicy.stallTimeoutSeconds above the longest step and setup work that downloads nothing",
+    FailureClass.UNKNOWN: "read the message and the pod logs",
 }
+# A CUDA OOM outside the forward and backward passes (loading the model, the optimizer's step, a save): the
+# ladder's rungs lower none of that memory, the model's own (weights, gradients, optimizer state).
+STATIC_OOM_ADVICE = (
+    "the model's weights, gradients and optimizer state need more GPU memory than planned, which no rung of"
+    " the OOM ladder lowers: use a cheaper method (lora, qlora), more GPUs for FSDP to shard the model over,"
+    " or a GPU with more memory"
+)
 # How many nodes a give-up message names when a GPU or driver fault followed the job across them.
 NODES_NAMED = 5
 
@@ -160,7 +176,9 @@ def attempt_settings(
         # before any OOM (the very setup that ran out of memory among them).
         ran_out = [p for k, p in adjusted.items() if plans.plans[k].fits]
         tries = list(dict.fromkeys(s for p in ran_out for s in p.suggestions))
-        advice = f"try: {'; '.join(tries)}" if tries else ADVICE[FailureClass.CUDA_OOM]
+        oom = next((r for r in reversed(ended) if r.reason is FailureClass.CUDA_OOM), None)
+        generic = _advice(oom) if oom is not None else ADVICE[FailureClass.CUDA_OOM]
+        advice = f"try: {'; '.join(tries)}" if tries else generic
         return GiveUp(
             GiveUpReason.OOM_LADDER_EXHAUSTED,
             f"out of GPU memory with every re-plan applied ({ladders}); {advice}",
@@ -264,7 +282,7 @@ def _stop(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> GiveUp | N
     if cls in PERMANENT:
         return GiveUp(cls.value, f"{what}; {ADVICE[cls]}")
     if cls is FailureClass.CUDA_OOM and policy.on_oom == "Fail":
-        return GiveUp(cls.value, f"{what}; restartPolicy.onOOM is Fail: {ADVICE[cls]}")
+        return GiveUp(cls.value, f"{what}; restartPolicy.onOOM is Fail: {_advice(last)}")
     blameless = not_the_jobs_fault(history)
     counted = counts_against_budget(policy, history)
     if blameless[-1]:
@@ -282,7 +300,7 @@ def _stop(policy: RestartPolicy, history: Sequence[AttemptRecord]) -> GiveUp | N
         if used > policy.max_restarts:
             follows = _follows_the_job(history)
             why = f"{what}; {follows}" if follows else what
-            advice = f"; {ADVICE[cls]}" if cls in ADVICE else ""
+            advice = f"; {_advice(last)}" if cls in ADVICE else ""
             return GiveUp(
                 GiveUpReason.RESTART_LIMIT_EXCEEDED,
                 f"{why}; {used} failures exceed restartPolicy.maxRestarts {policy.max_restarts}{advice}",
@@ -310,7 +328,10 @@ def _laddered(
 ) -> Plan:
     """Card ``key``'s plan one rung down the OOM ladder per CUDA OOM on it, or on a twin: a card of the same
     memory (the A800 SXM4 and PCIe 80GB, the L40S and the A40) planned with the same training settings,
-    which runs out alike; ``fits=False`` once exhausted.
+    which runs out alike; ``fits=False`` once exhausted. An OOM the trainer says happened outside the
+    forward and backward passes (:class:`sftjob.failures.OomPhase`: loading the model, the optimizer's step,
+    a save) exhausts it at once: every rung lowers only those passes' memory, and restarting each rung
+    (reloading the model every time) would end there anyway.
 
     The re-planner rebuilds the plan from the request, so the resources (which may carry the user's
     ``spec.resources``) are kept from the plan it was given.
@@ -320,6 +341,12 @@ def _laddered(
         return plan
     for record in ended:
         if record.reason is FailureClass.CUDA_OOM and _twin(plans, record.gpu, key):
+            if oom_phase(record.message) is not None:  # the model's own memory, which no rung lowers
+                where = record.message.removeprefix(f"{CUDA_OOM_REASON} ").partition(": ")[0]
+                step = (
+                    f"exhausted after OOM {where}, outside the forward and backward passes the rungs shrink"
+                )
+                return plan.model_copy(update={"fits": False, "ladder": [*plan.ladder, step]})
             rung = replan(plan)
             if len(rung.ladder) <= len(plan.ladder):  # the re-planner added no step: nothing left
                 rung = rung.model_copy(update={"fits": False})
@@ -327,6 +354,15 @@ def _laddered(
             if not plan.fits:
                 break
     return plan
+
+
+def _advice(record: AttemptRecord) -> str:
+    """What to change after the failure ``record``: a CUDA OOM outside the forward and backward passes has
+    advice of its own."""
+    cls = record.reason or FailureClass.UNKNOWN
+    if cls is FailureClass.CUDA_OOM and oom_phase(record.message) is not None:
+        return STATIC_OOM_ADVICE
+    return ADVICE[cls]
 
 
 def _twin(plans: CandidatePlans, failed: str | None, card: str) -> bool:

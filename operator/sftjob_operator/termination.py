@@ -29,8 +29,11 @@ bytes of the log instead, and those end with torchrun's own traceback and its re
     ============================================================
 
 Such a tail is summed up as the root cause's rank and how it ended, then the last line the ranks wrote
-before torchrun took over: ``rank 1 killed by SIGABRT: <last line>``. When no code says how it failed,
-the words often do (:data:`MESSAGE_SIGNATURES`: a CUDA OOM, an NCCL error, a full disk).
+before torchrun took over (a C++ backtrace's frames skipped): ``rank 1 killed by SIGABRT: <last line>``.
+torchrun's part alone (a SIGTERM line per other local rank, its traceback, its report) takes about the
+2048 bytes, so the first line, which the kubelet cut, is left out, and a tail without the rank's words says
+so (``rank 1 killed by SIGABRT; its error message is not in ...: see the pod's log``). When no code says
+how it failed, the words often do (:data:`MESSAGE_SIGNATURES`: a CUDA OOM, an NCCL error, a full disk).
 
 A container that never ran (terminated as ``StartError``, or waiting in ``CreateContainerError``) has the
 container runtime's message instead. When it is the node's GPU runtime that failed (NVIDIA's container
@@ -50,7 +53,7 @@ import re
 import signal
 from dataclasses import dataclass
 
-from sftjob.failures import GPU_FAULT_PATTERN, NO_KERNEL_IMAGE, FailureClass, read_exit_tag
+from sftjob.failures import CUDA_OOM_PATTERN, GPU_FAULT_PATTERN, NO_KERNEL_IMAGE, FailureClass, read_exit_tag
 
 # The heading of the last block of torchrun's report (torch.distributed.elastic.multiprocessing.errors).
 _ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
@@ -59,6 +62,18 @@ _REPORT_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
 # torchrun's own log lines: they name its modules, and even cut short end in glog's "<file>.py:<line>] ".
 _TORCHRUN_LOG = re.compile(r"torch/distributed/elastic/|\.py:\d+\] ")
 _ALPHANUMERIC = re.compile(r"[A-Za-z0-9]")
+# A C++ backtrace (c10::Error's "Exception raised from ...", then "frame #N: ..."), as an NCCL watchdog abort
+# prints below its what(): never the words that say what happened.
+_CPP_BACKTRACE = re.compile(r"^(?:frame #\d+: |Exception raised from )")
+# The kubelet's fallback message is the log's last 80 lines cut to their last 2048 bytes (its
+# MaxContainerTerminationMessageLogLines and MaxContainerTerminationMessageLogLength): a tail that long begins
+# mid-line. torchrun's own output after a failure (a SIGTERM line per other local rank, its traceback and its
+# report) takes about that much, so the rank's own words are rarely left in it.
+LOG_TAIL_BYTES = 2048
+NOT_IN_TAIL = (
+    f"its error message is not in the last {LOG_TAIL_BYTES} bytes of the log the kubelet keeps:"
+    " see the pod's log"
+)
 # The toolkit mounts the node's driver files (nvidia-smi, libnvidia-ml.so.1...) into every GPU container;
 # one the image has of its own is in the way, on every node: "mount error: file creation failed:
 # <rootfs>/usr/bin/nvidia-smi: file exists". (Other file creation failures, such as the persistenced
@@ -85,16 +100,15 @@ GPU_RUNTIME_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple
 # card), or whose NVSwitch fabric is not up (CUDA error 802, "system not yet initialized": the node's fabric
 # manager is not running): the node's fault, even when NCCL is what reported it.
 GPU_FAULT_SIGNATURE = re.compile(GPU_FAULT_PATTERN, re.IGNORECASE)
+# A CUDA OOM, also inside NCCL (which trainers older than sftjob.failures.CUDA_OOM_PATTERN tagged [exit 16]).
+CUDA_OOM_SIGNATURE = re.compile(CUDA_OOM_PATTERN, re.IGNORECASE)
 # When no code says more (an uncaught exception, a crash that wrote no message and left the log tail
 # instead), the message often still does. First match wins.
 MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), cls)
     for pattern, cls in (
-        (
-            r"CUDA out of memory|CUDA error: out of memory|Cuda failure 'out of memory'|OutOfMemoryError"
-            r"|CUBLAS_STATUS_ALLOC_FAILED",
-            FailureClass.CUDA_OOM,
-        ),
+        # Before the NCCL rule: an OOM inside NCCL is worded as NCCL's error (sftjob.failures).
+        (f"{CUDA_OOM_PATTERN}|OutOfMemoryError", FailureClass.CUDA_OOM),
         (r"DataLoader worker .* killed by signal: Killed|Cannot allocate memory", FailureClass.HOST_OOM),
         (
             r"driver version is insufficient|CUDA driver .* too old|driver/library version mismatch",
@@ -127,6 +141,9 @@ def read_message(message: str) -> TerminationMessage:
     """Read a container's ``terminated.message``: the trainer's tagged line or a log tail."""
     code, text = read_exit_tag(message)
     lines = text.splitlines()
+    cut = code is None and len(message.encode()) >= LOG_TAIL_BYTES and len(lines) > 1
+    if cut:  # a log tail the kubelet cut: its first line is a fragment ("IGTERM"), left to the signatures
+        lines = lines[1:]
     heading = max((i for i, line in enumerate(lines) if line.strip() == _ROOT_CAUSE_HEADING), default=None)
     if heading is None:
         return TerminationMessage(code, text, _last_words(lines))
@@ -137,7 +154,10 @@ def read_message(message: str) -> TerminationMessage:
         before.pop()
     last = _last_words(before)
     root = _describe(rank, exitcode)
-    summary = f"{root}: {last}" if root and last else root or last
+    if root and not last and cut:  # torchrun's output filled the tail: say so rather than guess
+        summary = f"{root}; {NOT_IN_TAIL}"
+    else:
+        summary = f"{root}: {last}" if root and last else root or last
     if code is None and exitcode is not None and exitcode > 0:
         code = exitcode  # the rank ended with a code of its own but could not write the message
     return TerminationMessage(code, text, summary)
@@ -257,12 +277,13 @@ def _torchrun_trailer(line: str) -> bool:
 
 
 def _last_words(lines: list[str]) -> str:
-    """The last line with letters or digits that is not a rule: where a traceback puts the error."""
+    """The last line with letters or digits that is neither a rule nor a C++ backtrace's: where a traceback
+    puts the error, and a C++ exception its what()."""
     return next(
         (
             s
             for s in (line.strip() for line in reversed(lines))
-            if _ALPHANUMERIC.search(s) and not _RULE.match(s)
+            if _ALPHANUMERIC.search(s) and not _RULE.match(s) and not _CPP_BACKTRACE.match(s)
         ),
         "",
     )

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import NoReturn, cast
 
 import pytest
 import torch
 
 from sftjob.config import GpuExpectation, ModelSource
-from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import preflight
-from sftjob_trainer.failures import classify
+from sftjob.failures import ExitCode, OomPhase, TrainerError, oom_phase
+from sftjob_trainer import loop, preflight
+from sftjob_trainer.checkpoints import Trainables
+from sftjob_trainer.failures import OOM_PHASES, classify, load_failure
 from sftjob_trainer.preflight import DriverInfo, check_driver, check_gpu, check_model_files
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig
@@ -123,14 +128,26 @@ def test_an_invalid_config_exits_config_error(tmp_path: Path, termination_log: P
     [
         (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ExitCode.CUDA_OOM),
         (torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be"), ExitCode.CUDA_OOM),
-        (
-            torch.distributed.DistBackendError(
-                "NCCL error in: ProcessGroupNCCL.cpp:3356, unhandled cuda error, NCCL version 2.27.3\n"
-                "ncclUnhandledCudaError: Call to CUDA function failed.\n"
-                "Last error:\nCuda failure 'out of memory'"
-            ),
-            ExitCode.CUDA_OOM,  # not the communication error its NCCL wording suggests
-        ),
+        *[
+            (
+                # NCCL's "Last error" after an allocation failed (its last WARN: NVIDIA/nccl src/debug.cc):
+                # CUCHECK's WARN("Cuda failure %d '%s'", err, errStr) (src/include/cudawrap.h: cuMemCreate),
+                # CUDACHECK's WARN("Cuda failure '%s'", ...) (src/include/checks.h: cudaMalloc), then
+                # ncclCudaCalloc's WARN("Failed to CUDA calloc %ld bytes", ...) (src/include/alloc.h).
+                torch.distributed.DistBackendError(
+                    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:77, unhandled cuda"
+                    " error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.3\n"
+                    f"ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n{last}"
+                ),
+                ExitCode.CUDA_OOM,  # not the communication error its NCCL wording suggests
+            )
+            for last in (
+                "Cuda failure 2 'out of memory'",
+                "Cuda failure 'out of memory'",
+                "Failed to CUDA calloc 6291456 bytes",
+                "Failed to CUDA malloc 2097152 bytes",
+            )
+        ],
         (
             RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error"),
             ExitCode.COMMUNICATION_ERROR,
@@ -158,6 +175,44 @@ def test_exceptions_map_to_their_exit_codes_with_one_line_reasons(exc: BaseExcep
     got, reason = classify(exc)
     assert got == code
     assert "\n" not in reason
+
+
+def _raised(run: Callable[[], object]) -> BaseException:
+    """The exception ``run`` raised, with its traceback."""
+    with pytest.raises(BaseException) as raised:
+        run()
+    return raised.value
+
+
+def _out_of_memory(*args: object, **kwargs: object) -> NoReturn:
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 14.00 GiB")
+
+
+def test_an_oom_in_the_optimizer_step_says_so_where_the_operator_reads_it() -> None:
+    optimizer = SimpleNamespace(step=_out_of_memory)
+    parts = cast(Trainables, SimpleNamespace(optimizer=optimizer, scaler=None))
+    code, reason = classify(_raised(lambda: loop._update(parts, 1.0, 1.0)))
+    assert code == ExitCode.CUDA_OOM
+    assert reason.startswith("CUDA out of memory in the optimizer step: CUDA out of memory. Tried")
+    assert oom_phase(reason) is OomPhase.OPTIMIZER_STEP
+
+
+def test_an_oom_while_loading_the_model_says_so_first_where_the_operator_reads_it() -> None:
+    failure = load_failure(_raised(_out_of_memory), "the model from org/model")
+    assert failure is not None and failure.code == ExitCode.CUDA_OOM
+    assert failure.reason.startswith("CUDA out of memory while loading the model from org/model: CUDA out of")
+    assert oom_phase(failure.reason) is OomPhase.LOADING
+
+
+def test_an_oom_in_the_forward_or_backward_pass_names_no_phase() -> None:
+    code, reason = classify(_raised(_out_of_memory))
+    assert (code, oom_phase(reason)) == (ExitCode.CUDA_OOM, None)
+    assert reason.startswith("CUDA out of memory: CUDA out of memory. Tried")
+
+
+@pytest.mark.parametrize(("module", "function"), sorted(OOM_PHASES))
+def test_every_function_an_oom_phase_is_read_from_is_the_trainers(module: str, function: str) -> None:
+    assert callable(getattr(importlib.import_module(f"sftjob_trainer.{module}"), function))
 
 
 def test_an_old_driver_or_a_driver_older_than_the_cuda_runtime_is_a_driver_mismatch() -> None:

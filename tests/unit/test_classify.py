@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -111,6 +112,36 @@ def test_a_deleted_pods_own_failure_keeps_its_class() -> None:
 def test_a_deleted_pod_on_a_lost_node_is_node_lost() -> None:
     p = pod("Failed", state=exited(137), deleting=True)
     assert classify(p, node("Unknown", since_seconds=600)).failure_class is FailureClass.NODE_LOST
+
+
+SAVED = "preempted (SIGTERM): checkpoint saved at step 40"
+
+
+@pytest.mark.parametrize("lost", [node("Unknown", since_seconds=600), None], ids=["not-ready", "deleted"])
+@pytest.mark.parametrize(
+    "message", [f"[exit 20] {SAVED}", "[exit 16] communication error between ranks: NCCL error"]
+)
+def test_a_trainer_stopping_on_a_node_that_is_gone_went_with_the_node(lost: Any, message: str) -> None:
+    for ended in (
+        pod("Failed", state=exited(1, message=message)),
+        pod("Failed", state=exited(1, message=message), deleting=True),
+        pod("Failed", state=exited(1, message=message), disruption="DeletionByTaintManager"),
+    ):
+        result = classify_pod(ended, lost, now=NOW)
+        assert result.failure_class is FailureClass.NODE_LOST, ended
+        assert result.message.startswith(f"node {NODE} ") and message.split("] ")[1] in result.message
+
+
+def test_a_trainer_stopped_by_a_node_shutdown_is_preempted_though_the_node_is_gone_by_now() -> None:
+    shutdown = pod(
+        "Failed",
+        state=exited(1, message=f"[exit 20] {SAVED}"),
+        reason="Terminated",
+        message="Pod was terminated in response to imminent node shutdown.",
+    )
+    for lost in (node("Unknown", since_seconds=600), None):
+        result = classify_pod(shutdown, lost, now=NOW)
+        assert (result.failure_class, result.message) == (FailureClass.PREEMPTED, SAVED)
 
 
 def test_sigkill_without_oom_or_disruption_is_unknown() -> None:

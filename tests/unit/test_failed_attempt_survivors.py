@@ -85,12 +85,38 @@ def test_a_peers_nccl_error_waits_for_the_rank_still_stopping_and_takes_its_own_
     assert ended.status.attempts[0].reason == "CudaOOM"
 
 
-def test_a_peers_nccl_error_ends_the_attempt_once_the_other_rank_has_had_its_time() -> None:
+def with_grace(p: dict[str, Any], seconds: int) -> dict[str, Any]:
+    """``p`` with the grace the operator gave it: its torchrun's --shutdown-timeout is 10 s less."""
+    p["spec"]["terminationGracePeriodSeconds"] = seconds
+    return p
+
+
+def test_a_peers_nccl_error_waits_for_the_other_rank_as_long_as_its_torchrun_may_take_to_stop() -> None:
+    # The rank that ran out of memory is node 0's; its torchrun SIGTERMs its other ranks, which sit in an NCCL
+    # wait on the dead peer, and SIGKILLs them only at --shutdown-timeout (grace 400 s: 390 s).
     obs, first = two_nodes()
-    broken = ended_seconds_ago(rank_one_ended(1, "[exit 16] NCCL error: remote process exited"), 31)
-    ended = reconcile(then(obs, first, pods=[pod(rank=0, node="a800-0"), broken]), CTX)
+    for seconds, settling in ((31, 369), (395, 5)):
+        broken = ended_seconds_ago(rank_one_ended(1, "[exit 16] NCCL error: remote process exited"), seconds)
+        stopping = with_grace(pod(rank=0, node="a800-0"), 400)
+        waiting = reconcile(then(obs, first, pods=[stopping, broken]), CTX)
+        assert not waiting.status.attempts[0].ended and not waiting.quick_delete_pods
+        assert waiting.requeue_after == settling
+
+
+def test_a_peers_nccl_error_ends_the_attempt_once_the_other_rank_has_had_its_grace() -> None:
+    obs, first = two_nodes()
+    broken = ended_seconds_ago(rank_one_ended(1, "[exit 16] NCCL error: remote process exited"), 401)
+    ended = reconcile(then(obs, first, pods=[with_grace(pod(rank=0, node="a800-0"), 400), broken]), CTX)
     assert ended.status.attempts[0].reason == "CommunicationError"
     assert ended.quick_delete_pods == ["job-1-0"]
+
+
+def test_a_peers_nccl_error_does_not_wait_for_a_rank_still_pending() -> None:
+    obs, first = two_nodes()
+    broken = ended_seconds_ago(rank_one_ended(1, "[exit 16] NCCL error: remote process exited"), 5)
+    pending = with_grace(pod(rank=0, phase="Pending", node="a800-0"), 400)
+    ended = reconcile(then(obs, first, pods=[pending, broken]), CTX)
+    assert ended.status.attempts[0].reason == "CommunicationError"
 
 
 def test_a_ranks_own_failure_ends_the_attempt_at_once() -> None:

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from sftjob.attempts import AttemptRecord, RestartPolicy
-from sftjob.failures import PERMANENT, FailureClass
+from sftjob.failures import FREE_RESTART, PERMANENT, FailureClass
 from sftjob.spec import SFTJobSpec
 from sftjob_operator.attempt_policy import AttemptPolicy, GiveUp, NextAttempt
 from sftjob_operator.planning import plan_candidates
-from sftjob_operator.restarts import ADVICE, GiveUpReason, backoff_seconds, next_attempt
+from sftjob_operator.restarts import ADVICE, STATIC_OOM_ADVICE, GiveUpReason, backoff_seconds, next_attempt
 from sftjob_operator.scheduling import default_products
 from tests.unit.restart_cases import (
     A800,
@@ -365,3 +365,75 @@ def test_the_policy_plugs_into_the_reconcile_and_starts_the_first_attempt_with_t
     spec = qwen7b_spec()
     plans = plan_candidates(spec, default_products())
     assert policy(spec, [], plans, nodes={}, now=T0) == NextAttempt(attempt=1, plans=plans)
+
+
+# --- an OOM outside the forward and backward passes ---------------------------------------------------
+
+
+def oom_at(attempt: int, reason: str, gpu: str = A800) -> AttemptRecord:
+    return failed(attempt, FailureClass.CUDA_OOM, gpu=gpu).model_copy(update={"message": reason})
+
+
+LOADING = "CUDA out of memory while loading the model from Qwen/Qwen2.5-7B-Instruct: CUDA out of memory."
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        LOADING,
+        "CUDA out of memory in the optimizer step: CUDA out of memory. Tried to allocate 14.00 GiB",
+        "CUDA out of memory while saving a checkpoint: CUDA out of memory. Tried to allocate 2.00 GiB",
+    ],
+)
+def test_an_oom_outside_the_forward_and_backward_passes_skips_the_ladder_whose_rungs_only_lower_those(
+    reason: str,
+) -> None:
+    result = give_up(planned(qwen7b_spec(), [oom_at(1, reason)]))
+    where = reason.removeprefix("CUDA out of memory ").split(":")[0]
+    assert result.reason == GiveUpReason.OOM_LADDER_EXHAUSTED
+    assert f"exhausted after OOM {where}, outside the forward and backward passes" in result.message
+    assert "micro-batch" not in result.message and "maxSeqLength" not in result.message
+    assert result.message.endswith(f"; {STATIC_OOM_ADVICE}")
+
+
+def test_an_oom_while_loading_moves_a_job_allowed_a_bigger_card_there_at_once() -> None:
+    spec = qwen7b_spec({"types": ["L40S", "A800"]}, packing=False)
+    decision = restart(planned(spec, [oom_at(1, LOADING, gpu=L40S)]))
+    assert L40S not in decision.plans.fitting
+    assert decision.plans.first.gpu == A800 and decision.plans.first.ladder == []
+
+
+def test_an_oom_outside_the_passes_after_rungs_already_taken_ends_the_ladder_there() -> None:
+    history = [failed(1, FailureClass.CUDA_OOM), oom_at(2, LOADING)]
+    result = give_up(policy_decision(history))
+    assert f"{A800}: halved; exhausted after OOM while loading the model" in result.message
+
+
+def test_on_oom_fail_after_an_oom_while_loading_gives_the_advice_for_the_models_own_memory() -> None:
+    result = give_up(policy_decision([oom_at(1, LOADING)], RestartPolicy(on_oom="Fail")))
+    assert result.message.endswith(f"onOOM is Fail: {STATIC_OOM_ADVICE}")
+
+
+# --- advice when the restarts run out ----------------------------------------------------------------
+
+
+def test_every_class_that_can_use_up_max_restarts_gives_advice_when_it_does() -> None:
+    counted = set(FailureClass) - FREE_RESTART - PERMANENT
+    assert counted <= ADVICE.keys()
+
+
+@pytest.mark.parametrize(
+    ("cls", "advice"),
+    [
+        (FailureClass.STORAGE_ERROR, "checkpoints.size"),
+        (FailureClass.COMMUNICATION_ERROR, "NCCL_SOCKET_IFNAME"),
+        (FailureClass.STALLED, "stallTimeoutSeconds"),
+        (FailureClass.UNKNOWN, "pod logs"),
+    ],
+)
+def test_restart_limit_exceeded_says_what_to_change_for_the_class_that_used_it_up(
+    cls: FailureClass, advice: str
+) -> None:
+    result = give_up(policy_decision(history_of(*[cls] * 4), RestartPolicy(max_restarts=3)))
+    assert result.reason == GiveUpReason.RESTART_LIMIT_EXCEEDED
+    assert result.message.endswith(f"maxRestarts 3; {ADVICE[cls]}") and advice in ADVICE[cls]

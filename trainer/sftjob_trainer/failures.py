@@ -7,7 +7,9 @@ The operator classifies an ended attempt from the container's exit code and its 
 rank ended with, so a failure's message starts with its code (``[exit 15] CUDA out of memory: ...``)
 and that is where the operator reads it. Every rank of the pod shares the one file: when one rank
 fails (say CUDA out of memory) its peers fail next on the broken connection, and their echo must not
-replace the cause.
+replace the cause. A CUDA OOM outside the forward and backward passes says where it happened
+(``CUDA out of memory while loading the model from ...``): the operator's OOM ladder lowers only the memory
+of those passes, and skips it then.
 """
 
 from __future__ import annotations
@@ -18,13 +20,23 @@ import logging
 import os
 import re
 import stat
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from sftjob.constants import TERMINATION_LOG
-from sftjob.failures import GPU_FAULT_PATTERN, NO_KERNEL_IMAGE, ExitCode, TrainerError, tag_exit_code
+from sftjob.failures import (
+    CUDA_OOM_PATTERN,
+    CUDA_OOM_REASON,
+    GPU_FAULT_PATTERN,
+    NO_KERNEL_IMAGE,
+    ExitCode,
+    OomPhase,
+    TrainerError,
+    tag_exit_code,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +45,23 @@ TERMINATION_LOG_ENV = "SFTJOB_TERMINATION_LOG"
 # the whole line, exit-code tag first, always arrives.
 _MAX_REASON_CHARS = 1000
 
-_OOM_PATTERNS = (
-    "CUDA out of memory",  # the caching allocator
-    "CUDA error: out of memory",  # a CUDA call outside it (cuBLAS workspace, kernels, context)
-    "Cuda failure 'out of memory'",  # NCCL allocating its buffers
-    "CUBLAS_STATUS_ALLOC_FAILED",
-)
+# The operator reads the same words (sftjob.failures.CUDA_OOM_PATTERN); checked before the NCCL words, which
+# an OOM inside NCCL also carries.
+_CUDA_OOM = re.compile(CUDA_OOM_PATTERN, re.I)
+# The trainer's own functions that run outside the forward and backward passes and allocate memory the size
+# of the model, by module and name, with what the OOM message then says (OomPhase): the outermost one on the
+# stack names the phase (restoring a checkpoint steps the optimizer once to create its state, as loading).
+# Renaming one of these functions must rename it here (tests/trainer/test_exit_codes.py checks they exist).
+OOM_PHASES: dict[tuple[str, str], str] = {
+    ("model", "load_model"): f"{OomPhase.LOADING} the model",
+    ("model", "build_model"): f"{OomPhase.LOADING} the model",
+    ("model", "prepare_for_training"): f"{OomPhase.LOADING} the model",
+    ("distributed", "wrap_model"): f"{OomPhase.LOADING} the model",
+    ("resume", "restore"): f"{OomPhase.LOADING} the weights to start from",
+    ("loop", "_update"): OomPhase.OPTIMIZER_STEP.value,
+    ("checkpoints", "save"): f"{OomPhase.SAVING} a checkpoint",
+    ("output", "write_model"): f"{OomPhase.SAVING} the output",
+}
 _COMMUNICATION_PATTERNS = (
     "NCCL",
     "ProcessGroup",
@@ -120,7 +143,8 @@ def classify(exc: BaseException) -> tuple[ExitCode, str]:
     if isinstance(exc, ValidationError):
         return ExitCode.CONFIG_ERROR, one_line(f"invalid trainer configuration: {exc}")
     if _is_oom(exc):
-        return ExitCode.CUDA_OOM, one_line(f"CUDA out of memory: {exc}")
+        phase = _oom_phase(exc)
+        return ExitCode.CUDA_OOM, one_line(f"{CUDA_OOM_REASON}{f' {phase}' if phase else ''}: {exc}")
     if isinstance(exc, RuntimeError) and _GPU_FAULT.search(str(exc)):
         return ExitCode.GPU_UNAVAILABLE, one_line(f"GPU fault: {message}")
     if isinstance(exc, RuntimeError) and NO_KERNEL_IMAGE in str(exc):
@@ -217,7 +241,11 @@ def load_failure(exc: BaseException, what: str) -> TrainerError | None:
                 ExitCode.NETWORK_ERROR, f"hub or network unavailable while loading {what}: {detail}"
             )
         code, reason = classify(cause)
-        if code in (ExitCode.STORAGE_ERROR, ExitCode.CUDA_OOM, ExitCode.GPU_UNAVAILABLE) or (
+        if (
+            code == ExitCode.CUDA_OOM
+        ):  # the phase first, where the operator reads it (sftjob.failures.oom_phase)
+            return TrainerError(code, f"{CUDA_OOM_REASON} {OomPhase.LOADING} {what}: {cause}")
+        if code in (ExitCode.STORAGE_ERROR, ExitCode.GPU_UNAVAILABLE) or (
             code == ExitCode.CONFIG_ERROR and NO_KERNEL_IMAGE in str(cause)
         ):
             return TrainerError(code, f"{reason} (loading {what})")
@@ -268,11 +296,24 @@ def is_network_error(exc: BaseException) -> bool:
     return isinstance(status, int) and (status in _RETRYABLE_HTTP_STATUS or status >= 500)
 
 
+def _oom_phase(exc: BaseException) -> str | None:
+    """Where outside the forward and backward passes ``exc`` (a CUDA OOM) was raised, as its message says it
+    (``while loading the model``, ``in the optimizer step``, ``while saving a checkpoint``), read from the
+    trainer's functions on its traceback; None in the forward or backward pass, or anywhere else."""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        path = Path(frame.filename)
+        if path.parent.name == __package__:
+            phase = OOM_PHASES.get((path.stem, frame.name))
+            if phase is not None:
+                return phase
+    return None
+
+
 def _is_oom(exc: BaseException) -> bool:
     name = type(exc).__name__
     if name == "OutOfMemoryError":  # torch.cuda.OutOfMemoryError / torch.OutOfMemoryError
         return True
-    return isinstance(exc, RuntimeError) and any(p in str(exc) for p in _OOM_PATTERNS)
+    return isinstance(exc, RuntimeError) and _CUDA_OOM.search(str(exc)) is not None
 
 
 def _is_communication(exc: BaseException) -> bool:
