@@ -5,9 +5,11 @@ kopf drops an object from its indexes only when it sees the object's DELETED eve
 (a 410 and a fresh listing) an object deleted meanwhile stays indexed for good. Such a ghost job stays
 under its (namespace, name) key beside a job recreated under the same name (kopf keys the objects of
 an index entry by uid). A pass takes the newest entry of its key, and a ghost the API server answers
-404 for is tombstoned by uid, so that no pass runs on it again. A ghost pod would keep its job waiting
-for it to stop: one whose delete finds no pod of its uid is tombstoned by uid under its job's key, and
-left out of the job's pods. Pure bookkeeping: no I/O.
+404 for is tombstoned by uid, so that no pass runs on it again; so is one missing from the list of
+uids the handlers ask for now and then, since a quiet ghost (finished without a TTL, suspended) writes
+nothing that could be answered 404. A ghost pod would keep its job waiting for it to stop: one whose
+delete finds no pod of its uid is tombstoned by uid under its job's key, and left out of the job's
+pods. Pure bookkeeping: no I/O.
 """
 
 from __future__ import annotations

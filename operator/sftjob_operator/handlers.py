@@ -11,9 +11,10 @@ How the kopf handler kinds map onto a level-based operator:
 - ``WORKERS`` workers, started with the operator, take keys off the queue and run one pass each (a
   key is never in two passes at once). A pass asks to be run again after its requeue delay, at the
   latest after ``RESYNC_SECONDS``; an API error backs the key off; a job gone from the index is
-  forgotten; so is a ghost the index kept after a watch gap once its status write answers 404, and
-  a pass takes the newest entry of a key, not a ghost beside it; a ghost pod, one whose delete finds
-  no pod of its uid, is left out of its job's pods (:mod:`~sftjob_operator.ghosts`).
+  forgotten; so is a ghost the index kept after a watch gap once its status write answers 404, or
+  once a list of the jobs' uids, every ``GHOST_SWEEP_SECONDS``, lacks it (a quiet job writes nothing),
+  and a pass takes the newest entry of a key, not a ghost beside it; a ghost pod, one whose delete
+  finds no pod of its uid, is left out of its job's pods (:mod:`~sftjob_operator.ghosts`).
   There is no task per job and no finalizer: deleting a job needs nothing from the operator (the
   garbage collector removes its children by ownerReference), and a finalizer an older version added
   is removed by kopf.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -66,6 +68,15 @@ ERROR_BACKOFF = (1.0, 30.0)
 # than the one that pass decided from, at most this long: deciding again from the older one would only
 # lose its status write with a 409. Under load the watch is seconds behind.
 CONSISTENCY_TIMEOUT = 30.0
+# A job deleted during a watch gap stays in the index (ghosts.py); a pass finds it gone only when it
+# writes, and a quiet job (finished without a TTL, suspended) writes nothing. This often, the index's
+# jobs are checked against the uids the API server lists: one list of metadata per namespace.
+GHOST_SWEEP_SECONDS = 600.0
+
+# A pod's create refused because something it refers to is missing (the ServiceAccount admission's
+# 'serviceaccount "job-trainer" not found'): the attempt's other children are not watched, so one
+# deleted since this process created it is known gone only from this.
+REFERENCE_MISSING = re.compile(r"\bnot found\b", re.IGNORECASE)
 
 JobKey = tuple[str, str]  # (namespace, name)
 
@@ -118,6 +129,7 @@ async def configure(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     # kopf hands its indexes (empty until the first listings) to handlers as keyword arguments.
     indexes = kwargs["sftjobs"], kwargs["trainer_pods"], kwargs["gpu_nodes"]
     Runtime.workers = [asyncio.create_task(_work(*indexes)) for _ in range(WORKERS)]
+    Runtime.workers.append(asyncio.create_task(_sweep(indexes[0])))
 
 
 @kopf.on.cleanup()
@@ -168,6 +180,39 @@ async def _work(jobs: kopf.Index[Any, Any], pods: kopf.Index[Any, Any], nodes: k
             _back_off(key, result="error")
         finally:
             queue.done(key)
+
+
+async def _sweep(jobs: kopf.Index[Any, Any]) -> None:
+    """Every ``GHOST_SWEEP_SECONDS``, bury the index's ghost jobs (:func:`_bury_ghosts`)."""
+    while True:
+        await asyncio.sleep(GHOST_SWEEP_SECONDS)
+        try:
+            await _bury_ghosts(jobs)
+        except Exception:  # a bug: said, and the sweeps go on
+            log.exception("looking for jobs deleted during a watch gap failed")
+
+
+async def _bury_ghosts(jobs: kopf.Index[Any, Any]) -> None:
+    """Tombstone the index entries of jobs the API server no longer has, and queue their keys: the pass
+    finds no job left (or the one created again under the name), releases what Kueue held and forgets
+    it. Only entries already indexed before the list are judged: a job created since may be missing from
+    it. A namespace whose list fails is looked at again at the next sweep."""
+    indexed: list[tuple[JobKey, str]] = []
+    for key, entries in jobs.items():
+        views = list(entries)
+        buried = Runtime.gone.buried(key, (view.uid for view in views))
+        indexed += [(key, view.uid) for view in views if view.uid not in buried]
+    for namespace in sorted({key[0] for key, _ in indexed}):
+        try:
+            live = await Runtime.kube.run(Runtime.kube.job_uids, namespace)
+        except Exception as err:
+            log.warning("listing the SFTJobs of %s to find those deleted unseen failed: %s", namespace, err)
+            continue
+        for key, uid in indexed:
+            if key[0] == namespace and uid not in live:
+                log.info("%s/%s (uid %s) no longer exists: its index entry is ignored", *key, uid)
+                Runtime.gone.bury(key, uid)
+                Runtime.queue.add(key)
 
 
 async def _reconcile(
@@ -308,17 +353,31 @@ def _live_pods(key: JobKey, pods: kopf.Index[Any, Any]) -> list[observe.Obj]:
 async def _apply(
     job: JobView, observed: Observed, actions: Actions, *, now: datetime
 ) -> tuple[SFTJobStatus, str]:
-    """Write the status, say what changed, create the children, delete pods (and the job); returns the
-    status the job has now and its resourceVersion after the status write (unchanged when there was
+    """Write the status, say what changed, delete pods, create the children (and delete the job); returns
+    the status the job has now and its resourceVersion after the status write (unchanged when there was
     none, or when it changed nothing)."""
     namespace, name, kube = job.namespace, job.name, Runtime.kube
     version = job.resource_version
     if actions.status_changed:
         version = await kube.run(kube.write_status, namespace, name, version, observed.status, actions.status)
     await _announce(job, parse_status(observed.status), actions.status, actions.events, now=now)
+    # Deletes first: a create that keeps being refused (a quota the lost node's old pod still holds)
+    # must not hold them back. Each is conditioned on its pod's uid, so it needs nothing from the creates.
+    await _delete_pods(job, observed, actions)
     rejected = await _create(job, actions, version, now=now)
     if rejected is not None:
         return rejected, version
+    if actions.delete_job:
+        if not await kube.run(kube.delete_job, namespace, name, job.uid):
+            _bury(job)  # a finished job deleted meanwhile, its DELETED event lost: never passed over again
+        elif (deleted := actions.job_deleted) is not None:  # said once, when it happened
+            await _post(job, deleted.type, deleted.reason, deleted.message)
+    return actions.status, version
+
+
+async def _delete_pods(job: JobView, observed: Observed, actions: Actions) -> None:
+    """Delete the pods the pass asks to, each with its grace; one found gone is left out of the job's."""
+    namespace, name, kube = job.namespace, job.name, Runtime.kube
     uids = {observe.name(p): observe.uid_of(p) for p in observed.pods}  # every pod it deletes is one of them
     deletes = [(pod, None) for pod in actions.delete_pods] + [(pod, 0) for pod in actions.force_delete_pods]
     deletes += [(pod, SURVIVOR_GRACE_SECONDS) for pod in actions.quick_delete_pods]
@@ -329,9 +388,6 @@ async def _apply(
             )
             Runtime.gone_pods.bury((namespace, name), uids[pod])
             Runtime.queue.add((namespace, name))  # decide again at once, without it
-    if actions.delete_job and not await kube.run(kube.delete_job, namespace, name, job.uid):
-        _bury(job)  # a finished job deleted meanwhile, its DELETED event lost: never passed over again
-    return actions.status, version
 
 
 async def _create(job: JobView, actions: Actions, version: str, *, now: datetime) -> SFTJobStatus | None:
@@ -349,6 +405,12 @@ async def _create(job: JobView, actions: Actions, version: str, *, now: datetime
                 expected.created(key, uid, attempt, manifest)
                 if result and manifest["kind"] == "Pod":
                     metrics.PODS_CREATED.inc()
+            elif (
+                isinstance(result, CreateFailed)
+                and manifest["kind"] == "Pod"
+                and REFERENCE_MISSING.search(str(result))
+            ):
+                expected.forget(key)  # e.g. its ServiceAccount, deleted since: the retry sends them all
         errors = [r for r in results if isinstance(r, BaseException)]
         # An invalid child fails the job whatever else failed beside it: retrying would never mend it.
         error = next((e for e in errors if isinstance(e, Rejected)), errors[0] if errors else None)

@@ -157,9 +157,6 @@ class JobPass(StatusDraft):
         left = (done + timedelta(seconds=ttl) - self.now).total_seconds()
         if left <= 0:
             self.delete_job = True
-            self.events.append(
-                Event("Normal", Reason.FINISHED, f"deleting the job {ttl} s after it finished")
-            )
         else:
             self.requeue.append(left)
 
@@ -180,14 +177,28 @@ class JobPass(StatusDraft):
         self.deletes += [observe.name(p) for p in self.obs.pods if observe.is_active(p)]
         self.failed(self.attempt, reason, message, ended_as)
 
+    def job_deleted(self) -> Event | None:
+        """The event of the TTL's delete, posted once that delete went through (``Actions.job_deleted``)."""
+        if not self.delete_job:
+            return None
+        return Event(
+            "Normal", Reason.FINISHED, f"deleted the job {ttl_seconds(self.obs.spec)} s after it finished"
+        )
+
     def record(self) -> AttemptRecord | None:
         return self.record_of(self.attempt)
 
     def actions(self) -> Actions:
         """What the pass decided; pods to delete on a node that is gone or out of service are deleted with
-        force."""
+        force. Every condition is said to hold at the pass's generation, the ones it did not touch too
+        (a suspended job's Succeeded, a finished job's after its TTL changed): the pass judged them
+        still true, and a client waiting for a condition at the job's generation must see it there."""
         if self.check:
             return Actions(status=self.old, status_changed=False, check_pods=self.check)
+        observed = [
+            c.model_copy(update={"observed_generation": self.generation}) for c in self.status.conditions
+        ]
+        self.update(conditions=observed)
         deleting = {observe.name(p) for p in self.obs.pods if p["metadata"].get("deletionTimestamp")}
         lost = pod_lifecycle.on_gone_nodes(self.obs.pods, self.obs.nodes)
         force = (set(self.deletes) | deleting) & lost  # a graceful delete there never completes
@@ -198,6 +209,7 @@ class JobPass(StatusDraft):
             delete_pods=sorted(set(self.deletes) - deleting - force),
             force_delete_pods=sorted(force),
             delete_job=self.delete_job,
+            job_deleted=self.job_deleted(),
             events=self.transition_events(),
             requeue_after=min(self.requeue) if self.requeue else None,
         )

@@ -1,14 +1,16 @@
 """Thin Kubernetes API I/O for the reconcile's actions, through the official client.
 
-Children are created by name. A 409 means "already there" once the object's controller is checked to
-be this job (the uid in its ownerReference): an object of that name that belongs to someone else (an
-earlier SFTJob of the same name that the garbage collector is still removing) is left alone and the
-create is tried again later. A ConfigMap or Role of this job, whose content follows the attempt, then
-gets the rendered content with a JSON patch that replaces it whole (a strategic merge never removes a
-key of a ConfigMap's ``data``: a card that no longer fits would keep its stale plan); everything else is
-left as it is. Any other failure to create
-(403, 429, 5xx, a timeout) is :class:`CreateFailed`, which the caller says in the job's status and
-retries; only a 422 (:class:`Rejected`) is final.
+Children are created by name. A 409 means "already there" once the object is read and its controller
+is checked to be this job (the uid in its ownerReference): an object of that name that belongs to
+someone else (an earlier SFTJob of the same name that the garbage collector is still removing) is left
+alone and the create is tried again later. So is one the API server is deleting: a checkpoint claim
+that ``pvc-protection`` keeps while an earlier job's pods stop would strand a pod created to use it. A
+claim kept on delete has no owner, and is this job's whatever job made it, unless another one controls
+it. A ConfigMap or Role of this job, whose content follows the attempt, then gets the rendered content
+with a JSON patch that replaces it whole (a strategic merge never removes a key of a ConfigMap's
+``data``: a card that no longer fits would keep its stale plan); everything else is left as it is. Any
+other failure to create (403, 429, 5xx, a timeout) is :class:`CreateFailed`, which the caller says in
+the job's status and retries; only a 422 (:class:`Rejected`) is final.
 
 The status is written with the job's ``resourceVersion`` as a precondition, so a pass that decided
 from a stale view loses with a 409 and the next pass decides again from fresh state. It is a merge
@@ -54,6 +56,9 @@ REQUEST_TIMEOUT = (5.0, 30.0)
 # Kinds whose content the operator keeps equal to what it renders (the attempt's plan, its pod names),
 # and the field that holds it.
 FOLLOWS_ATTEMPT = {"ConfigMap": "data", "Role": "rules"}
+# Listing SFTJobs to find the ones gone (``job_uids``): metadata only, this many to a page.
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+JOB_LIST_PAGE = 500
 
 
 class Conflict(Exception):
@@ -160,6 +165,22 @@ class Kube:
             return None
         return cast(dict[str, Any], found)
 
+    def job_uids(self, namespace: str) -> set[str]:
+        """The uids of the SFTJobs in ``namespace`` now: a consistent list of their metadata only
+        (``PartialObjectMetadataList``), in pages, without their specs and statuses."""
+        uids: set[str] = set()
+        token: str | None = None
+        while True:
+            response: Any = self.custom.list_namespaced_custom_object(
+                c.API_GROUP, c.API_VERSION, namespace, c.PLURAL, limit=JOB_LIST_PAGE, _continue=token,
+                _headers={"Accept": METADATA_LIST}, _preload_content=False, _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
+            page = json.loads(response.data)
+            uids |= {str(item["metadata"]["uid"]) for item in page.get("items") or []}
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return uids
+
     def write_status(
         self, namespace: str, name: str, resource_version: str, old: Mapping[str, Any], new: SFTJobStatus
     ) -> str:
@@ -193,12 +214,8 @@ class Kube:
             except ApiException as err:
                 if err.status != 409:
                     raise
-            owner = controller_uid(manifest)
-            if owner is not None:  # a claim kept on delete has no owner: any claim of its name is it
-                response = verbs.read(
-                    name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
-                )
-                _check_owner(kind, name, owner, json.loads(response.data))
+            response = verbs.read(name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            _check_owner(kind, name, _job_uid(manifest), json.loads(response.data))
             field = FOLLOWS_ATTEMPT.get(kind)
             if field is not None:  # a list body goes out as a JSON patch; "add" replaces a field it finds
                 content = [{"op": "add", "path": f"/{field}", "value": manifest[field]}]
@@ -305,10 +322,22 @@ def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any
     return patch
 
 
+def _job_uid(manifest: Manifest) -> str:
+    """The uid of the job ``manifest`` is a child of: its controller's, or (a claim kept on delete has no
+    owner) the one in its labels."""
+    labels = manifest["metadata"].get("labels") or {}
+    return controller_uid(manifest) or str(labels.get(c.LABEL_CONTROLLER_UID, ""))
+
+
 def _check_owner(kind: str, name: str, owner: str, existing: Mapping[str, Any]) -> None:
     """Raise :class:`NameTaken` unless ``existing`` (the object a create answered 409 for) is controlled
     by the job with uid ``owner``, or is a checkpoint claim with no owner: one an earlier job of this
-    name kept on delete, whose checkpoints this job resumes from whatever its own ``keepOnDelete``."""
+    name kept on delete, whose checkpoints this job resumes from whatever its own ``keepOnDelete``.
+    Anything but a pod that is being deleted is refused too, until it is gone: a pod created to use it
+    would wait for it forever (an earlier job's claim, which ``pvc-protection`` keeps until that job's
+    pods have stopped). This job's own pod being deleted is no such thing: the pass judges it once gone."""
+    if kind != "Pod" and (existing.get("metadata") or {}).get("deletionTimestamp"):
+        raise NameTaken(f"{kind} {name} already exists and is being deleted: created again once it is gone")
     theirs = controller_uid(existing)
     if theirs == owner or (theirs is None and kind == "PersistentVolumeClaim"):
         return

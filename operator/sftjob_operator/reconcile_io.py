@@ -64,7 +64,9 @@ class Context:
 
 @dataclass
 class Actions:
-    """The pass's verdict, applied in this order: status, children, pod deletions, job deletion."""
+    """The pass's verdict, applied in this order: status, pod deletions, children, job deletion. The
+    deletions go before the children, so a create refused (a quota, a webhook) never holds them back: a
+    lost node's pod may hold the very quota the next attempt's pod waits for."""
 
     status: SFTJobStatus
     status_changed: bool
@@ -78,6 +80,9 @@ class Actions:
     # torchrun would otherwise hold the GPUs for its whole --shutdown-timeout.
     quick_delete_pods: list[str] = field(default_factory=list)
     delete_job: bool = False
+    # Posted once the job's delete went through: never for a delete refused and retried, nor for the 404
+    # of a pass that ran again before the job's DELETED event.
+    job_deleted: Event | None = None
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     # Pods the index lacks past their grace: read them directly and decide again with the answer

@@ -21,6 +21,7 @@ from sftjob_operator.conditions import ConditionType as T
 from sftjob_operator.conditions import Reason, set_condition
 from sftjob_operator.planning import CandidatePlans
 from sftjob_operator.scheduling import ProductMap, type_of
+from sftjob_operator.status_draft import CONDITION_MESSAGE_MAX, StatusDraft
 
 Obj = Mapping[str, Any]
 # Rounds of repairs before a status is given up as unreadable; each round removes what the previous
@@ -129,20 +130,12 @@ def validation_message(err: ValidationError) -> str:
 
 def reject(status: SFTJobStatus, message: str, *, generation: int, now: datetime) -> SFTJobStatus:
     """The status after the API server refused one of the job's children as invalid: retrying the same
-    manifest cannot help, so the job fails (reason ChildRejected) and its next pass cleans up."""
-    conditions = status.conditions
-    for type, value, text in (
-        (T.FAILED, True, message),
-        (T.SUCCEEDED, False, ""),
-        (T.RUNNING, False, "failed"),
-    ):
-        conditions = set_condition(
-            conditions, type=type, status=value, reason=Reason.CHILD_REJECTED, message=text[:4096],
-            generation=generation, now=now,
-        )  # fmt: skip
-    return status.model_copy(
-        update={"conditions": conditions, "phase": "Failed", "completion_time": status.completion_time or now}
-    )
+    manifest cannot help, so the job fails (reason ChildRejected) as any job fails (its attempt ends
+    with the message, ``Scheduled`` says no pods), and its next pass cleans up."""
+    draft = StatusDraft(status, generation=generation, now=now)
+    # The record's message has the CRD's bound of a condition's; the API server's may be longer.
+    draft.failed(status.attempt, Reason.CHILD_REJECTED, message[:CONDITION_MESSAGE_MAX], ended_as=None)
+    return draft.status
 
 
 def failed_create(status: SFTJobStatus, message: str, *, generation: int, now: datetime) -> SFTJobStatus:

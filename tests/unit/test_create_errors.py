@@ -13,6 +13,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import ReadTimeoutError
 
+from sftjob import constants as c
 from sftjob.job_status import SFTJobStatus
 from sftjob_operator import kube as kube_module
 from sftjob_operator.kube import REQUEST_TIMEOUT, CreateFailed, Forbidden, Kube, NameTaken, Rejected
@@ -136,18 +137,80 @@ def test_an_object_of_the_childs_name_that_is_not_this_jobs_is_neither_taken_nor
     assert (owner or "no SFTJob") in str(raised.value)
 
 
-def test_a_claim_kept_on_delete_has_no_owner_so_any_claim_of_its_name_is_it() -> None:
-    api = FakeApi({"create": api_error(409, "already exists")}, existing=owned_by("uid-old"))
-    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", **owned_by(None), "spec": {}}
-    assert fake_kube(api).ensure(claim) is False
-    assert api.verbs() == ["create"]
+def claim(owner: str | None) -> dict[str, Any]:
+    """The checkpoint claim as the builders make it: owned by the job, or (``keepOnDelete``) by no one,
+    the job's uid in its labels either way."""
+    meta = owned_by(owner)["metadata"] | {"labels": {c.LABEL_CONTROLLER_UID: JOB_UID}}
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": {}}
 
 
-def test_a_claim_kept_by_an_earlier_job_is_reused_by_one_that_does_not_keep_its_own() -> None:
+def being_deleted(existing: dict[str, Any]) -> dict[str, Any]:
+    meta = existing["metadata"] | {
+        "deletionTimestamp": "2026-01-01T12:00:00Z",
+        "finalizers": [PVC_PROTECTION],
+    }
+    return {**existing, "metadata": meta}
+
+
+PVC_PROTECTION = "kubernetes.io/pvc-protection"
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-on-delete", "owned"])
+def test_a_claim_kept_by_an_earlier_job_is_reused_whatever_this_jobs_keep_on_delete(kept: bool) -> None:
     api = FakeApi({"create": api_error(409, "already exists")}, existing=owned_by(None))
-    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", **owned_by(JOB_UID), "spec": {}}
-    assert fake_kube(api).ensure(claim) is False  # its checkpoints are resumed from, not refused
+    assert (
+        fake_kube(api).ensure(claim(None if kept else JOB_UID)) is False
+    )  # its checkpoints are resumed from
     assert api.verbs() == ["create", "read"]
+
+
+def test_a_job_that_keeps_its_claim_takes_one_it_kept_itself() -> None:
+    api = FakeApi({"create": api_error(409, "already exists")}, existing=claim(None))
+    assert fake_kube(api).ensure(claim(None)) is False
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-on-delete", "owned"])
+def test_the_claim_of_a_deleted_job_that_did_not_keep_it_is_waited_for_not_taken(kept: bool) -> None:
+    api = FakeApi({"create": api_error(409, "already exists")}, existing=owned_by("uid-old"))
+    with pytest.raises(NameTaken) as raised:
+        fake_kube(api).ensure(claim(None if kept else JOB_UID))
+    assert "uid uid-old" in str(raised.value) and api.verbs() == ["create", "read"]
+
+
+@pytest.mark.parametrize("owner", [None, "uid-old", JOB_UID], ids=["ownerless", "earlier-jobs", "this-jobs"])
+@pytest.mark.parametrize("kept", [True, False], ids=["kept-on-delete", "owned"])
+def test_a_claim_being_deleted_is_waited_for_so_no_pod_is_made_to_wait_on_it_forever(
+    owner: str | None, kept: bool
+) -> None:
+    api = FakeApi({"create": api_error(409, "already exists")}, existing=being_deleted(owned_by(owner)))
+    with pytest.raises(NameTaken) as raised:
+        fake_kube(api).ensure(claim(None if kept else JOB_UID))
+    assert str(raised.value).endswith("is being deleted: created again once it is gone")
+
+
+def test_this_jobs_own_pod_being_deleted_is_taken_as_there_for_the_pass_to_judge() -> None:
+    pod = {"apiVersion": "v1", "kind": "Pod", **owned_by(JOB_UID), "spec": {}}
+    api = FakeApi({"create": api_error(409, "already exists")}, existing=being_deleted(owned_by(JOB_UID)))
+    assert fake_kube(api).ensure(pod) is False
+
+
+def test_the_jobs_uids_are_listed_as_metadata_only_page_by_page() -> None:
+    pages = [
+        {"metadata": {"continue": "next"}, "items": [{"metadata": {"name": "a", "uid": "uid-a"}}]},
+        {"metadata": {}, "items": [{"metadata": {"name": "b", "uid": "uid-b"}}]},
+    ]
+
+    class Lists(FakeApi):
+        def list_namespaced_custom_object(self, *args: Any, **kwargs: Any) -> SimpleNamespace:
+            self.calls.append(("list", args, kwargs))
+            return SimpleNamespace(data=json.dumps(pages[len(self.calls) - 1]).encode())
+
+    api = Lists()
+    assert fake_kube(api).job_uids("team") == {"uid-a", "uid-b"}
+    assert [kwargs["_continue"] for _, _, kwargs in api.calls] == [None, "next"]
+    for _, args, kwargs in api.calls:
+        assert args[2:] == ("team", "sftjobs") and kwargs["_request_timeout"] == REQUEST_TIMEOUT
+        assert kwargs["_headers"]["Accept"].startswith("application/json;as=PartialObjectMetadataList;")
 
 
 def test_deletes_are_conditioned_on_the_uid_and_a_replaced_or_gone_pod_is_said_to_be_gone() -> None:

@@ -17,7 +17,7 @@ class Clock:
         return self.now
 
 
-def test_a_child_created_moments_ago_is_expected_and_lapses_after_the_timeout() -> None:
+def test_a_pod_created_moments_ago_is_expected_and_lapses_after_the_timeout() -> None:
     clock = Clock()
     expected = Expectations(timeout_seconds=30, clock=clock)
     assert not expected.pending(JOB, "uid", 1, POD)
@@ -49,3 +49,14 @@ def test_a_new_job_of_the_same_name_expects_none_of_the_old_ones_children() -> N
     assert not expected.pending(JOB, "new-uid", 1, POD)
     expected.created(JOB, "new-uid", 1, ROLE)
     assert expected.pending(JOB, "new-uid", 1, ROLE) and not expected.pending(JOB, "new-uid", 1, POD)
+
+
+def test_a_child_no_watch_shows_stays_expected_for_the_attempt_up_to_the_long_lapse() -> None:
+    clock = Clock()
+    expected = Expectations(timeout_seconds=30, clock=clock, children_timeout_seconds=600)
+    expected.created(JOB, "uid", 1, ROLE)
+    expected.created(JOB, "uid", 1, POD)
+    clock.now += 300  # a pod refused by a quota all that time: only the pod is sent again
+    assert expected.pending(JOB, "uid", 1, ROLE) and not expected.pending(JOB, "uid", 1, POD)
+    clock.now += 301  # one deleted by hand meanwhile is sent again at last
+    assert not expected.pending(JOB, "uid", 1, ROLE)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -187,3 +187,77 @@ def test_a_tombstone_is_kept_while_its_ghost_is_in_the_index_and_dropped_after()
     tombstones.bury(KEY, "old")
     assert tombstones.select(KEY, []) is None
     assert len(tombstones) == 0
+
+
+class Listing(FakeKube):
+    """A FakeKube that also lists the uids of the jobs it holds, namespace by namespace."""
+
+    def __init__(self, uids: dict[str, str], refuse: Exception | None = None) -> None:
+        super().__init__(uids)
+        self.listed: list[str] = []
+        self.refuse = refuse
+        self.meanwhile: Callable[[], None] = lambda: None  # what happens while the list is made
+
+    def job_uids(self, namespace: str) -> set[str]:
+        self.listed.append(namespace)
+        self.meanwhile()
+        if self.refuse is not None:
+            raise self.refuse
+        return set(self.uids.values())
+
+
+def sweep(api: Listing, index: dict[tuple[str, str], list[JobView]]) -> None:
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(handlers.Runtime, "kube", api, raising=False)
+    try:
+        asyncio.run(handlers._bury_ghosts(index))  # type: ignore[arg-type]
+    finally:
+        monkey.undo()
+
+
+def test_a_quiet_ghost_that_never_writes_is_found_by_the_sweep_and_no_longer_counted() -> None:
+    done = {"phase": "Succeeded", "completionTime": "2026-01-01T11:00:00Z", "attempt": 1}
+    written = decide(observed(status=done), CTX).status.to_patch()  # finished, no TTL: nothing to write
+    meta = {"namespace": "team", "name": "job", "uid": "old", "generation": 1,
+            "resourceVersion": "100", "creationTimestamp": "2026-01-01T10:00:00Z"}  # fmt: skip
+    ghost = JobView.of({"metadata": meta, "spec": SPEC, "status": written})
+    api = Listing(uids={})
+    before = REGISTRY.get_sample_value("sftjob_jobs", {"phase": "Succeeded", "gpu_type": "Unknown"}) or 0.0
+    reconcile(api, ghost)
+    assert api.writes == [] and api.deletes == []  # nothing a pass does finds it gone
+    assert (
+        REGISTRY.get_sample_value("sftjob_jobs", {"phase": "Succeeded", "gpu_type": "Unknown"}) == before + 1
+    )
+    sweep(api, {KEY: [ghost]})
+    assert api.listed == ["team"] and len(handlers.Runtime.queue) == 1  # its key queued for a last pass
+    reconcile(api, ghost)  # the pass finds no job left: forgotten
+    assert handlers.Runtime.gone.select(KEY, [ghost]) is None
+    assert (
+        REGISTRY.get_sample_value("sftjob_jobs", {"phase": "Succeeded", "gpu_type": "Unknown"}) or 0.0
+    ) == before
+
+
+def test_the_sweep_buries_only_the_ghost_beside_a_live_job_with_one_list_per_namespace() -> None:
+    other = ("team", "other")
+    api = Listing(uids={"job": "new", "other": "other-uid"})
+    sweep(api, {KEY: [GHOST, RECREATED], other: [job("other-uid", "2026-01-01T11:00:00Z", "5")]})
+    assert api.listed == ["team"]
+    assert (
+        handlers.Runtime.gone.select(KEY, [GHOST, RECREATED]) == RECREATED and len(handlers.Runtime.gone) == 1
+    )
+
+
+def test_a_job_created_while_the_sweep_lists_is_not_taken_for_a_ghost() -> None:
+    api = Listing(uids={"job": "new"})
+    index: dict[tuple[str, str], list[JobView]] = {KEY: [RECREATED]}
+    late = job("late-uid", "2026-01-01T12:00:00Z", "950")
+    api.meanwhile = lambda: index.update({("team", "late"): [late]})  # indexed after the list was made
+    sweep(api, index)
+    assert len(handlers.Runtime.gone) == 0 and len(handlers.Runtime.queue) == 0
+
+
+def test_a_sweep_whose_list_fails_buries_nothing_and_raises_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    api = Listing(uids={}, refuse=ApiException(status=403, reason="Forbidden"))
+    with caplog.at_level(logging.WARNING, logger=handlers.__name__):
+        sweep(api, {KEY: [GHOST]})
+    assert len(handlers.Runtime.gone) == 0 and "listing the SFTJobs of team" in caplog.text

@@ -16,9 +16,10 @@ from prometheus_client import REGISTRY
 from sftjob.job_status import SFTJobStatus
 from sftjob_operator import handlers
 from sftjob_operator.expectations import Expectations
+from sftjob_operator.ghosts import Tombstones
 from sftjob_operator.kube import Conflict, Forbidden, Rejected
 from sftjob_operator.observe import JobView
-from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, pod, preempted_status
+from tests.unit.reconcile_cases import CTX, NODES, NOW, SPEC, UID, pod, preempted_status, terminated
 
 KEY = ("team", "job")
 
@@ -36,6 +37,10 @@ class FakeKube:
         self.workloads: dict[str, dict[str, Any]] = {}  # Kueue's Workloads by name
         self.workloads_read: list[str] = []
         self.refuse_other: dict[str, Exception] = {}  # by kind, for children that are not pods
+        self.sent: list[str] = []  # the kinds of the children created (or found there), in order
+        self.deleted: list[tuple[str, int | None]] = []  # pods deleted, with their grace
+        self.refuse_job_delete: Exception | None = None
+        self.jobs_deleted = 0
 
     async def run(self, call: Callable[..., Any], *args: Any) -> Any:
         return call(*args)
@@ -49,6 +54,7 @@ class FakeKube:
 
     def ensure(self, manifest: dict[str, Any]) -> bool:
         name = manifest["metadata"]["name"]
+        self.sent.append(manifest["kind"])
         error = self.refuse(name) if manifest["kind"] == "Pod" else self.refuse_other.get(manifest["kind"])
         if error is not None:
             raise error
@@ -57,7 +63,14 @@ class FakeKube:
     def delete_pod(
         self, namespace: str, name: str, uid: str, grace_period_seconds: int | None = None
     ) -> bool:
+        self.deleted.append((name, grace_period_seconds))
         return True
+
+    def delete_job(self, namespace: str, name: str, uid: str) -> bool:
+        if self.refuse_job_delete is not None:
+            raise self.refuse_job_delete
+        self.jobs_deleted += 1
+        return self.jobs_deleted == 1  # a second delete finds the job gone (404)
 
     def post_event(self, manifest: dict[str, Any]) -> None:
         self.events.append((manifest["type"], manifest["reason"]))
@@ -95,12 +108,18 @@ def kube(monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeKube]:
     return make
 
 
-def run_pass(kube: FakeKube, pods: list[dict[str, Any]]) -> Exception | None:
+def run_pass(
+    kube: FakeKube,
+    pods: list[dict[str, Any]],
+    *,
+    spec: dict[str, Any] = SPEC,
+    nodes_up: dict[str, dict[str, Any]] = NODES,
+) -> Exception | None:
     """One pass over the job as ``kube`` holds it; the error it raised, if any."""
     meta = {"namespace": "team", "name": "job", "uid": UID, "generation": 1,
             "resourceVersion": str(kube.version), "creationTimestamp": "2026-01-01T11:00:00Z"}  # fmt: skip
-    job = JobView.of({"metadata": meta, "spec": SPEC, "status": kube.status})
-    nodes = {name: [node] for name, node in NODES.items()}
+    job = JobView.of({"metadata": meta, "spec": spec, "status": kube.status})
+    nodes = {name: [node] for name, node in nodes_up.items()}
     try:
         asyncio.run(handlers._pass(job, {KEY: pods}, nodes))  # type: ignore[arg-type]
     except Exception as err:
@@ -154,6 +173,99 @@ def test_an_invalid_child_fails_the_job_though_another_of_its_batch_was_refused_
     }
     assert run_pass(api, []) is None
     assert api.status["phase"] == "Failed" and ("Warning", "ChildRejected") in api.events
+
+
+def test_a_refused_create_still_lets_the_force_delete_of_the_old_pod_on_a_lost_node_go_out(
+    kube: Callable[..., FakeKube], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = kube(refuse_second_attempt)  # a GPU quota the lost node's pod still counts against
+    assert run_pass(api, []) is None
+    monkeypatch.setattr(handlers, "_now", lambda: NOW + timedelta(seconds=10))
+    assert run_pass(api, [pod()]) is None and api.status["phase"] == "Running"  # attempt 1 on l40s-0
+    lost = {name: node for name, node in NODES.items() if name != "l40s-0"}  # then its node is gone
+    for minutes in (5, 6):  # the retry too
+        monkeypatch.setattr(handlers, "_now", lambda minutes=minutes: NOW + timedelta(minutes=minutes))
+        assert isinstance(run_pass(api, [pod()], nodes_up=lost), Forbidden)
+        assert api.status["attempt"] == 2
+    assert api.deleted == [("job-1-0", 0), ("job-1-0", 0)]  # with force, at each pass
+
+
+def test_a_pod_rejected_as_invalid_ends_its_attempt_and_leaves_no_pod_waiting_for_the_scheduler(
+    kube: Callable[..., FakeKube],
+) -> None:
+    why = "Pod job-1-0: spec.containers[0].image: Required value"
+    api = kube(lambda name: Rejected(why))
+    assert run_pass(api, []) is None
+    [record] = api.status["attempts"]  # type: ignore[misc]
+    assert (record["endTime"], record["message"], record.get("succeeded", False)) == (
+        "2026-01-01T12:00:00Z",
+        why,
+        False,
+    )
+    assert (_scheduled(api)["status"], _scheduled(api)["reason"]) == ("False", "ChildRejected")
+
+
+ALL_KINDS = [
+    "ServiceAccount",
+    "Role",
+    "ConfigMap",
+    "NetworkPolicy",
+    "PersistentVolumeClaim",
+    "RoleBinding",
+    "Pod",
+]
+
+
+def test_a_pod_refused_for_minutes_is_sent_again_alone_not_with_every_other_child_of_its_attempt(
+    kube: Callable[..., FakeKube], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = kube(lambda name: Forbidden(f"Pod {name}: exceeded quota: gpu, requested 1, used 1, limited 1"))
+    clock = [0.0]
+    monkeypatch.setattr(handlers.Runtime, "expectations", Expectations(clock=lambda: clock[0]))
+    for at in (0, 31, 61, 91, 121, 301):  # the backoff's cap is 30 s
+        clock[0] = at
+        monkeypatch.setattr(handlers, "_now", lambda at=at: NOW + timedelta(seconds=at))
+        api.sent.clear()
+        assert isinstance(run_pass(api, []), Forbidden)
+        assert api.sent == (ALL_KINDS if at == 0 else ["Pod"])
+
+
+def test_a_pod_refused_for_a_missing_service_account_sends_the_attempts_other_children_again(
+    kube: Callable[..., FakeKube], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = kube(
+        lambda name: Forbidden(
+            f'pods "{name}" is forbidden: error looking up service account team/job-trainer:'
+            ' serviceaccount "job-trainer" not found (HTTP 403)'
+        )
+    )
+    assert isinstance(run_pass(api, []), Forbidden)  # someone deleted it right after its create
+    monkeypatch.setattr(handlers, "_now", lambda: NOW + timedelta(seconds=5))
+    api.sent.clear()
+    assert isinstance(run_pass(api, []), Forbidden)
+    assert api.sent == ALL_KINDS
+
+
+def test_the_ttls_deletion_is_said_once_when_the_delete_went_through_not_at_each_retry(
+    kube: Callable[..., FakeKube], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(handlers.Runtime, "gone", Tombstones())
+    spec = {**SPEC, "ttlSecondsAfterFinished": 60}
+    api = kube()
+    done = pod(phase="Succeeded", status=terminated(0, "Completed"))
+    for pods in ([], [pod()], [done]):
+        assert run_pass(api, pods, spec=spec) is None
+    assert api.status["phase"] == "Succeeded"
+    api.events.clear()
+    monkeypatch.setattr(handlers, "_now", lambda: NOW + timedelta(seconds=120))
+    api.refuse_job_delete = ApiException(status=403, reason="Forbidden")
+    for _ in range(2):
+        assert isinstance(run_pass(api, [done], spec=spec), ApiException)
+    assert api.events == []
+    api.refuse_job_delete = None
+    assert run_pass(api, [done], spec=spec) is None  # deleted
+    assert run_pass(api, [done], spec=spec) is None  # before the DELETED event: the delete finds it gone
+    assert api.jobs_deleted == 2 and api.events == [("Normal", "Finished")]
 
 
 def test_a_status_write_lost_to_a_conflict_posts_and_counts_nothing(kube: Callable[..., FakeKube]) -> None:
