@@ -2,7 +2,8 @@
 template renders earlier turns differently once a later one follows (Qwen3 drops earlier reasoning); the
 whole conversation is tokenized as inference tokenizes it, and only chat formats get a template. Rows
 render the same on any day, a message's reasoning reaches the template, and answers the template renders
-without part of their text are counted and warned about."""
+without part of their text, and those left untrained, are counted and warned about. A tokenizer with named
+chat templates renders with its default one."""
 
 from __future__ import annotations
 
@@ -264,3 +265,29 @@ def test_answers_the_template_renders_whole_are_not_counted_as_cut(
         tokenize_row({"messages": CHAT}, "messages", tokenizer, 1000, stats)
     # The fallback template trains both answers; the two like Qwen3's the last one, its reasoning kept.
     assert stats.answers_cut_by_template == 0 and stats.answers == 2 + 1 + 1
+    assert stats.answers_untrained == 0 + 1 + 1
+
+
+def test_assistant_turns_left_untrained_are_counted_and_warned_about_once_with_the_first_row(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    one_turn = {"messages": CHAT[:2]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [one_turn, {"messages": CHAT}] * 2))
+    tok = make_tokenizer()
+    tok.chat_template = DROPS_EARLIER_REASONING
+    with caplog.at_level(logging.WARNING):
+        examples, stats, _ = load_examples(DatasetSource(path=str(path)), tok)
+    assert len(examples) == 4 and (stats.answers, stats.answers_untrained) == (4, 2)
+    warnings = [r.getMessage() for r in caplog.records if "are not trained on" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("2 of 6 assistant turns are not trained on (the first at rows.jsonl:2)")
+
+
+def test_named_chat_templates_train_as_their_default_one_does(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokenizer, "chat_template", THINKS_AT_THE_PROMPT)
+    alone = _answer(tokenizer, {"messages": CHAT})
+    monkeypatch.setattr(tokenizer, "chat_template", {"default": THINKS_AT_THE_PROMPT, "tool_use": "{{ 1 }}"})
+    assert _answer(tokenizer, {"messages": CHAT}) == alone == "1</s>2</s>"

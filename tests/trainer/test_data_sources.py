@@ -1,6 +1,7 @@
 """Where rows come from: a hub dataset at its pinned revision, the split's files of a dataset folder (found
 as the datasets library finds them), JSON array files, strict UTF-8, where a bad row is, and the fallback
-chat template starting with BOS like the ``text`` format."""
+chat template starting with BOS like the ``text`` format, and that a row which is malformed in a way no
+check foresaw is skipped like any other malformed row."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from sftjob.config import DatasetSource
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import sources
+from sftjob_trainer import data, sources
 from sftjob_trainer.data import load_examples
 from sftjob_trainer.sources import BadRow, read_rows
 from sftjob_trainer.tiny import format_row, make_tokenizer
@@ -224,3 +225,49 @@ def test_a_hub_dataset_is_read_at_the_revision_the_spec_pins(monkeypatch: pytest
     rows = list(read_rows(DatasetSource(name="org/chats", split="train", revision="v1.2")))
     assert rows == [("org/chats[1]", ROW)]  # numbered from 1, as a file's lines
     assert asked == [{"name": "org/chats", "split": "train", "revision": "v1.2"}]
+
+
+@pytest.mark.parametrize("role", [["user"], {"name": "user"}, 7], ids=["a list", "an object", "a number"])
+def test_a_message_whose_role_is_not_a_string_is_a_located_bad_row_and_the_others_train(
+    tmp_path: Path, tokenizer: Any, role: Any
+) -> None:
+    good = format_row("repeat: abc", "abc", "messages")
+    bad = {"messages": [{"role": role, "content": "x"}, {"role": "assistant", "content": "y"}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [good] * 200 + [bad]))
+    examples, stats, _ = load_examples(DatasetSource(path=str(path)), tokenizer)
+    assert len(examples) == 200 and stats.bad_rows == 1
+    assert stats.bad_examples == [
+        "rows.jsonl:201: message 0 needs a role in ['assistant', 'system', 'user'] and a string content"
+    ]
+
+
+def test_a_row_that_raises_an_error_no_check_foresaw_is_a_located_bad_row_with_its_traceback_logged_once(
+    tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = data.tokenize_row
+
+    def tokenize_row(row: Any, *args: Any) -> Any:
+        if row["input"] == "odd":
+            raise ValueError("a shape nobody expected")
+        return real(row, *args)
+
+    monkeypatch.setattr(data, "tokenize_row", tokenize_row)
+    path = tmp_path / "rows.jsonl"
+    tags = ["", "odd", *[""] * 200, "odd"]
+    path.write_text("".join(json.dumps(ROW | {"input": tag}) + "\n" for tag in tags))
+    with caplog.at_level(logging.WARNING):
+        examples, stats, _ = load_examples(DatasetSource(path=str(path)), tokenizer)
+    assert len(examples) == 201 and stats.bad_rows == 2
+    assert stats.bad_examples == [
+        f"rows.jsonl:{n}: unexpected ValueError: a shape nobody expected" for n in (2, 203)
+    ]
+    (traced,) = [r for r in caplog.records if r.exc_info]
+    assert traced.getMessage().startswith("row rows.jsonl:2 raised ValueError")
+
+    def out_of_memory(row: Any, *args: Any) -> Any:
+        raise MemoryError  # not the row's fault: the attempt ends, as before
+
+    monkeypatch.setattr(data, "tokenize_row", out_of_memory)
+    with pytest.raises(MemoryError):
+        load_examples(DatasetSource(path=str(path)), tokenizer)

@@ -57,11 +57,28 @@ def test_a_row_stays_held_out_when_other_rows_drop_out_of_the_examples() -> None
     assert not set(_rows(train)) & set(_rows(held))
 
 
-def test_a_held_out_fraction_keeps_at_most_max_samples_and_at_least_one() -> None:
+def test_a_held_out_fraction_keeps_at_most_max_samples_and_the_row_with_the_smallest_key() -> None:
     _, capped = hold_out(_examples(200), 200, EvaluationSettings(fraction=0.5, max_samples=7), seed=0)
     assert len(capped) == 7
     _, one = hold_out(_examples(3), 3, EvaluationSettings(fraction=0.01), seed=0)
     assert len(one) == 1
+
+
+def test_the_rows_held_out_of_a_small_dataset_never_move_onto_a_row_trained_before(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    examples, settings = _examples(60), EvaluationSettings(fraction=0.01)  # often no key below it
+    for seed in range(10):
+        train, held = hold_out(examples, 60, settings, seed)
+        rows = set(_rows(held))
+        assert rows
+        # An OOM re-plan cut the examples shorter: other rows lost their target, then the held-out ones too.
+        fewer = [e for e in examples if e.row % 7 or e.row in rows]
+        assert set(_rows(hold_out(fewer, 60, settings, seed)[1])) == rows
+        with caplog.at_level(logging.WARNING):
+            train_again, held_again = hold_out([e for e in examples if e.row not in rows], 60, settings, seed)
+        assert held_again == [] and _rows(train_again) == _rows(train)
+    assert caplog.text.count("holds out no usable example") == 10
 
 
 def test_a_fraction_that_leaves_nothing_to_train_on_is_a_data_error() -> None:

@@ -3,8 +3,10 @@
 Three row formats: ``messages`` (a chat rendered with the tokenizer's chat template by ``chat.py``),
 ``alpaca`` (instruction / input / output, rendered as a one-turn chat) and ``text`` (plain language
 modelling).
-For chats the loss covers only the assistant turns. A malformed row is counted and skipped with a log
-line; more than ``dataset.max_bad_row_fraction`` of them, or no usable row at all, fails with DataError.
+For chats the loss covers only the assistant turns, and the turns left untrained are counted. A
+malformed row (also one that raises an error no check foresaw while it is tokenized: the first one's
+traceback is logged) is counted and skipped with a log line naming where it is; more than
+``dataset.max_bad_row_fraction`` of them, or no usable row at all, fails with DataError.
 Examples are cut to the longest sequence training takes (``dataset.max_seq_length``, or the packed-row
 length when shorter); one left without any target token is dropped, and past the fractions below the run
 warns, then fails with DataError, rather than train on what is left.
@@ -29,6 +31,7 @@ from sftjob_trainer.chat import (
     chat_segments,
     ensure_chat_template,
     tokenize_pieces,
+    warn_answers_without_end,
     warn_clock,
 )
 from sftjob_trainer.sources import BadRow, read_rows
@@ -65,6 +68,8 @@ class DataStats:
     answers: int = 0  # assistant turns trained on
     answers_cut_by_template: int = 0  # of them, those the chat template renders without part of their text
     first_cut_by_template: str = ""  # where the first of them is
+    answers_untrained: int = 0  # assistant turns not trained on: only their row's last answer is
+    first_untrained: str = ""  # where the first of them is
 
     def bad(self, where: str, reason: str) -> None:
         self.bad_rows += 1
@@ -94,23 +99,41 @@ def load_examples(
     if fmt != "text":
         ensure_chat_template(tokenizer)
         warn_clock(tokenizer.chat_template)
+        warn_answers_without_end(tokenizer)
     limit = min(source.max_seq_length, row_length or source.max_seq_length)
     stats = DataStats()
     examples: list[Example] = []
+    traced = False
     for where, row in _chain(head, rows):
         stats.rows += 1
-        cut_before = stats.answers_cut_by_template
+        cut_before, untrained_before = stats.answers_cut_by_template, stats.answers_untrained
         try:
             example = tokenize_row(row, fmt, tokenizer, limit, stats)
         except BadRow as exc:
             stats.bad(where, str(exc))
             continue
+        except (MemoryError, TrainerError):
+            raise
+        except Exception as exc:  # a row no check foresaw: located, counted and skipped like a malformed one
+            if not traced:  # the traceback once, should it be a bug of the trainer's
+                log.warning(
+                    "row %s raised %s, which no check for malformed rows foresaw: skipped like one",
+                    where,
+                    type(exc).__name__,
+                    exc_info=True,
+                )
+                traced = True
+            stats.bad(where, f"unexpected {type(exc).__name__}: {exc}")
+            continue
         if stats.answers_cut_by_template > cut_before and not stats.first_cut_by_template:
             stats.first_cut_by_template = where
+        if stats.answers_untrained > untrained_before and not stats.first_untrained:
+            stats.first_untrained = where
         if example is not None:
             examples.append(replace(example, row=stats.rows - 1))
     _check_quality(source, stats, limit, len(examples))
     _warn_cut_by_template(stats)
+    _warn_untrained(stats)
     log.info(
         "data: %d rows (%s format), %d malformed skipped, %d truncated to %d tokens, %d without a target"
         " after truncation, %d examples",
@@ -186,6 +209,23 @@ def _warn_cut_by_template(stats: DataStats) -> None:
         )
 
 
+def _warn_untrained(stats: DataStats) -> None:
+    """One warning for the assistant turns left untrained: a chat template that renders an earlier turn
+    differently once a later one follows (Qwen3 drops earlier reasoning, Mistral v0.3 moves the system
+    message into the last user turn) trains only each row's last answer, in the context inference gives it."""
+    if stats.answers_untrained:
+        log.warning(
+            "%d of %d assistant turns are not trained on (the first at %s): the chat template renders an"
+            " earlier turn differently once a later one follows (Qwen3 drops earlier reasoning, Mistral v0.3"
+            " moves the system message into the last user turn), so only each such row's last answer is"
+            " trained, in the context the model sees at inference. To train every turn, split multi-turn"
+            " rows into one row per answer",
+            stats.answers_untrained,
+            stats.answers + stats.answers_untrained,
+            stats.first_untrained,
+        )
+
+
 def _check_any_object(source: DatasetSource, head: list[tuple[str, Any]]) -> None:
     """``format: auto`` needs an object among the first rows: when none is (a pretty-printed JSON object or
     array read as JSON Lines), the first row's location and what is wrong with it say why."""
@@ -254,7 +294,8 @@ def row_messages(row: Any, fmt: str) -> list[dict[str, str]]:
         raise BadRow("'messages' is missing or not a non-empty list")
     chat = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        role = m.get("role") if isinstance(m, dict) else None
+        if not isinstance(role, str) or role not in ROLES or not isinstance(m.get("content"), str):
             raise BadRow(f"message {i} needs a role in {sorted(ROLES)} and a string content")
         message = {"role": m["role"], "content": m["content"]}
         for name in REASONING_FIELDS:  # None: a Parquet column of messages that have none
@@ -277,6 +318,7 @@ def tokenize_row(row: Any, fmt: str, tokenizer: Any, max_len: int, stats: DataSt
         segments = chat_segments(tokenizer, chat)
         cut = answers_cut_by_template(chat, segments)
         stats.answers += len(cut)
+        stats.answers_untrained += sum(m["role"] == "assistant" for m in chat) - len(cut)
         stats.answers_cut_by_template += sum(cut)
         tokens, pieces = tokenize_pieces(tokenizer, [text for text, _ in segments])
         answers = np.array([is_answer for _, is_answer in segments], dtype=bool)

@@ -71,16 +71,16 @@ def hold_out(
     examples: list[Example], rows: int, settings: EvaluationSettings, seed: int
 ) -> tuple[list[Example], list[Example]]:
     """(training, held-out) examples: the rows whose seeded key falls below ``settings.fraction``, at most
-    ``max_samples`` of them (the smallest keys), at least one. A row's key depends on the seed and its
-    number alone, so the rows held out stay the same whatever else changes (an OOM re-plan cutting the
-    examples shorter drops others)."""
+    ``max_samples`` of them (the smallest keys), and the row with the smallest key in any case. A row's
+    key depends on the seed and its number alone, so the rows held out stay the same whatever else changes
+    (an OOM re-plan cutting the examples shorter drops others): no row evaluated in one attempt trains in
+    another. A held-out row without an example (malformed, or left without a target) is not replaced by
+    another, which an earlier attempt may have trained on: with none left, nothing is evaluated."""
     assert settings.fraction is not None
     keys = _row_keys(rows, seed)
     cap = _smallest(keys, settings.max_samples)
-    held = [e.row for e in examples if keys[e.row] < settings.fraction and keys[e.row] <= cap]
-    if not held and examples:
-        held = [min(examples, key=lambda e: keys[e.row]).row]
-    chosen = set(held)
+    chosen = {int(np.argmin(keys))} if rows else set()
+    chosen |= {e.row for e in examples if keys[e.row] < settings.fraction and keys[e.row] <= cap}
     train = [e for e in examples if e.row not in chosen]
     if not train:
         raise TrainerError(
@@ -88,7 +88,18 @@ def hold_out(
             f"evaluation.fraction {settings.fraction} of {len(examples)} examples leaves none to train on:"
             " add data or evaluate on another split (evaluation.split)",
         )
-    return train, [e for e in examples if e.row in chosen]
+    held = [e for e in examples if e.row in chosen]
+    if not held:
+        log.warning(
+            "evaluation.fraction %s holds out no usable example: the rows it holds out (those whose key is"
+            " below it, and row %d of the dataset, from 1 in reading order, whose key is the smallest) are"
+            " malformed or have no target token left once cut; the run evaluates nothing rather than hold"
+            " out a row it may have trained on. Raise evaluation.fraction or evaluate on another split"
+            " (evaluation.split)",
+            settings.fraction,
+            int(np.argmin(keys)) + 1,
+        )
+    return train, held
 
 
 def load_split(
