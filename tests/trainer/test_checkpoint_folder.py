@@ -1,6 +1,7 @@
-"""What a checkpoint folder holds (the trainable parameters only), who owns it (one attempt at a time), and
-what happens to the checkpoints that do not load: set aside when an older one does, the run stopped when
-none does, and the progress of the run never rotated away for them."""
+"""What a checkpoint folder holds (the trainable parameters, and a whole model's persistent buffers), who owns
+it (one attempt at a time), and what happens to the checkpoints that do not load: set aside when an older
+one does, the run stopped when none does (as a configuration error when none fits the model, or when they
+are of other training), and the progress of the run never rotated away for them."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from sftjob.config import JobRef
+from sftjob.config import JobRef, TrainerConfig
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import checkpoints, ownership, resume, rng
@@ -169,6 +170,186 @@ def test_a_checkpoint_holds_the_trainable_parameters_only_not_buffers_frozen_wei
     assert torch.equal(model.head.weight, before)  # the tied head came back with its embedding
 
 
+class _Routed(torch.nn.Module):
+    """A whole model (nothing frozen) with a buffer from its pretrained weights, like the router bias of
+    GLM-4.5 MoE and DeepSeek-V3, and one computed from the config, like RoPE's frequencies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, 2)
+        self.register_buffer("e_score_correction_bias", torch.zeros(2))
+        self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) + self.e_score_correction_bias * self.inv_freq
+
+
+def _routed() -> Trainables:
+    model = _Routed()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    return Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
+
+
+def test_a_checkpoint_of_a_whole_model_holds_its_persistent_buffers_and_a_resume_restores_them(
+    tmp_path: Path,
+) -> None:
+    parts = _routed()
+    with torch.no_grad():
+        parts.model.e_score_correction_bias.copy_(torch.tensor([0.5, -0.25]))  # the pretrained values
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    path = checkpoints.save(tmp_path, TrainState(step=2), parts, ONE_PROCESS, keep=1, job=_attempt(1))
+    saved = FileSystemReader(path / checkpoints.TENSORS_DIR).read_metadata().state_dict_metadata
+    assert {key for key in saved if key.startswith("model.")} == {
+        "model.gate.weight",
+        "model.gate.bias",
+        "model.e_score_correction_bias",
+    }
+
+    resumed = _routed()  # built from the config under FSDP: the buffer as the model class makes it
+    loaded = resume.load_latest(tmp_path, resumed, ONE_PROCESS)
+    assert loaded is not None and loaded.without_buffers == []
+    assert torch.equal(resumed.model.e_score_correction_bias, torch.tensor([0.5, -0.25]))
+
+
+def test_an_older_checkpoint_without_buffers_resumes_with_the_buffers_as_they_were_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    with monkeypatch.context() as older_trainer:
+        older_trainer.setattr(checkpoints, "persistent_buffers", lambda model, state: set())
+        checkpoints.save(tmp_path, TrainState(step=2), _routed(), ONE_PROCESS, keep=1, job=_attempt(1))
+
+    resumed = _routed()
+    with torch.no_grad():
+        resumed.model.e_score_correction_bias.fill_(3.0)  # loaded with the pretrained weights
+    loaded = resume.load_latest(tmp_path, resumed, ONE_PROCESS)
+    assert loaded is not None and loaded.without_buffers == ["e_score_correction_bias"]
+    assert torch.equal(resumed.model.e_score_correction_bias, torch.full((2,), 3.0))
+    assert "holds none of the model's buffers" in caplog.text
+
+
+TRAINED: dict[str, object] = {
+    "model.name": "Qwen/Qwen2.5-7B",
+    "model.path": None,
+    "model.revision": None,
+    "method": "lora",
+    "lora.r": 16,
+    "lora.targetModules": "all-linear",
+}
+
+
+def test_a_checkpoint_of_other_training_is_refused_before_its_tensors_load_naming_each_difference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    checkpoints.save(
+        tmp_path, TrainState(step=4, identity=TRAINED), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1)
+    )
+    monkeypatch.setattr(resume.dcp, "load", None)  # reading a tensor would fail the test
+    now = TRAINED | {"model.name": "Qwen/Qwen2.5-7B-Instruct", "lora.r": 32}
+
+    with pytest.raises(TrainerError) as refused:  # the job created again, with another base and lora.r
+        resume.load_latest(tmp_path, _trainables(), ONE_PROCESS, now)
+    assert refused.value.code == ExitCode.CONFIG_ERROR
+    reason = refused.value.reason
+    assert "checkpoint-4" in reason and "is of other training than this job's spec" in reason
+    assert "model.name was Qwen/Qwen2.5-7B, now Qwen/Qwen2.5-7B-Instruct" in reason
+    assert "lora.r was 16, now 32" in reason and "method was" not in reason
+    assert "another name" in reason and "delete or move the checkpoints" in reason
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4] and _bad(tmp_path) == []
+
+
+def test_only_fields_both_identities_record_are_compared_so_older_checkpoints_resume_as_before(
+    tmp_path: Path,
+) -> None:
+    assert resume.identity_differences({}, TRAINED) == []  # saved before checkpoints recorded it
+    assert resume.identity_differences(TRAINED | {"later.field": 1}, TRAINED) == []  # a newer trainer's
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    checkpoints.save(tmp_path, TrainState(step=4), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    loaded = resume.load_latest(tmp_path, _trainables(), ONE_PROCESS, TRAINED)
+    assert loaded is not None and loaded.state.step == 4
+
+
+def _config(**changes: object) -> TrainerConfig:
+    settings: dict[str, object] = {
+        "model": {"name": "Qwen/Qwen2.5-7B"},
+        "dataset": {"path": "/data/train.jsonl"},
+        "lora": {"r": 16, "targetModules": ["v_proj", "q_proj"]},
+        "training": {"globalBatchSize": 8, "gradientAccumulationSteps": 8},
+    }
+    return TrainerConfig.model_validate(settings | changes)
+
+
+def test_the_identity_of_training_leaves_out_what_may_change_over_kept_checkpoints() -> None:
+    trained = resume.identity(_config())
+    replanned = _config(
+        training={
+            "globalBatchSize": 32,
+            "microBatchSize": 2,
+            "gradientAccumulationSteps": 2,
+            "maxSteps": 500,
+            "learningRate": 1e-5,
+            "weightDecay": 0.1,
+            "gradientCheckpointing": True,
+            "packingLength": 512,
+        },
+        distributed={"nprocPerNode": 8, "sharding": "fsdp"},
+        lora={"r": 16, "targetModules": ["q_proj", "v_proj"], "dropout": 0.2},
+    )
+    assert resume.identity(replanned) == trained
+    assert resume.identity_differences(trained, resume.identity(_config(dataset={"path": "/data/v2.jsonl"})))
+    full = resume.identity(_config(method="full"))
+    assert "lora.r" not in full and resume.identity_differences(trained, full) == [
+        "method was lora, now full"
+    ]
+
+
+def _saved_as(width: int, root: Path, step: int) -> None:
+    """A checkpoint of step ``step`` of a ``width``-wide layer (an adapter of lora.r ``width``, say)."""
+    parts = _trainables_of_width(width)
+    checkpoints.save(root, TrainState(step=step), parts, ONE_PROCESS, keep=3, job=_attempt(1))
+
+
+def test_checkpoints_none_of_which_fits_the_model_stop_the_run_as_a_config_error_not_a_storage_error(
+    tmp_path: Path,
+) -> None:
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    for step in (2, 4):
+        _saved_as(2, tmp_path, step)  # as lora.r 2, say, resumed below with 3
+
+    with pytest.raises(TrainerError) as stopped:
+        resume.load_latest(tmp_path, _trainables_of_width(3), ONE_PROCESS)
+    assert stopped.value.code == ExitCode.CONFIG_ERROR
+    reason = stopped.value.reason
+    assert "no checkpoint in" in reason and "fits this model (checkpoint-4, checkpoint-2;" in reason
+    assert "model.weight is [2, 4] in it, [3, 4] here" in reason
+    assert "trained with other settings than the spec asks for now" in reason and "another name" in reason
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and _bad(tmp_path) == []
+
+
+def test_checkpoints_that_do_not_fit_beside_ones_whose_files_are_broken_stop_the_run_as_a_storage_error(
+    tmp_path: Path,
+) -> None:
+    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    _saved_as(3, tmp_path, 2)
+    _saved_as(2, tmp_path, 4)
+    _unloadable(tmp_path / "checkpoint-2")
+
+    with pytest.raises(TrainerError) as stopped:
+        resume.load_latest(tmp_path, _trainables_of_width(3), ONE_PROCESS)
+    assert stopped.value.code == ExitCode.STORAGE_ERROR and "move them away" in stopped.value.reason
+
+
+def _trainables_of_width(width: int) -> Trainables:
+    model = torch.nn.Linear(4, width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    return Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
+
+
 def _unloadable(path: Path) -> None:
     """Tensor files as long as the index says but not loadable: the checks pass, loading fails part-way."""
     for tensors in (path / checkpoints.TENSORS_DIR).glob("*.distcp"):
@@ -315,7 +496,7 @@ TWO_RANKS_RESUME = """
 import json, sys
 from pathlib import Path
 import torch, torch.distributed as dist
-from sftjob.config import JobRef
+from sftjob.config import JobRef, TrainerConfig
 from sftjob.failures import TrainerError
 from sftjob_trainer import checkpoints, ownership, resume
 from sftjob_trainer.checkpoints import Trainables, TrainState, rng_file

@@ -11,6 +11,7 @@ import pytest
 from sftjob.failures import ExitCode
 from sftjob_trainer.checkpoints import STATE_FILE, TrainState, checkpoint_dirs
 from sftjob_trainer.resume import saved_state
+from sftjob_trainer.tiny import write_dataset
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig
 
@@ -60,10 +61,25 @@ def test_a_checkpoint_whose_state_has_no_step_is_skipped_for_the_one_before_it(
     assert f"{STATE_FILE} has no step" in caplog.text
 
 
+def test_a_checkpoint_saved_before_states_recorded_their_training_resumes_as_before(
+    trainer_config: MakeConfig,
+) -> None:
+    config = trainer_config("text", training={"maxSteps": 4}, checkpoints={"everySteps": 2, "keep": 2})
+    assert run(str(config)) == ExitCode.OK
+    _edit_newest_state(config, identity=None, nonfinite_in_a_row=None)
+    settings = json.loads(config.read_text())
+    settings["dataset"]["path"] = str(write_dataset(config.parent / "moved.jsonl", "text", rows=128))
+    config.write_text(json.dumps(settings))
+
+    assert run(str(config)) == ExitCode.OK  # nothing to compare the moved dataset with
+    assert _resumed_from(config) == 4
+
+
 def test_a_saved_state_keeps_every_field_this_trainer_knows(tmp_path: Path) -> None:
     saved = {"step": 6, "tokens": 600, "samples": 48, "loss": 1.5, "course": {"epochs": 1.0}, "later": 1}
     assert saved_state(saved, tmp_path) == TrainState(
         step=6, tokens=600, samples=48, loss=1.5, course={"epochs": 1.0}
     )
+    assert saved_state({"step": 6, "tokens": 600, "samples": 48}, tmp_path).nonfinite_in_a_row == 0
     with pytest.raises(ValueError, match="has no tokens, samples"):
         saved_state({"step": 6}, tmp_path)

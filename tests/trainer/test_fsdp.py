@@ -3,7 +3,8 @@ fp16 loss scale for all.
 
 Full fine-tuning under FSDP builds the model without weights on every rank, shards it, and fills the
 shards from rank 0's pretrained weights (or a checkpoint), so host memory holds one copy per node, not
-one per GPU; the result must be the model rank 0 loaded, RoPE buffers and tied head included. A model
+one per GPU; the result must be the model rank 0 loaded, RoPE buffers and tied head included, and after a
+resume still hold the buffers that came from the pretrained weights (a MoE router's bias). A model
 that was loaded whole stays on the CPU for ``fully_shard`` to move layer by layer. Gradients are
 reduce-scattered after every micro-batch instead of accumulated unsharded, and with fp16 every rank
 skips the same overflowing steps (each rank only sees its own gradient shards).
@@ -209,3 +210,80 @@ def test_fsdp_reduce_scatters_every_micro_batch_and_all_ranks_skip_an_fp16_overf
         # A clean step is taken; an overflow in rank 0's shard is skipped by both, which halve the scale.
         assert seen["stepped"] == [True, False], rank
         assert seen["scale"] == [65536.0, 32768.0], rank
+
+
+# The trainer as an older one ran it: its checkpoints held no buffers.
+OLDER_TRAINER = """
+from sftjob_trainer import checkpoints, train
+
+checkpoints.persistent_buffers = lambda model, state: set()
+train.main()
+"""
+ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+
+
+@pytest.fixture(scope="module")
+def tiny_glm_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random GLM-4 MoE whose router correction bias, a buffer, comes from its weights (not zero,
+    as the model class builds it)."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from sftjob_trainer.tiny import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    config = Glm4MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = Glm4MoeForCausalLM(config)
+    with torch.no_grad():
+        model.get_buffer(ROUTER_BIAS).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    folder = tmp_path_factory.mktemp("tiny-glm-moe") / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("saved_by", ["this trainer", "an older trainer"])
+def test_a_full_fine_tune_resumed_under_fsdp_keeps_the_router_bias_of_the_pretrained_weights(
+    trainer_config: MakeConfig, termination_log: Path, tiny_glm_moe: Path, saved_by: str
+) -> None:
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from sftjob_trainer.checkpoints import TENSORS_DIR
+
+    config = trainer_config(
+        model={"path": str(tiny_glm_moe)},
+        **SHARDED | {"training": {"gradientAccumulationSteps": 1, "maxSteps": 4}},
+        checkpoints={"everySteps": 2},
+    )
+    entry = None
+    if saved_by == "an older trainer":
+        script = config.parent / "older_trainer.py"
+        script.write_text(OLDER_TRAINER)
+        entry = [str(script)]
+    assert torchrun(config, termination_log, entry) == 0, trainer_output(config)
+    saved = FileSystemReader(config.parent / "checkpoints" / "checkpoint-2" / TENSORS_DIR).read_metadata()
+    assert (f"model.{ROUTER_BIAS}" in saved.state_dict_metadata) == (saved_by == "this trainer")
+
+    # The restart resumes from step 2 (a full fine-tune's last step is not saved) on a model built with
+    # a zero bias: before, it trained on with it, and wrote it.
+    assert torchrun(config, termination_log) == 0, trainer_output(config)
+    out = config.parent / "output"
+    assert json.loads((out / "summary.json").read_text())["resumedFromStep"] == 2
+    assert torch.equal(load_file(out / "model.safetensors")[ROUTER_BIAS], torch.tensor([1.0, 2.0, 3.0, 4.0]))

@@ -1,11 +1,15 @@
 """A step whose loss or gradients are not finite leaves the weights as they were; five in a row end the run
-as diverged. fp16 overflows hold the schedule back, and count too once the loss scale is spent; FSDP's bf16
-inputs never round the loss divisor."""
+as diverged, a preemption in the middle of them included. fp16 overflows hold the schedule back, and count
+too once the loss scale is spent; FSDP's bf16 inputs never round the loss divisor."""
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
 import random
+import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,8 @@ from sftjob_trainer.loop import (
     train_step,
 )
 from sftjob_trainer.model import precision_plan
+from sftjob_trainer.train import run
+from tests.trainer.runs import MakeConfig
 
 pytestmark = pytest.mark.trainer
 
@@ -163,6 +169,29 @@ def test_a_finite_step_or_an_fp16_overflow_between_non_finite_ones_starts_the_co
         skipped = "non-finite" if step % MAX_NONFINITE_STEPS else ("overflow" if step % 2 else None)
         watch.count(_result(float("inf") if skipped else 1.0, skipped), step)
     assert watch.in_a_row == MAX_NONFINITE_STEPS - 1
+
+
+def test_non_finite_steps_in_a_row_before_a_preemption_count_towards_divergence_after_the_resume(
+    trainer_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, termination_log: Path
+) -> None:
+    from sftjob_trainer import train
+
+    real, taken = train.train_step, itertools.count(1)
+    sigterm_at, bad = 8, set(range(5, 5 + MAX_NONFINITE_STEPS))  # steps 5 to 9 are not finite
+
+    def scripted(*args: Any, **kwargs: Any) -> StepResult:
+        result, step = real(*args, **kwargs), next(taken)
+        if step == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # the pod is deleted during step 8, the 4th in a row
+        return replace(result, loss=float("nan"), skipped="non-finite") if step in bad else result
+
+    monkeypatch.setattr(train, "train_step", scripted)
+    config = trainer_config("messages", checkpoints={"everySteps": 100})
+    assert run(str(config)) == ExitCode.PREEMPTED
+    taken = itertools.count(sigterm_at + 1)  # the resumed attempt's first step is step 9
+    # Before, the count started again at 0: step 9 was the first of five more allowed.
+    assert run(str(config)) == ExitCode.DIVERGED
+    assert f"not finite for {MAX_NONFINITE_STEPS} steps in a row, up to step 9" in termination_log.read_text()
 
 
 def test_an_fsdp_bf16_forward_divides_the_loss_by_the_exact_number_of_targets(

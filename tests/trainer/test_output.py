@@ -80,6 +80,40 @@ def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_
         assert torch.equal(p, trained[name].to(torch.bfloat16)), name
 
 
+def test_a_full_fine_tune_writes_in_fp32_what_its_model_keeps_in_fp32_as_from_pretrained_loads_it(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+
+    tokenizer = make_tokenizer()
+    shape = Glm4MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+    )
+    model = Glm4MoeForCausalLM(shape)  # _keep_in_fp32_modules_strict: its router's correction bias
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    routing = torch.tensor([0.1234567, -2.3456789, 3.4567891, 1e-4])  # digits bf16 would round away
+    with torch.no_grad():
+        model.get_buffer(bias).copy_(routing)
+
+    save_output(model, tokenizer, tmp_path, None, torch.bfloat16)
+
+    files = load_file(tmp_path / "model.safetensors")
+    assert files[bias].dtype == torch.float32 and torch.equal(files[bias], routing)
+    assert {t.dtype for name, t in files.items() if name != bias} == {torch.bfloat16}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.dtype == torch.bfloat16 and torch.equal(loaded.get_buffer(bias), routing)
+
+
 def test_a_fully_fine_tuned_model_keeps_the_kv_cache_setting_of_its_base(tmp_path: Path) -> None:
     tokenizer = make_tokenizer()
     model = prepare_for_training(

@@ -18,6 +18,7 @@ from sftjob_trainer import checkpoints
 from sftjob_trainer.batching import Schedule
 from sftjob_trainer.checkpoints import BAD_PREFIX, TENSORS_DIR, TrainState, checkpoint_dirs, problem
 from sftjob_trainer.resume import same_data_order
+from sftjob_trainer.tiny import write_dataset
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, start_trainer, train_log, trainer_output, wait_for_step
 
@@ -175,6 +176,32 @@ def test_a_run_whose_only_checkpoints_fail_to_load_stops_rather_than_train_from_
     assert "checkpoint-5, checkpoint-4, checkpoint-2" in caplog.text
     assert "no checkpoint" in caplog.text and "move them away" in caplog.text
     assert [step for step, _ in checkpoint_dirs(root)] == [5, 4, 2] and _set_aside(root) == []
+
+
+def test_a_job_created_again_over_its_checkpoints_with_other_data_or_adapters_is_refused_as_a_config_error(
+    trainer_config: MakeConfig, termination_log: Path
+) -> None:
+    config = trainer_config("text", training={"maxSteps": 4}, checkpoints={"everySteps": 2, "keep": 2})
+    assert run(str(config)) == ExitCode.OK  # finished: its last step saved, as an adapter run's is
+    trained = json.loads(config.read_text())
+    other_data = write_dataset(config.parent / "fixed.jsonl", "text", rows=128, seed=1)
+
+    # Before, the new job resumed the finished course: no step, and the old adapter as its output.
+    config.write_text(json.dumps(trained | {"dataset": trained["dataset"] | {"path": str(other_data)}}))
+    assert run(str(config)) == ExitCode.CONFIG_ERROR
+    reason = termination_log.read_text()
+    assert f"dataset.path was {trained['dataset']['path']}, now {other_data}" in reason
+    assert [step for step, _ in checkpoint_dirs(_checkpoint_root(config))] == [4, 2]
+
+    config.write_text(json.dumps(trained | {"lora": trained["lora"] | {"r": 16}}))
+    assert run(str(config)) == ExitCode.CONFIG_ERROR
+    assert "lora.r was 8, now 16" in termination_log.read_text()
+
+    # What may change over kept checkpoints by design resumes them.
+    training = trained["training"] | {"maxSteps": 6, "learningRate": 1e-3, "weightDecay": 0.1}
+    config.write_text(json.dumps(trained | {"training": training}))
+    assert run(str(config)) == ExitCode.OK
+    assert _summary(config)["resumedFromStep"] == 4 and _summary(config)["steps"] == 6
 
 
 def test_a_resume_on_another_number_of_gpus_with_the_same_global_batch_keeps_the_data_order() -> None:

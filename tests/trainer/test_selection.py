@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from sftjob.config import EvaluationSettings, JobRef
+from sftjob.config import EvaluationSettings, JobRef, TrainerConfig
 from sftjob.failures import ExitCode
 from sftjob_trainer import checkpoints, ownership, resume, selection
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
@@ -88,6 +89,53 @@ def test_rotation_spares_the_best_checkpoint_and_its_weights_load_back_into_the_
 
     resume.load_weights(tmp_path / "checkpoint-2", parts, ONE_PROCESS)
     assert torch.equal(parts.model.weight, saved[2])
+
+
+def _broken_part_way(checkpoint: Path) -> None:
+    """The model tensor read last made unloadable (zeros), its file as long as the index says: loading the
+    checkpoint in place would overwrite the others first."""
+    folder = checkpoint / checkpoints.TENSORS_DIR
+    storage = FileSystemReader(folder).read_metadata().storage_data
+    model = [(index.index, info) for index, info in storage.items() if index.fqn.startswith("model.")]
+    _, last = max(model, key=lambda item: item[1].offset)
+    tensors = folder / last.relative_path
+    data = bytearray(tensors.read_bytes())
+    data[last.offset : last.offset + last.length] = bytes(last.length)
+    tensors.write_bytes(bytes(data))
+    assert checkpoints.problem(checkpoint) is None
+
+
+def test_a_best_checkpoint_whose_tensors_do_not_load_leaves_the_last_steps_weights_as_the_output(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ownership.take_over(tmp_path, JOB, ONE_PROCESS)
+    parts = _trainables()
+    for step, value in ((2, 2.0), (4, 4.0)):
+        with torch.no_grad():
+            parts.model.weight.fill_(value)
+            parts.model.bias.fill_(value)
+        checkpoints.save(tmp_path, TrainState(step=step), parts, ONE_PROCESS, keep=2, job=JOB)
+    _broken_part_way(tmp_path / "checkpoint-2")
+    with torch.no_grad():
+        parts.model.weight.fill_(5.0)  # the last step's weights, of a full fine-tune: in no checkpoint
+        parts.model.bias.fill_(5.0)
+    config = TrainerConfig(
+        model={"path": "/model"},
+        dataset={"path": "/data"},
+        evaluation={"fraction": 0.1, "finalModel": "Best"},
+        training={"globalBatchSize": 1},
+        checkpoints={"dir": str(tmp_path)},
+    )
+    state = TrainState(step=5, eval_step=5, eval_loss=0.9, best_step=2, best_eval_loss=0.5)
+
+    # Before, the run failed here with a storage error, and so did every restart.
+    assert selection.load_output(config, parts, state, ONE_PROCESS) == 5
+    assert "the best checkpoint" in caplog.text and "the output is the last step's" in caplog.text
+    assert all(torch.equal(p, torch.full_like(p, 5.0)) for p in parts.model.parameters())
+
+    state.best_step = 4  # a best checkpoint that loads is still the output
+    assert selection.load_output(config, parts, state, ONE_PROCESS) == 4
+    assert all(torch.equal(p, torch.full_like(p, 4.0)) for p in parts.model.parameters())
 
 
 def test_a_run_that_stops_early_writes_the_best_checkpoint_as_its_output(

@@ -9,12 +9,13 @@ The folder belongs to one attempt at a time (the ``OWNER`` file, written as an a
 restart can begin while the previous attempt's pods still finish their SIGTERM save, or run on, on a
 node cut off from the cluster. Such a save goes to its own temporary folder and is never committed.
 
-The trainable weights (adapters, or the full model) and the optimizer state are saved with
-``torch.distributed.checkpoint`` into ``tensors/``: every rank writes the shards it holds, in parallel,
-a GPU tensor at a time, so no process ever gathers the whole model or optimizer into host memory (a
-70B full fine-tune would need 840 GB on rank 0), and a checkpoint loads into any number of ranks.
-Replicated tensors (DDP, one process) are written once. Beside them: the scheduler, gradient scaler,
-each rank's RNG states and the step, from which the data position follows (see batching.py).
+The trainable weights (adapters, or the full model with its persistent buffers) and the optimizer state
+are saved with ``torch.distributed.checkpoint`` into ``tensors/``: every rank writes the shards it holds,
+in parallel, a GPU tensor at a time, so no process ever gathers the whole model or optimizer into host
+memory (a 70B full fine-tune would need 840 GB on rank 0), and a checkpoint loads into any number of
+ranks. Replicated tensors (DDP, one process) are written once. Beside them: the scheduler, gradient
+scaler, each rank's RNG states and the step, from which the data position follows (see batching.py),
+and what training the checkpoint is of (:class:`TrainState`'s ``identity``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 @dataclass
 class TrainState:
     """Counters that survive a restart; ``fingerprint`` records what the data order depends on, ``course``
-    where the run ends and how far along it is (``batching.Course``; empty in older checkpoints)."""
+    where the run ends and how far along it is (``batching.Course``), ``identity`` what training this is
+    (``resume.identity``: the base model, the method, the adapter's shape, the dataset), which a resume
+    compares with the job's. The last two are empty in older checkpoints."""
 
     step: int = 0
     tokens: int = 0
@@ -79,6 +82,8 @@ class TrainState:
     eval_set: dict[str, Any] = field(default_factory=dict)  # what the eval losses above were measured on
     fingerprint: dict[str, Any] = field(default_factory=dict)
     course: dict[str, Any] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)
+    nonfinite_in_a_row: int = 0  # steps skipped for a non-finite loss or gradients, up to this one
 
 
 @dataclass
@@ -225,11 +230,6 @@ def trainable_tensors(parts: Trainables) -> dict[str, Any]:
     """The trainable weights and their optimizer state as this rank holds them (its shards under FSDP),
     keyed by parameter name: the tensors themselves, so that loading writes straight into them. Before
     the first step torch creates the optimizer state with a zero-learning-rate step, for loading to fill.
-
-    Only trainable parameters: the state dict also holds what is not a parameter (bitsandbytes' 4-bit
-    quantisation statistics of the frozen base, about 1 GiB for a 70B QLoRA model) and a tied head a
-    second time. Should a trainable parameter's name not be found (a wrapper renaming it), everything
-    is kept: a bigger checkpoint, never a missing weight.
     """
     return {
         "model": trainable_weights(parts.model),
@@ -238,11 +238,31 @@ def trainable_tensors(parts: Trainables) -> dict[str, Any]:
 
 
 def trainable_weights(model: nn.Module) -> dict[str, Any]:
+    """The trainable parameters, and for a whole model its persistent buffers (:func:`persistent_buffers`).
+
+    Not the rest of the state dict: an adapter's frozen base, what is not a parameter there (bitsandbytes'
+    4-bit quantisation statistics, about 1 GiB for a 70B QLoRA model), a tied head a second time. Should a
+    trainable parameter's name not be found (a wrapper renaming it), everything is kept: a bigger
+    checkpoint, never a missing weight."""
     state = get_model_state_dict(model, options=TRAINABLE)
     trainable = {name for name, p in unwrap(model).named_parameters() if p.requires_grad}
     if trainable <= state.keys():
-        state = {name: tensor for name, tensor in state.items() if name in trainable}
+        kept = trainable | persistent_buffers(model, state)
+        state = {name: tensor for name, tensor in state.items() if name in kept}
     return state
+
+
+def persistent_buffers(model: nn.Module, state: dict[str, Any]) -> set[str]:
+    """The buffers of ``model`` in its state dict (``state``) that a checkpoint holds: those of a model
+    without a frozen parameter (full fine-tuning), whose checkpoint replaces the pretrained weights. Some
+    come from them, not from the config: a router's ``e_score_correction_bias`` (GLM-4.5 MoE,
+    DeepSeek-V3), Gemma 4's ``layer_scalar``; under FSDP a resumed model has only their build-time values
+    otherwise. None for adapters: their base, buffers included, is loaded from the pretrained weights on
+    every start."""
+    module = unwrap(model)
+    if any(not p.requires_grad for p in module.parameters()):
+        return set()
+    return {name for name, _ in module.named_buffers()} & state.keys()
 
 
 @contextmanager

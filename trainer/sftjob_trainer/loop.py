@@ -69,7 +69,9 @@ class StepResult:
 @dataclass
 class NonFiniteSteps:
     """The steps in a row skipped for a non-finite loss or gradients; the run diverged at
-    ``MAX_NONFINITE_STEPS`` of them. Every rank sees the same (global) loss and norm, so all end together."""
+    ``MAX_NONFINITE_STEPS`` of them. Every rank sees the same (global) loss and norm, so all end together.
+    A checkpoint saves the count (``TrainState.nonfinite_in_a_row``) and a resume starts from it: a
+    preemption in the middle of a streak does not allow it more steps."""
 
     in_a_row: int = 0
 

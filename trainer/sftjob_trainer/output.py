@@ -248,7 +248,8 @@ def save_output(
     A fully fine-tuned model is written in ``dtype``, the precision it trained in (bf16 in every plan),
     like the base it came from, rather than as its fp32 master weights: half the disk, and a config
     whose ``dtype`` says what the files hold (save_pretrained would write the parameters' fp32). Tensors
-    are converted one at a time on the CPU, tied ones once.
+    are converted one at a time on the CPU, tied ones once; those the model keeps in fp32 in that dtype
+    (:func:`_kept_in_fp32`: a router's ``e_score_correction_bias``) stay fp32, as the base ships them.
 
     A disk that fails under safetensors (which raises its own error, ``... (os error 28)``) is a storage
     error, as it is under any other writer.
@@ -257,7 +258,8 @@ def save_output(
     generation = folder / GENERATION_CONFIG_FILE
     try:
         if dtype is not None:
-            state_dict = _converted(state_dict if state_dict is not None else model.state_dict(), dtype)
+            state_dict = state_dict if state_dict is not None else model.state_dict()
+            state_dict = _converted(state_dict, dtype, _kept_in_fp32(model, dtype))
         model.save_pretrained(folder, state_dict=state_dict)
         if dtype is not None:
             model.config.dtype = dtype
@@ -318,12 +320,30 @@ def _tied_once(state_dict: dict[str, Any], model: torch.nn.Module) -> dict[str, 
     return state_dict
 
 
-def _converted(state_dict: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    done: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # by storage: state_dict() detaches each tie
+def _kept_in_fp32(model: Any, dtype: torch.dtype) -> re.Pattern[str] | None:
+    """What from_pretrained keeps in fp32 when it loads the model in ``dtype``, matched as it matches them
+    (a search of each name, ``*`` for any characters): ``_keep_in_fp32_modules_strict`` in bf16 and fp16
+    (GLM-4.5 MoE's and DeepSeek-V3's ``e_score_correction_bias``), ``_keep_in_fp32_modules`` in fp16 only
+    (gpt-oss's). None when nothing is."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if dtype not in (torch.float16, torch.bfloat16) or not names:
+        return None
+    return re.compile("|".join(name.replace("*", ".*") for name in sorted(names)))
+
+
+def _converted(
+    state_dict: dict[str, Any], dtype: torch.dtype, fp32: re.Pattern[str] | None
+) -> dict[str, Any]:
+    """The floating-point tensors of ``state_dict`` in ``dtype`` on the CPU, those whose names ``fp32``
+    matches in float32."""
+    done: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}  # state_dict() detaches ties
     for name, tensor in state_dict.items():
         if tensor.is_floating_point():
-            key = (tensor.data_ptr(), tuple(tensor.shape))
+            to = torch.float32 if fp32 is not None and fp32.search(name) else dtype
+            key = (tensor.data_ptr(), tuple(tensor.shape), to)
             if key not in done:
-                done[key] = tensor.detach().to("cpu", dtype)
+                done[key] = tensor.detach().to("cpu", to)
             state_dict[name] = done[key]
     return state_dict

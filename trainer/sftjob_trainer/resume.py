@@ -9,6 +9,12 @@ reading (EIO, a stale handle) stops the run with the checkpoints kept as they ar
 a permission denied (files a root process left 0600, nfs root_squash), but as a configuration error
 naming the owner, which no restart changes.
 
+A checkpoint records what training it is of (:func:`identity`): a job created again under its name over
+kept checkpoints with another base model, method, adapter shape or dataset is refused (CONFIG_ERROR,
+naming what differs) before any tensor is read, rather than train on, or write as its output, the old
+weights. So are checkpoints none of which fits the model (a tensor missing or of another shape: an older
+trainer's checkpoints record no identity), instead of being skipped as broken.
+
 The data order follows from the step (batching.py) as long as the layout it depends on is the same: a
 checkpoint records that layout (:func:`fingerprint`), and a resume with another one says so.
 """
@@ -20,12 +26,15 @@ import json
 import logging
 import os
 import time
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
 from sftjob.config import TrainerConfig, TrainingSettings
@@ -43,6 +52,7 @@ from sftjob_trainer.checkpoints import (
     TrainState,
     checkpoint_dirs,
     describe_failures,
+    persistent_buffers,
     problem,
     rng_file,
     single_process_is_meant,
@@ -63,6 +73,70 @@ log = logging.getLogger(__name__)
 
 # The counters every checkpoint has had since the first trainer: without them there is nothing to resume.
 _REQUIRED_STATE = ("step", "tokens", "samples")
+_MISFITS_SHOWN = 3  # tensors named in the error of checkpoints that do not fit the model
+
+
+class Resumed(NamedTuple):
+    """The checkpoint an attempt resumed from; ``without_buffers``: the model's buffers it does not hold
+    (an older trainer saved none), which kept the values they had."""
+
+    state: TrainState
+    path: Path
+    without_buffers: list[str]
+
+
+class OtherShapes(ValueError):
+    """A checkpoint lacks tensors the model has, or holds them in another shape (:class:`_Loading`): it is
+    of another model, method or adapter."""
+
+
+def identity(config: TrainerConfig) -> dict[str, Any]:
+    """What training a checkpoint is of, by the spec fields that name it: the base model, the method, the
+    adapter's shape (LoRA and QLoRA) and the dataset. Not what may change over kept checkpoints by design:
+    the run length, learningRate and weightDecay, the layout (a re-plan's micro-batch, checkpointing and
+    row length), the number and type of GPUs."""
+    model, data = config.model, config.dataset
+    found: dict[str, Any] = {
+        "model.name": model.name,
+        "model.path": model.path,
+        "model.revision": model.revision,
+        "method": config.method,
+        "dataset.name": data.name,
+        "dataset.path": data.path,
+        "dataset.revision": data.revision,
+        "dataset.split": data.split,
+        "dataset.format": data.format,
+    }
+    if config.method != "full":
+        lora, targets = config.lora, config.lora.target_modules
+        found |= {
+            "lora.r": lora.r,
+            "lora.alpha": lora.alpha,
+            "lora.targetModules": targets if isinstance(targets, str) else sorted(targets),
+        }
+    return found
+
+
+def identity_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's :func:`identity` and this attempt's, as ``field was X, now Y``.
+    Fields only one of them records (an older or a newer trainer's) are not compared: a checkpoint that
+    records none resumes as before."""
+    return [
+        f"{key} was {_shown(saved[key])}, now {_shown(value)}"
+        for key, value in now.items()
+        if key in saved and saved[key] != value
+    ]
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
+
+
+def _afresh(root: Path) -> str:
+    return (
+        "to start afresh, create the job under another name, with a checkpoint claim or checkpoints.volume"
+        f" of its own, or delete or move the checkpoints out of its checkpoint volume ({root} in the pod)"
+    )
 
 
 def fingerprint(units: int, schedule: Schedule, seed: int, packing: bool) -> dict[str, Any]:
@@ -109,20 +183,28 @@ def restore(
 
     Under FSDP rank 0 alone reads the pretrained weights and broadcasts them into the shards: before the
     checkpoint for adapters (theirs holds no base; it overwrites the fresh adapters), after it for full
-    fine-tuning, and only on a fresh start (its checkpoint holds every weight).
+    fine-tuning, and only on a fresh start: its checkpoint holds every weight and persistent buffer. One
+    of an older trainer holds no buffers: the pretrained weights are loaded then, and the checkpoint's
+    weights again over them, so that buffers that come from the pretrained weights (a router's bias) are
+    not left as the model was built.
     """
     root = Path(config.checkpoints.dir)
     ownership.take_over(root, config.job, ctx)
     rank0_weights, full = loads_on_rank0(config, ctx), config.method == "full"
     if rank0_weights and not full:
         load_pretrained(config, ctx, parts.model, attention, metrics, observer)
+    trains = identity(config)
     with heartbeat.busy(observer, "restoring the newest checkpoint", heartbeat.io_seconds(parts.model)):
-        resumed = load_latest(root, parts, ctx)
-    if rank0_weights and full and not resumed:
+        resumed = load_latest(root, parts, ctx, trains)
+    if rank0_weights and full and (resumed is None or resumed.without_buffers):
         load_pretrained(config, ctx, parts.model, attention, metrics, observer)
+        if resumed is not None:
+            why = load_weights(resumed.path, parts, ctx)
+            if why is not None:
+                raise _storage_error(f"could not read the weights of {resumed.path} again: {why}")
     if resumed is None:
-        return TrainState(fingerprint=layout), None
-    state, path = resumed
+        return TrainState(fingerprint=layout, identity=trains), None
+    state, path, _ = resumed
     if not same_data_order(state.fingerprint, layout):
         log.warning(
             "resuming with a different data layout (%s, was %s): the data order after step %d"
@@ -131,7 +213,7 @@ def restore(
             state.fingerprint,
             state.step,
         )
-    state.fingerprint = layout
+    state.fingerprint, state.identity = layout, trains
     return state, path
 
 
@@ -152,20 +234,25 @@ def load_pretrained(
     log.info("pretrained weights loaded on rank 0 and sharded in %.1fs", time.monotonic() - loading)
 
 
-def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainState, Path] | None:
+def load_latest(
+    root: Path, parts: Trainables, ctx: DistContext, trains: dict[str, Any] | None = None
+) -> Resumed | None:
     """Restore the newest usable checkpoint into ``parts``; None when there is none (a fresh start).
 
     Collective. Rank 0 lists the checkpoints that look complete; all ranks then try them newest first,
     together: one that some rank cannot read is skipped by all. Loading writes into the model and
     optimizer in place, so once one has failed part-way only a later success restores a consistent
     state. When none of them loads, the run stops rather than train from weights half overwritten, or
-    from the pretrained weights as if the checkpoints were not there. Once one has loaded (or on a fresh
-    start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
+    from the pretrained weights as if the checkpoints were not there: CONFIG_ERROR when none fits the
+    model (:class:`OtherShapes`), else STORAGE_ERROR. A checkpoint whose :func:`identity` differs from
+    ``trains`` stops the run too (CONFIG_ERROR), before its tensors are read. Once one has loaded (or on
+    a fresh start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
     """
     candidates: list[Path] | tuple[ExitCode, str] = ctx.broadcast(_listing(root) if ctx.is_main else None)
     if isinstance(candidates, tuple):
         raise TrainerError(*candidates)
     failed: dict[str, str] = {}  # checkpoint name: why it did not load (as rank 0 saw it)
+    misfits: list[str] = []  # the OtherShapes of those that do not fit the model
     for path in candidates:
         failure = None
         try:
@@ -180,16 +267,28 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
             failed[path.name] = why
             continue
         assert small is not None
+        differences = ctx.broadcast(
+            identity_differences(small[STATE_FILE].identity, trains or {}) if ctx.is_main else None
+        )
+        if differences:
+            raise TrainerError(
+                ExitCode.CONFIG_ERROR,
+                f"checkpoint {path.name} in {root} is of other training than this job's spec:"
+                f" {'; '.join(differences)}. Resuming it would go on from the old weights: create the job"
+                f" with the spec it was trained with to resume it; {_afresh(root)}",
+            )
+        tensors = trainable_tensors(parts)
+        planner = _Loading(persistent_buffers(parts.model, tensors["model"]))
         try:
-            tensors = trainable_tensors(parts)
-            with single_process_is_meant():
-                dcp.load(tensors, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active)
+            _load(tensors, path, ctx, planner)
         except CheckpointException as exc:  # raised on every rank alike, with every rank's failures
             stop = _tensors_failure(exc, path)
             if stop is not None:
                 raise stop from exc
             failed[path.name] = f"its tensors do not load ({describe_failures(exc)})"
             log.warning("skipping checkpoint %s: %s", path, failed[path.name])
+            if all(isinstance(error, OtherShapes) for error, _ in exc.failures.values()):
+                misfits.append(str(next(iter(exc.failures.values()))[0]))
             continue
         set_model_state_dict(parts.model, tensors["model"], options=TRAINABLE)
         set_optimizer_state_dict(parts.model, parts.optimizer, tensors["optimizer"], options=TRAINABLE)
@@ -202,8 +301,22 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
             log.warning("checkpoint %s has no RNG state for rank %d: keeping this run's seed", path, ctx.rank)
         state = small[STATE_FILE]
         log.info("resumed from %s (step %d)", path, state.step)
+        if planner.absent:
+            log.warning(
+                "checkpoint %s holds none of the model's buffers (an older trainer's): %s keep their values",
+                path,
+                ", ".join(planner.absent),
+            )
         _set_aside_newer(root, step_of(path), failed, ctx)
-        return state, path
+        return Resumed(state, path, planner.absent)
+    if failed and len(misfits) == len(failed):
+        raise TrainerError(
+            ExitCode.CONFIG_ERROR,
+            f"no checkpoint in {root} fits this model ({', '.join(failed)}; {misfits[0]}): they were"
+            " trained with other settings than the spec asks for now (another base model, method,"
+            " lora.r or lora.targetModules). Create the job with the settings they were trained with to"
+            f" resume them; {_afresh(root)}",
+        )
     if failed:
         raise TrainerError(
             ExitCode.STORAGE_ERROR,
@@ -214,18 +327,95 @@ def load_latest(root: Path, parts: Trainables, ctx: DistContext) -> tuple[TrainS
     return None
 
 
-def load_weights(path: Path, parts: Trainables, ctx: DistContext) -> None:
+def load_weights(path: Path, parts: Trainables, ctx: DistContext) -> str | None:
     """Collective: the trainable weights of the checkpoint at ``path`` into the model (the optimizer is
-    left alone: this is for writing the output from an earlier checkpoint, not for training on)."""
-    model = trainable_weights(parts.model)
+    left alone: this is for writing the output from an earlier checkpoint, not for training on); None
+    once they are in, else why they do not load (the checkpoint at fault), the model left as it was.
+
+    Every tensor is read first without being written anywhere, then loaded: a checkpoint whose files
+    fail part-way would otherwise leave the model half overwritten, and a full fine-tune's last weights
+    are in no checkpoint. The storage failing, or permission denied, raises its TrainerError."""
+    weights = {"model": trainable_weights(parts.model)}
+    buffers = persistent_buffers(parts.model, weights["model"])
     try:
-        with single_process_is_meant():
-            dcp.load(
-                {"model": model}, storage_reader=FileSystemReader(path / TENSORS_DIR), no_dist=not ctx.active
-            )
+        _load(weights, path, ctx, _Reading(buffers))
+        _load(weights, path, ctx, _Loading(buffers))
     except CheckpointException as exc:
-        raise _storage_error(f"could not read the weights of {path}: {describe_failures(exc)}") from exc
-    set_model_state_dict(parts.model, model, options=TRAINABLE)
+        stop = _tensors_failure(exc, path)
+        if stop is not None:
+            raise stop from exc
+        return describe_failures(exc)
+    set_model_state_dict(parts.model, weights["model"], options=TRAINABLE)
+    return None
+
+
+def _load(tensors: dict[str, Any], path: Path, ctx: DistContext, planner: DefaultLoadPlanner) -> None:
+    """Collective: the checkpoint at ``path`` into ``tensors``, as ``planner`` plans it."""
+    with single_process_is_meant():
+        dcp.load(
+            tensors,
+            storage_reader=FileSystemReader(path / TENSORS_DIR),
+            planner=planner,
+            no_dist=not ctx.active,
+        )
+
+
+class _Loading(DefaultLoadPlanner):
+    """torch.distributed.checkpoint's planner, which first checks that the checkpoint holds every tensor
+    asked for, in its shape: :class:`OtherShapes` otherwise, raised before anything is written. Buffers it
+    does not hold (of ``optional``, the model's persistent ones: an older trainer saved none) are left out
+    of the load and of ``tensors["model"]``, and listed in ``absent``."""
+
+    def __init__(self, optional: Collection[str] = ()) -> None:
+        super().__init__()
+        self.optional = set(optional)
+        self.absent: list[str] = []
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        if metadata is not None:
+            model, saved = state_dict["model"], metadata.state_dict_metadata
+            self.absent = sorted(n for n in self.optional if n in model and f"model.{n}" not in saved)
+            for name in self.absent:
+                del model[name]
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        saved = self.metadata.state_dict_metadata
+        misfits = [m for key, value in self.state_dict.items() if (m := _misfit(key, value, saved.get(key)))]
+        if misfits:
+            more = len(misfits) - _MISFITS_SHOWN
+            raise OtherShapes(
+                f"{len(misfits)} tensor(s) do not fit the model: {'; '.join(misfits[:_MISFITS_SHOWN])}"
+                + (f"; {more} more" if more > 0 else "")
+            )
+        return super().create_local_plan()
+
+
+def _misfit(key: str, value: Any, held: Any) -> str | None:
+    """How the checkpoint's ``held`` (its index's entry, None when it has none) does not fit ``value``."""
+    if held is None:
+        return f"{key} is not in it"
+    fits = not isinstance(held, TensorStorageMetadata) or not isinstance(value, torch.Tensor)
+    if fits or held.size == value.size():
+        return None
+    return f"{key} is {list(held.size)} in it, {list(value.size())} here"
+
+
+class _Reading(_Loading):
+    """:class:`_Loading` that reads every tensor into a scratch one of its size and writes none: whether
+    the checkpoint's files load, the model left as it is (one tensor at a time in memory)."""
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return torch.empty(tuple(read_item.lengths))
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        pass
 
 
 def _set_aside_newer(root: Path, resumed: int, failed: dict[str, str], ctx: DistContext) -> None:

@@ -27,10 +27,10 @@ log = logging.getLogger("sftjob_trainer")
 def measured_on(state: TrainState, eval_set: dict[str, Any]) -> None:
     """This attempt evaluates on ``eval_set`` (``evaluation.fingerprint``), recorded in ``state``. Losses a
     resumed state measured on another set (an OOM re-plan cut held-out examples shorter or dropped some, a
-    job recreated with another evaluation or dataset) compare with none of this attempt's: the lowest and
-    the best loss, the patience count and the last evaluation start again, with a warning, so that neither
-    early stopping nor finalModel Best weighs one set's loss against another's. A state that records no
-    set (an older trainer's) is taken to have measured on this one."""
+    job recreated with another evaluation, a dataset changed in place) compare with none of this
+    attempt's: the lowest and the best loss, the patience count and the last evaluation start again, with
+    a warning, so that neither early stopping nor finalModel Best weighs one set's loss against another's.
+    A state that records no set (an older trainer's) is taken to have measured on this one."""
     before, state.eval_set = state.eval_set, eval_set
     if not before or before == eval_set:
         return
@@ -100,17 +100,20 @@ def output_step(state: TrainState, settings: EvaluationSettings | None) -> int |
 
 def load_output(config: TrainerConfig, parts: Trainables, state: TrainState, ctx: DistContext) -> int:
     """Collective: the weights the output is written from into the model (:func:`output_step`); returns
-    their step. A best checkpoint that is gone or broken leaves the last step's, with a warning."""
+    their step. A best checkpoint that is gone, broken or whose tensors do not load leaves the last
+    step's, with a warning (``resume.load_weights`` leaves the model as it was); only the storage
+    failing, or permission denied, stops the run."""
     step = output_step(state, config.evaluation)
     if step is None:
         return state.step
     path = Path(config.checkpoints.dir) / f"{CHECKPOINT_PREFIX}{step}"
     problem = ctx.broadcast(checkpoints.problem(path) if ctx.is_main else None)
+    if problem is None:
+        problem = resume.load_weights(path, parts, ctx)
     if problem is not None:
         log.warning(
             "the best checkpoint %s cannot be read (%s): the output is the last step's", path, problem
         )
         return state.step
-    resume.load_weights(path, parts, ctx)
     log.info("the output is written from %s (evaluation loss %.4f)", path, state.best_eval_loss)
     return step

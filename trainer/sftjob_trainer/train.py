@@ -345,7 +345,7 @@ class Training:
         if observer is not None:
             observer.training_started()
         started = last_save = time.monotonic()
-        tokens_this_attempt, non_finite = 0, NonFiniteSteps()
+        tokens_this_attempt, non_finite = 0, NonFiniteSteps(state.nonfinite_in_a_row)  # over a resume too
         wait_started = time.monotonic()
         for micro_batches in loader:
             stepping = time.monotonic()
@@ -360,6 +360,7 @@ class Training:
             if observer is not None:
                 observer.step(state, result, time.monotonic() - stepping, waited, flops)
             non_finite.count(result, state.step)  # Diverged after too many, before any save of theirs
+            state.nonfinite_in_a_row = non_finite.in_a_row
             minutes_due = (
                 every.every_minutes is not None and time.monotonic() - last_save >= every.every_minutes * 60
             )
