@@ -18,7 +18,7 @@ from pydantic.alias_generators import to_camel
 # The version of this contract. Bump it (and TrainerConfig.schema_version's Literal) on every change to what
 # the operator writes or the trainer reads: a trainer image pinned in spec.image checks it before anything
 # else and says which image it needs, rather than failing on the first field it does not know.
-SCHEMA_VERSION: Final = 4
+SCHEMA_VERSION: Final = 5
 Method = Literal["lora", "qlora", "full"]
 # No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -232,11 +232,16 @@ class GpuExpectation(_Strict):
 
 
 class ReportSettings(_Strict):
-    """How the trainer tells the operator about progress: annotations on its own Pod."""
+    """How the trainer tells the operator about progress (annotations on its own Pod) and Prometheus about
+    the run (the metrics endpoint)."""
 
     enabled: bool = True
     interval_seconds: float = Field(default=30.0, gt=0)
     metrics_port: int | None = 9401
+    # The plan's predicted real tokens/s for the whole job, exported beside the measured rate so that an
+    # alert can tell a job slow from its first step (no faster past to drop from); None: no plan (a run
+    # from a hand-written config), exported as 0, which nothing compares with.
+    planned_tokens_per_second: float | None = Field(default=None, ge=0)
 
 
 class MlflowSettings(_Strict):
@@ -272,7 +277,7 @@ class TrackingSettings(_Strict):
 
 
 class TrainerConfig(_Strict):
-    schema_version: Literal[4] = SCHEMA_VERSION
+    schema_version: Literal[5] = SCHEMA_VERSION
     job: JobRef = JobRef()
     model: ModelSource
     dataset: DatasetSource

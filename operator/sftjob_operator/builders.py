@@ -182,7 +182,9 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
         output_dir=output_dir(spec),
         gpu=GpuExpectation(required=True, memory_gib=round(plan.memory.total_gib, 2)),
         report=ReportSettings(
-            interval_seconds=PROGRESS_INTERVAL_SECONDS, metrics_port=c.TRAINER_METRICS_PORT
+            interval_seconds=PROGRESS_INTERVAL_SECONDS,
+            metrics_port=c.TRAINER_METRICS_PORT,
+            planned_tokens_per_second=plan.predicted_tokens_per_second,
         ),
         tracking=spec.tracking.settings(posixpath.join(c.CHECKPOINT_MOUNT, c.TENSORBOARD_FOLDER)),
     )

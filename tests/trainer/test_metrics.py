@@ -42,6 +42,7 @@ CONTRACT_METRICS = [
     "sftjob_train_tokens_total",
     "sftjob_train_samples_total",
     "sftjob_train_tokens_per_second",
+    "sftjob_train_planned_tokens_per_second",
     "sftjob_train_samples_per_second",
     "sftjob_train_step_duration_seconds_bucket",
     "sftjob_train_mfu_ratio",
@@ -349,6 +350,34 @@ LABELS = {"sftjob": "job", "gpu": "cpu"}
 
 def _metrics() -> TrainerMetrics:
     return TrainerMetrics("job", "cpu", "model", "lora", "bf16")
+
+
+def test_the_plans_predicted_rate_is_served_from_the_start_beside_the_measured_one(tmp_path: Path) -> None:
+    # SFTJobSlowerThanPlanned divides the two: the same labels, and the prediction before the first step.
+    config = _config(tmp_path, {"everyMinutes": 30})
+    planned = config.model_copy(
+        update={"report": config.report.model_copy(update={"planned_tokens_per_second": 1234.5})}
+    )
+    metrics = start_metrics(planned)
+    assert metrics is not None
+    assert metrics.registry.get_sample_value("sftjob_train_planned_tokens_per_second", LABELS) == 1234.5
+    assert metrics.registry.get_sample_value("sftjob_train_tokens_per_second", LABELS) == 0
+
+
+def test_a_config_without_a_plan_serves_a_predicted_rate_of_zero_that_no_measured_rate_is_below(
+    tmp_path: Path,
+) -> None:
+    # The series exists (every metric an alert reads is served), and SFTJobSlowerThanPlanned's
+    # "measured < ratio x planned" cannot hold for it.
+    metrics = start_metrics(_config(tmp_path, {"everyMinutes": 30}))
+    assert metrics is not None
+    assert metrics.registry.get_sample_value("sftjob_train_planned_tokens_per_second", LABELS) == 0
+
+
+def test_the_etas_help_says_it_counts_evaluations_and_saves_not_only_the_window_step_rate() -> None:
+    (family,) = [f for f in _metrics().registry.collect() if f.name == "sftjob_train_eta_seconds"]
+    assert "window's step rate" not in family.documentation
+    assert "evaluations and saves spread over its steps" in family.documentation
 
 
 def test_loss_learning_rate_and_grad_norm_have_no_series_until_the_first_step_sets_them() -> None:

@@ -266,6 +266,24 @@ def test_the_config_map_holds_a_valid_trainer_config_per_candidate_gpu() -> None
     assert cm["data"][c.CONFIG_FILE] == cm["data"]["config-L40S.json"]
 
 
+def test_each_cards_config_carries_the_tokens_per_second_its_own_plan_predicted() -> None:
+    # The trainer exports it beside the measured rate: SFTJobSlowerThanPlanned compares the two.
+    def planned(s: SFTJobSpec, profile: GpuProfile) -> Plan:
+        speed = 2000.0 if profile.key.startswith("L40S") else 1000.0
+        return fake_plan(s, profile).model_copy(update={"predicted_tokens_per_second": speed})
+
+    s = spec(gpu={"types": ["L40S", "A40"]})
+    cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), planned))
+    speeds = {
+        key: TrainerConfig.model_validate_json(cm["data"][c.CONFIG_VARIANT.format(profile=key)]).report
+        for key in ("L40S", "A40")
+    }
+    assert {key: report.planned_tokens_per_second for key, report in speeds.items()} == {
+        "L40S": 2000.0,
+        "A40": 1000.0,
+    }
+
+
 def test_a_single_type_job_gets_one_config() -> None:
     s = spec(gpu={"type": "A40"})
     cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), fake_plan))

@@ -16,6 +16,7 @@ from helmchart import CHART, ROOT, helm, one, render, template_args
 from promrules import promtool
 
 from sftjob import constants as c
+from sftjob_operator.metrics import STARTUP_BUCKETS, STEP_BUCKETS
 
 
 def test_monitors_and_rules_carry_the_labels_kube_prometheus_stack_selects_on() -> None:
@@ -54,12 +55,14 @@ def test_every_alert_has_severity_summary_description_and_a_runbook_section() ->
     alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     assert {a["alert"] for a in alerts} >= {
         "SFTJobOperatorNotReconciling",
+        "SFTJobCreatesRefused",
         "SFTJobFailed",
         "SFTJobRestartsClimbing",
         "SFTJobOOMReplans",
         "SFTJobTrainingStalled",
         "SFTJobCheckpointTooOld",
         "SFTJobThroughputDropped",
+        "SFTJobSlowerThanPlanned",
         "SFTJobGPUMemoryNearlyFull",
         "SFTJobTrackerFailing",
     }
@@ -116,7 +119,30 @@ def test_dashboards_ship_as_configmaps_the_grafana_sidecar_loads() -> None:
         assert cm["metadata"]["namespace"] == "monitoring"
         assert cm["metadata"]["annotations"] == {"grafana_folder": "Training"}
         ((key, body),) = cm["data"].items()
-        assert json.loads(body)["uid"] == DASHBOARD_UIDS[key.removeprefix("sftjob-")]
+        assert key == f"{cm['metadata']['name']}.json"
+        assert json.loads(body)["uid"] == DASHBOARD_UIDS[key.removeprefix("sft-sftjob-operator-dashboard-")]
+
+
+def test_uninstalling_one_release_leaves_the_dashboard_files_of_another_in_grafanas_folder() -> None:
+    """The Grafana sidecar writes each data key as a file into one folder, and deletes the files named by
+    the keys of a ConfigMap that is deleted: two releases' keys must differ, or one release's uninstall
+    deletes the other's dashboards."""
+    keys = []
+    for release in ("sftjob-team-a", "sftjob-team-b"):
+        out = helm(*template_args(sets=("dashboards.namespace=monitoring",), release=release)).stdout
+        maps = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "ConfigMap"]
+        keys.append({key for cm in maps if "-dashboard-" in cm["metadata"]["name"] for key in cm["data"]})
+    assert len(keys[0]) == len(DASHBOARD_UIDS) and keys[0].isdisjoint(keys[1])
+
+
+def test_the_releases_beside_the_one_that_ships_the_dashboards_are_told_to_turn_them_off() -> None:
+    # One copy serves every release (the fleet dashboard's operator variable); more are duplicate UIDs.
+    maps = [
+        d for d in render("namespaced") if d["kind"] == "ConfigMap" and "-dashboard-" in d["metadata"]["name"]
+    ]
+    assert maps == []
+    words = " ".join((ROOT / "docs" / "install.md").read_text().split())
+    assert "`rbac.userRoles=false`, `crds.enabled=false` and `dashboards.enabled=false`" in words
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -215,15 +241,20 @@ def test_the_start_latency_panel_says_it_measures_pods_running_not_the_first_ste
         for title, exprs in queries("fleet-overview.json").items()
         if any("sftjob_job_time_to_training_started_seconds" in e for e in exprs)
     ]
-    assert titles == ["Time from creation to pods Running (first attempt)"]
+    assert titles == ["Time from creation to pods Running (first attempt; jobs in the time range)"]
 
 
 def test_ratio_thresholds_given_with_helm_set_reach_the_rules_as_valid_promql(tmp_path: Path) -> None:
     # helm --set gives a decimal as a string; the schema takes it like the number a values file gives.
-    sets = ("alerts.thresholds.throughputDropRatio=0.3", "alerts.thresholds.gpuMemoryRatio=.9")
+    sets = (
+        "alerts.thresholds.throughputDropRatio=0.3",
+        "alerts.thresholds.gpuMemoryRatio=.9",
+        "alerts.thresholds.plannedThroughputRatio=0.25",
+    )
     rules = {r["alert"]: r["expr"] for g in rule_groups(*BOTH_MONITORS, *sets) for r in g["rules"]}
     assert "< 0.3 * avg_over_time" in rules["SFTJobThroughputDropped"]
     assert "> .9 and" in rules["SFTJobGPUMemoryNearlyFull"]
+    assert "< 0.25 * sftjob_train_planned_tokens_per_second" in rules["SFTJobSlowerThanPlanned"]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule_groups(*BOTH_MONITORS, *sets)}))
     result = subprocess.run(
         [promtool(), "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True
@@ -240,6 +271,8 @@ def test_ratio_thresholds_given_with_helm_set_reach_the_rules_as_valid_promql(tm
         "throughputDropRatio=half",
         "gpuMemoryRatio=1.01",
         "gpuMemoryRatio=0",
+        "plannedThroughputRatio=1",
+        "plannedThroughputRatio=0",
     ],
 )
 def test_a_ratio_threshold_outside_its_range_is_refused_naming_it(setting: str) -> None:
@@ -252,13 +285,16 @@ def test_a_ratio_threshold_outside_its_range_is_refused_naming_it(setting: str) 
 SAVE_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, float("inf"))
 
 
-def saves_histogram(saves: dict[int, float], minutes: int) -> dict[str, list[float]]:
+def saves_histogram(
+    saves: dict[int, float], minutes: int, buckets: tuple[float, ...] = SAVE_BUCKETS
+) -> dict[str, list[float]]:
     """A save-time histogram's series (``_bucket`` per bound, ``_sum``, ``_count``) sampled once a minute,
-    each save of ``saves`` (minute: seconds it took) observed at its minute."""
+    each save of ``saves`` (minute: seconds it took) observed at its minute. ``buckets``: another
+    histogram's bounds (+Inf included), for the same of its observations."""
     series: dict[str, list[float]] = {}
     for minute in range(minutes + 1):
         done = [seconds for at, seconds in saves.items() if at <= minute]
-        for bound in SAVE_BUCKETS:
+        for bound in buckets:
             le = "+Inf" if bound == float("inf") else str(bound)
             series.setdefault(f'_bucket{{le="{le}"}}', []).append(sum(1 for s in done if s <= bound))
         series.setdefault("_sum", []).append(sum(done))
@@ -313,6 +349,81 @@ def test_the_save_time_panel_counts_the_saves_of_the_time_range_not_a_rate_over_
                 "promql_expr_test": expect("100m", (600, 1620, 3)) + expect("20m", (None, None, 0)),
             }
         ],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# The fleet dashboard's histograms of rare events: restarts (a few an hour at most) and job starts. Their
+# bounds, +Inf included, and each panel's expected (mean, p50, p95, count) for two observations, 100 and
+# 500, at 10m and 40m: p50 interpolated at rank 1 of 2, p95 at rank 1.9, in the buckets that hold them.
+INF = (float("inf"),)
+RARE_EVENT_PANELS = {
+    "Recovery time": ("sftjob_recovery_duration_seconds", STARTUP_BUCKETS + INF, (None, 120, 570, 2)),
+    "Steps lost per restart": ("sftjob_restart_lost_steps", STEP_BUCKETS + INF, (None, 100, 475, 2)),
+    "Time from creation to pods scheduled": (
+        "sftjob_job_time_to_scheduled_seconds",
+        STARTUP_BUCKETS + INF,
+        (300, 120, 570, 2),
+    ),
+    "Time from creation to pods Running": (
+        "sftjob_job_time_to_training_started_seconds",
+        STARTUP_BUCKETS + INF,
+        (300, 120, 570, 2),
+    ),
+}
+
+
+@pytest.mark.parametrize("panel", RARE_EVENT_PANELS)
+def test_a_fleet_panel_of_rare_events_shows_those_of_the_time_range_not_a_rate_over_a_few_scrapes(
+    panel: str, tmp_path: Path
+) -> None:
+    # A rate over $__rate_interval (a minute or so) holds an event only in the minute after it: the panel
+    # would be empty almost all the time. The panel shows the events of the dashboard's range instead.
+    metric, buckets, expected = RARE_EVENT_PANELS[panel]
+    ((title, exprs),) = [(t, e) for t, e in queries("fleet-overview.json").items() if t.startswith(panel)]
+    assert "in the time range" in title
+    assert all("[$__range]" in e and "$__rate_interval" not in e and "rate(" not in e for e in exprs), title
+    found = next(p for p in load_dashboards()["fleet-overview.json"]["panels"] if p["title"] == title)
+    assert found["type"] == "stat" and all(t["instant"] for t in found["targets"])
+    statistics = [t["legendFormat"] for t in found["targets"]]
+    wanted = [value for value in expected if value is not None]
+    assert statistics[:-1] == (["mean"] if expected[0] is not None else []) + ["p50", "p95"]
+    labels = 'job="sft-sftjob-operator-metrics",namespace="sftjob-system"'
+    inputs = [
+        {
+            "series": f"{metric}{suffix[:-1]},{labels}}}"
+            if suffix.endswith("}")
+            else f"{metric}{suffix}{{{labels}}}",
+            "values": " ".join(str(v) for v in values),
+        }
+        for suffix, values in saves_histogram({10: 100.0, 40: 500.0}, 60, buckets).items()
+    ]
+
+    def resolved(expr: str, window: str) -> str:
+        return f"round(({expr.replace('$__range', window).replace('$operator', '.+')}))"
+
+    # At 55m the last hour holds both events; the last 10 minutes none: no number, and a count of 0.
+    both = [
+        {"expr": resolved(e, "1h"), "eval_time": "55m", "exp_samples": [{"labels": "{}", "value": v}]}
+        for e, v in zip(exprs, wanted, strict=True)
+    ]
+    none = [
+        {"expr": f"{resolved(e, '10m')} >= 0", "eval_time": "55m", "exp_samples": []} for e in exprs[:-1]
+    ] + [
+        {
+            "expr": resolved(exprs[-1], "10m"),
+            "eval_time": "55m",
+            "exp_samples": [{"labels": "{}", "value": 0}],
+        }
+    ]
+    test = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": inputs, "promql_expr_test": both + none}],
     }
     (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
     result = subprocess.run(

@@ -57,13 +57,53 @@ def test_the_policy_matches_pod_updates_only_which_is_what_the_trainers_patch_ar
     assert granted["apiGroups"] == rule["apiGroups"] and granted["resources"] == rule["resources"]
 
 
+def by_a_trainer_account(docs: list[Manifest], username: str) -> bool:
+    """Whether the rendered policy's ``by-a-trainer-account`` condition holds for ``username``: it is
+    evaluated here as the API server would, after checking that it has exactly the shape read."""
+    (found,) = [
+        m for m in one(docs, POLICY)["spec"]["matchConditions"] if m["name"] == "by-a-trainer-account"
+    ]
+    expression = found["expression"]
+    pattern = re.search(r"matches\('(.+?)'\)", expression)
+    spared = re.search(r"!= '([^']+)'$", expression)
+    assert pattern is not None and spared is not None
+    assert expression == (
+        f"request.userInfo.username.matches('{pattern.group(1)}')"
+        f" && request.userInfo.username != '{spared.group(1)}'"
+    )
+    return re.match(pattern.group(1), username) is not None and username != spared.group(1)
+
+
+def operator_account(docs: list[Manifest]) -> str:
+    deployment = one(docs, "Deployment")
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    return f"system:serviceaccount:{deployment['metadata']['namespace']}:{account}"
+
+
 def test_the_policy_applies_to_trainer_accounts_and_not_to_the_operator() -> None:
-    pattern = re.search(r"matches\('(.+)'\)", condition("by-a-trainer-account"))
-    assert pattern is not None
+    docs = render()
     trainer = f"system:serviceaccount:{JOB.namespace}:{builders.trainer_account_name(JOB.name)}"
-    assert re.match(pattern.group(1), trainer)
-    for other in ("system:serviceaccount:sftjob-system:sft-sftjob-operator", "system:node:gpu-1", "admin"):
-        assert not re.match(pattern.group(1), other)
+    assert by_a_trainer_account(docs, trainer)
+    assert operator_account(docs) == "system:serviceaccount:sftjob-system:sft-sftjob-operator"
+    for other in (operator_account(docs), "system:node:gpu-1", "admin"):
+        assert not by_a_trainer_account(docs, other)
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [("fullnameOverride=llm-trainer",), ("serviceAccount.create=false", "serviceAccount.name=sft-trainer")],
+)
+def test_an_operator_whose_account_name_ends_in_trainer_is_not_judged_as_a_trainer(
+    sets: tuple[str, ...],
+) -> None:
+    # Its patch removing Kueue's finalizer from a deleted queued pod would otherwise be refused (its token
+    # is bound to the operator's pod, not the trainer's), leaving that pod Terminating.
+    docs = render(sets=sets)
+    assert operator_account(docs).endswith("-trainer")
+    assert not by_a_trainer_account(docs, operator_account(docs))
+    assert by_a_trainer_account(
+        docs, f"system:serviceaccount:{JOB.namespace}:{builders.trainer_account_name(JOB.name)}"
+    )
 
 
 POD_NAME_SUFFIX = "-[0-9]+-[0-9]+$"  # -<attempt>-<rank>

@@ -1,17 +1,26 @@
-"""SFTJobOperatorNotReconciling over made-up series of the operator's reconcile counter: an operator that is
-up and scraped but whose every pass fails is alerted; one failing some passes, or idle, is not. The job
-alerts (SFTJobFailed, SFTJobRestartsClimbing, SFTJobOOMReplans) count only this release's operator."""
+"""SFTJobOperatorNotReconciling and SFTJobCreatesRefused over made-up series of the operator's reconcile
+counter: an operator that is up and scraped but whose every pass fails is alerted (critical for errors, a
+warning for refused creates); one failing some passes, or idle, is not. The job alerts (SFTJobFailed,
+SFTJobRestartsClimbing, SFTJobOOMReplans) count only this release's operator. Every operator alert carries
+the namespace and job labels of its release's operator, so two teams' alerts stay apart in Alertmanager."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+from typing import Any
 
-from helmchart import NAMESPACE, RELEASE
-from promrules import fires, promtool_test, quiet
+import yaml
+from helmchart import NAMESPACE, RELEASE, helm, one, template_args
+from promrules import fires, promtool, promtool_test, quiet, rule
 
 NOT_RECONCILING = "SFTJobOperatorNotReconciling"
+REFUSED = "SFTJobCreatesRefused"
 # The ServiceMonitor's scrape of the chart's metrics Service: its job label is the Service's name.
-SCRAPE_LABELS = f'job="{RELEASE}-sftjob-operator-metrics",namespace="{NAMESPACE}",pod="{RELEASE}-op-1"'
+OPERATOR_JOB = f"{RELEASE}-sftjob-operator-metrics"
+SCRAPE_LABELS = f'job="{OPERATOR_JOB}",namespace="{NAMESPACE}",pod="{RELEASE}-op-1"'
+# What each operator alert carries of the scrape: which release's operator it is about.
+OPERATOR = {"job": OPERATOR_JOB, "namespace": NAMESPACE}
 PASSES = "sftjob_operator_reconcile_total"
 
 
@@ -19,9 +28,20 @@ def failing(minute: int, failed: int) -> dict[str, object]:
     return fires(
         minute,
         NOT_RECONCILING,
-        {},
+        OPERATOR,
         f"{failed} reconcile passes failed in the last 5 minutes and none succeeded for 15 minutes: "
         "SFTJobs are not updated, failed attempts are not restarted.",
+    )
+
+
+def refused(minute: int, passes: int) -> dict[str, object]:
+    return fires(
+        minute,
+        REFUSED,
+        OPERATOR,
+        f"{passes} reconcile passes were refused in the last 5 minutes and none succeeded for 15 minutes: "
+        "a quota, Pod Security, an admission webhook or missing RBAC refuses the pods (or other children) "
+        "of the jobs this operator serves, so they do not start.",
     )
 
 
@@ -35,17 +55,36 @@ def test_an_operator_whose_passes_all_fail_is_alerted_15_minutes_after_its_last_
         f'{PASSES}{{result="refused"}}': "0x90",
     }
     checks = [quiet(30, NOT_RECONCILING), quiet(44, NOT_RECONCILING), failing(45, 100), failing(80, 100)]
-    promtool_test(tmp_path, series, SCRAPE_LABELS, checks)
+    promtool_test(tmp_path, series, SCRAPE_LABELS, [*checks, quiet(80, REFUSED)])
 
 
-def test_an_operator_whose_creates_are_all_refused_from_its_start_is_alerted(tmp_path: Path) -> None:
-    # An upgrade left the RBAC without pod create: every pass of the new operator is refused.
+def test_an_operator_whose_creates_are_all_refused_from_its_start_gets_a_warning_not_a_page(
+    tmp_path: Path,
+) -> None:
+    # An upgrade left the RBAC without pod create: every pass of the new operator is refused. The
+    # counter cannot tell that from one job's quota (below), so it is a warning, not the critical page.
     series = {
         f'{PASSES}{{result="success"}}': "0x40",
         f'{PASSES}{{result="error"}}': "0x40",
         f'{PASSES}{{result="refused"}}': "0+4x40",
     }
-    checks = [quiet(5, NOT_RECONCILING), quiet(10, NOT_RECONCILING), failing(11, 20)]
+    checks = [quiet(5, REFUSED), quiet(10, REFUSED), refused(11, 20)]
+    promtool_test(
+        tmp_path, series, SCRAPE_LABELS, [*checks, quiet(11, NOT_RECONCILING), quiet(40, NOT_RECONCILING)]
+    )
+
+
+def test_the_only_job_refused_by_its_namespaces_quota_is_a_warning_not_a_critical_page(
+    tmp_path: Path,
+) -> None:
+    # A release serving one namespace whose single SFTJob's pods a ResourceQuota refuses from the start:
+    # every pass (one each 30 s, the error backoff's cap) is refused and no other job succeeds.
+    series = {
+        f'{PASSES}{{result="success"}}': "0x60",
+        f'{PASSES}{{result="error"}}': "0x60",
+        f'{PASSES}{{result="refused"}}': "0+2x60",
+    }
+    checks = [quiet(minute, NOT_RECONCILING) for minute in (20, 60)] + [refused(20, 10), refused(60, 10)]
     promtool_test(tmp_path, series, SCRAPE_LABELS, checks)
 
 
@@ -56,18 +95,25 @@ def test_an_operator_failing_some_passes_while_others_succeed_is_not_alerted(tmp
         f'{PASSES}{{result="error"}}': "0+2x90",
         f'{PASSES}{{result="refused"}}': "0+2x90",
     }
-    promtool_test(tmp_path, series, SCRAPE_LABELS, [quiet(m, NOT_RECONCILING) for m in (20, 60, 90)])
+    checks = [quiet(m, alert) for m in (20, 60, 90) for alert in (NOT_RECONCILING, REFUSED)]
+    promtool_test(tmp_path, series, SCRAPE_LABELS, checks)
 
 
 def test_an_idle_operator_without_jobs_is_not_alerted(tmp_path: Path) -> None:
     series = {f'{PASSES}{{result="{result}"}}': "0x90" for result in ("success", "error", "refused")}
-    promtool_test(tmp_path, series, SCRAPE_LABELS, [quiet(m, NOT_RECONCILING) for m in (20, 90)])
+    checks = [quiet(m, alert) for m in (20, 90) for alert in (NOT_RECONCILING, REFUSED)]
+    promtool_test(tmp_path, series, SCRAPE_LABELS, checks)
 
 
 def test_another_releases_failing_operator_is_not_alerted_as_this_one(tmp_path: Path) -> None:
     other = 'job="other-sftjob-operator-metrics",namespace="other",pod="other-op-1"'
-    series = {f'{PASSES}{{result="error"}}': "0+20x60", f'{PASSES}{{result="success"}}': "0x60"}
-    promtool_test(tmp_path, series, other, [quiet(30, NOT_RECONCILING), quiet(60, NOT_RECONCILING)])
+    series = {
+        f'{PASSES}{{result="error"}}': "0+20x60",
+        f'{PASSES}{{result="refused"}}': "0+20x60",
+        f'{PASSES}{{result="success"}}': "0x60",
+    }
+    checks = [quiet(m, alert) for m in (30, 60) for alert in (NOT_RECONCILING, REFUSED)]
+    promtool_test(tmp_path, series, other, checks)
 
 
 # The job alerts over the operator's job counters, with two releases' operators scraped by one Prometheus
@@ -95,7 +141,7 @@ def test_another_releases_failed_job_is_not_alerted_by_this_release_but_its_own_
         fires(
             45,
             "SFTJobFailed",
-            {},
+            OPERATOR,
             "1 SFTJob(s) ended Failed in the last 10 minutes. kubectl get sftjobs -A shows which; the Failed "
             "condition says why.",
         ),
@@ -120,15 +166,68 @@ def test_another_releases_restarts_are_not_alerted_by_this_release_but_its_own_a
         fires(
             100,
             "SFTJobRestartsClimbing",
-            {"failure_class": "CudaOOM"},
+            OPERATOR | {"failure_class": "CudaOOM"},
             "3 restarts for CudaOOM in the last hour.",
         ),
         fires(
             100,
             "SFTJobOOMReplans",
-            {},
+            OPERATOR,
             "3 CUDA OOM re-plans in the last hour: the planner's memory estimate was too low for these jobs, "
             "and each re-plan costs a restart.",
         ),
     ]
     promtool_test(tmp_path, series, SCRAPE, checks)
+
+
+def team_rules(release: str, namespace: str) -> dict[str, Any]:
+    """The operator rule group of a release of ``release`` in ``namespace`` as a Prometheus rule file."""
+    sets = ("alerts.enabled=true", "metrics.serviceMonitor.enabled=true")
+    out = helm(*template_args(sets=sets, namespace=namespace, release=release)).stdout
+    groups = one([d for d in yaml.safe_load_all(out) if d], "PrometheusRule")["spec"]["groups"]
+    return {"groups": groups}
+
+
+def test_two_teams_failed_jobs_stay_two_alerts_each_naming_its_teams_operator(tmp_path: Path) -> None:
+    # One release per team (docs/install.md), one Prometheus and Alertmanager: a job fails in each team
+    # at 5m. Alerts with the same labels would be one alert to Alertmanager, routable to neither team.
+    teams = {"team-a": "sftjob-team-a", "team-b": "sftjob-team-b"}
+    inputs = []
+    for namespace, release in teams.items():
+        (tmp_path / f"{namespace}.yaml").write_text(yaml.safe_dump(team_rules(release, namespace)))
+        scrape = f'job="{release}-sftjob-operator-metrics",namespace="{namespace}",pod="{release}-op"'
+        inputs.append(
+            {"series": f'sftjob_jobs_finished_total{{result="Failed",{scrape}}}', "values": "0x5 1x20"}
+        )
+    description = (
+        "1 SFTJob(s) ended Failed in the last 10 minutes. kubectl get sftjobs -A shows which; the Failed "
+        "condition says why."
+    )
+    annotations = rule("SFTJobFailed")["annotations"] | {"description": description}
+    expected = [
+        {
+            "exp_labels": {
+                "job": f"{release}-sftjob-operator-metrics",
+                "namespace": namespace,
+                "severity": "warning",
+            },
+            "exp_annotations": annotations,
+        }
+        for namespace, release in teams.items()
+    ]
+    test = {
+        "rule_files": [f"{namespace}.yaml" for namespace in teams],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": inputs,
+                "alert_rule_test": [{"eval_time": "8m", "alertname": "SFTJobFailed", "exp_alerts": expected}],
+            }
+        ],
+    }
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        [promtool(), "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -104,10 +104,18 @@ class TrainerMetrics:
         self.tokens = counter("sftjob_train_tokens", "Real (non-padding) tokens trained on, all ranks")
         self.samples = counter("sftjob_train_samples", "Samples trained on, all ranks")
         self.tokens_per_second = gauge("sftjob_train_tokens_per_second", "Real tokens/s, last window")
+        # The plan's prediction, from the start (start_metrics); 0 for a config without a plan, which the
+        # SFTJobSlowerThanPlanned alert (measured below a fraction of it) never fires on.
+        self.planned_tokens_per_second = gauge(
+            "sftjob_train_planned_tokens_per_second",
+            "Real tokens/s the job's plan predicted for its GPUs (0: no plan), to compare with the measured",
+        )
         self.samples_per_second = gauge("sftjob_train_samples_per_second", "Samples/s, last window")
         # From the first logging window on: during setup there is no estimate (not an ETA of 0).
         self._eta_seconds = first_set(
-            "sftjob_train_eta_seconds", "Estimated time to the last step at the last window's step rate"
+            "sftjob_train_eta_seconds",
+            "Estimated time to the last step: the steps left x (the last window's time a step + this"
+            " attempt's evaluations and saves spread over its steps)",
         )
         self.step_duration = histogram(
             "sftjob_train_step_duration_seconds",
@@ -291,6 +299,8 @@ def start_metrics(config: TrainerConfig) -> TrainerMetrics | None:
     )
     metrics.restarts_seen.set(config.job.attempt)
     metrics.checkpoint_interval.set(checkpoint_interval(config.checkpoints, None))
+    if config.report.planned_tokens_per_second is not None:
+        metrics.planned_tokens_per_second.set(config.report.planned_tokens_per_second)
     if config.report.metrics_port is not None:
         metrics.serve(config.report.metrics_port)
     else:
