@@ -10,9 +10,10 @@ Every rank evaluates its share in micro-batches of the training's size, as many 
 rank (a sharded model gathers its weights in each one; a rank with nothing left runs a batch without
 targets), in eval mode (no dropout, no recomputation) and without gradients. The loss is the sum over
 every target token of every rank divided by their number, as training's is (computed as training computes
-it: ``loop.micro_batch_loss``), whatever the micro-batch size. Liger's fused loss is asked
-for explicitly (it skips the logits only in training mode by default): evaluation then needs no more
-memory than a training step did.
+it: ``loop.micro_batch_loss``), whatever the micro-batch size: the cross-entropy alone, without the router
+load-balancing loss a mixture of experts' config may have it add (``loop.router_balancing``), which would
+count once per micro-batch. Liger's fused loss is asked for explicitly (it skips the logits only in
+training mode by default): evaluation then needs no more memory than a training step did.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Kept apart from ``train.py`` so the throughput benchmark times exactly the code 
 normalised by the number of target tokens in the whole global batch (all micro-batches, all ranks),
 so gradient accumulation and data parallelism give the same gradient as one big batch would: a
 transformers model divides by it (``num_items_in_batch``), for any other the trainer computes the loss
-from the logits (:func:`micro_batch_loss`; remote_code.py).
+from the logits (:func:`micro_batch_loss`; remote_code.py). The loss reported (logged, evaluated) is that
+cross-entropy alone; a mixture of experts whose config asks for its routers' load-balancing loss trains on
+it too, at its configured weight once a step (:func:`router_balancing`).
 
 A step whose loss or gradients are not finite leaves the weights, the optimizer and the schedule as they
 were (in bf16/fp32 one inf gradient would otherwise turn every weight into NaN through the clipping
@@ -16,6 +18,7 @@ fp16 an overflow the loss scaler can still cure by lowering its scale does not c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -32,7 +35,7 @@ from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.batching import Course
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.data import IGNORE_INDEX
-from sftjob_trainer.distributed import DistContext, no_sync
+from sftjob_trainer.distributed import DistContext, no_sync, unwrap
 from sftjob_trainer.model import PrecisionPlan
 
 log = logging.getLogger("sftjob_trainer")
@@ -288,16 +291,54 @@ def model_inputs(micro_batch: dict[str, torch.Tensor], device: torch.device) -> 
     return inputs
 
 
+def router_balancing(model: nn.Module) -> float | None:
+    """The weight (``router_aux_loss_coef``) at which a transformers mixture of experts adds its routers'
+    load-balancing loss to the loss of every forward pass with labels, when its config asks for it
+    (``output_router_logits``: Mixtral, Qwen2/3-MoE, OLMoE... checkpoints saved from runs that balanced);
+    None when it adds none. A model whose weight has another name trains without it (0.0, warned once)."""
+    inner = unwrap(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    config: Any = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "output_router_logits", False):
+        return None
+    # Where transformers' classes keep it: most on the model, JetMoE as aux_loss_coef, a multimodal
+    # model (Qwen3-VL-MoE) in its text config.
+    for owner, name in (
+        (base, "router_aux_loss_coef"),
+        (base, "aux_loss_coef"),
+        (text, "router_aux_loss_coef"),
+    ):
+        weight = getattr(owner, name, None)
+        if isinstance(weight, int | float):
+            return float(weight)
+    _weight_not_found(type(base).__name__)
+    return 0.0
+
+
+@functools.cache
+def _weight_not_found(model_class: str) -> None:
+    log.warning(
+        "%s's config asks for its routers' load-balancing loss (output_router_logits), but the model names"
+        " its weight neither router_aux_loss_coef nor aux_loss_coef: training on the cross-entropy alone",
+        model_class,
+    )
+
+
 def micro_batch_loss(
     model: nn.Module, inputs: dict[str, Any], divisor: int | torch.Tensor, own_loss: bool, **extra: Any
 ) -> torch.Tensor:
     """The micro-batch's cross-entropy summed over its target tokens, divided by ``divisor``: the model's
     loss (``num_items_in_batch``), or with ``own_loss`` (remote_code.computes_own_loss) the trainer's, in
     float32 from the logits of a forward pass without labels, each position predicting the next label.
+    A mixture of experts that would add its routers' load-balancing loss (:func:`router_balancing`) is
+    asked not to: the result is the cross-entropy alone (:func:`micro_batch_objective` trains on both).
 
     The labels are shifted, not the logits: a slice of the logits of several rows is not contiguous, and
     flattening it would copy them all (vocabulary x tokens), beyond what the planner counts for the loss."""
     if not own_loss:
+        if router_balancing(model) is not None:
+            extra["output_router_logits"] = False
         return model(**inputs, use_cache=False, num_items_in_batch=divisor, **extra).loss
     labels = inputs["labels"]
     logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False).logits
@@ -305,6 +346,31 @@ def micro_batch_loss(
     terms = logits.flatten(0, 1).float()
     summed = F.cross_entropy(terms, following.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     return summed / divisor
+
+
+def micro_batch_objective(
+    model: nn.Module, inputs: dict[str, Any], divisor: int, own_loss: bool, passes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the backward pass differentiates, the cross-entropy :func:`micro_batch_loss` computes) for one
+    of a step's ``passes`` forward passes (its micro-batches on every rank).
+
+    A mixture of experts whose config asks for its routers' load-balancing loss (:func:`router_balancing`)
+    adds it whole to every forward pass's loss, where the cross-entropy is a share of the global batch's
+    sum: summed over the micro-batches and scaled by the ranks it would weigh accumulation x GPUs times its
+    weight. Here it weighs its weight divided by ``passes``, so the step trains on the mean of its forward
+    passes' balancing losses at the configured weight, as HF's Trainer means it to and Megatron does,
+    whatever the accumulation and the number of GPUs. Kept rather than dropped: the checkpoint's config
+    asks for it, and HF's Trainer and TRL would train on it. Each forward pass balances its own tokens (a
+    mean, not a share of a sum), so smaller micro-batches balance somewhat more strictly. The cross-entropy
+    is the model's loss less the balancing it added."""
+    weight = None if own_loss else router_balancing(model)
+    if not weight:
+        loss = micro_batch_loss(model, inputs, divisor, own_loss)
+        return loss, loss
+    outputs = model(**inputs, use_cache=False, num_items_in_batch=divisor)
+    balancing = weight * outputs.aux_loss
+    cross_entropy = outputs.loss - balancing
+    return cross_entropy + balancing / passes, cross_entropy
 
 
 def train_step(
@@ -328,13 +394,14 @@ def train_step(
     # forward to the compute dtype, and bf16 rounds counts above 256 (1001 to 1000).
     divisor = int(max(targets, 1.0))
     loss_sum = torch.zeros((), device=ctx.device)
+    passes = len(micro_batches) * ctx.world_size
     for i, mb in enumerate(micro_batches):
         inputs = model_inputs(mb, ctx.device)
         with no_sync(model, i == len(micro_batches) - 1):
             with torch.autocast(ctx.device.type, dtype=plan.compute_dtype, enabled=plan.autocast):
-                loss = micro_batch_loss(model, inputs, divisor, own_loss)
-            # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
-            scaled = loss * ctx.world_size
+                objective, loss = micro_batch_objective(model, inputs, divisor, own_loss, passes)
+            # DDP/FSDP average gradients over ranks; the objective is already a share of the global sum.
+            scaled = objective * ctx.world_size
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         loss_sum += loss.detach()
     if scaler is not None:
@@ -345,7 +412,16 @@ def train_step(
     learning_rate = float(optimizer.param_groups[0]["lr"])
     skipped = _update(parts, loss_total, grad_norm)
     optimizer.zero_grad(set_to_none=True)
+    _finish(ctx.device)
     return StepResult(loss_total, grad_norm, learning_rate, int(tokens), int(samples), int(pairs), skipped)
+
+
+def _finish(device: torch.device) -> None:
+    """Wait for the step's work on the GPU: ``optimizer.step()`` only queues its kernels, and a step that
+    returned before they ran would leave its update out of the step's time (the step-time histogram,
+    tokens/s, MFU), the next collective or step waiting for it instead. On the CPU it is done already."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _update(parts: Trainables, loss: float, grad_norm: float) -> Skip | None:
