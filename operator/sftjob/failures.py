@@ -126,6 +126,10 @@ class OomPhase(StrEnum):
 
 
 CUDA_OOM_REASON = "CUDA out of memory"
+# How the trainer's start-up all-reduce (distributed.probe_communication) begins its CommunicationError. It
+# runs right after preflight found the plan's GPU memory free, so NCCL failing to allocate there ("Failed to
+# CUDA calloc" follows any cudaMalloc error, a faulted GPU's or an unsupported cuMem call's) is no CUDA OOM.
+COMMUNICATION_PROBE = "the first collective between"
 
 
 def oom_phase(reason: str) -> OomPhase | None:

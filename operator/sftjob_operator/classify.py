@@ -18,7 +18,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sftjob.failures import EXIT_CODE_CLASS, ExitCode, FailureClass
+from sftjob.failures import COMMUNICATION_PROBE, EXIT_CODE_CLASS, ExitCode, FailureClass
 from sftjob_operator.not_started import unmounted_failure, waiting_failure
 from sftjob_operator.pods import CONTAINER
 from sftjob_operator.termination import (
@@ -225,7 +225,11 @@ def _classify_ended(
             )
         if cls is FailureClass.PREEMPTED:  # a SIGTERM nothing sent to the pod: torchrun stopping its ranks
             return fail(FailureClass.UNKNOWN, f"{UNASKED_SIGTERM}: {text}" if text else UNASKED_SIGTERM)
-        if cls is FailureClass.COMMUNICATION_ERROR and CUDA_OOM_SIGNATURE.search(said.text):
+        if (
+            cls is FailureClass.COMMUNICATION_ERROR
+            and CUDA_OOM_SIGNATURE.search(said.text)
+            and not text.startswith(COMMUNICATION_PROBE)  # the trainer's own verdict on its start-up probe
+        ):
             cls = FailureClass.CUDA_OOM  # NCCL ran out of GPU memory (a trainer older than its OOM words)
         elif cls is FailureClass.COMMUNICATION_ERROR and GPU_FAULT_SIGNATURE.search(said.text):
             cls = FailureClass.GPU_UNAVAILABLE  # NCCL failed because a GPU or its NVLinks did

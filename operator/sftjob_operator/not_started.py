@@ -16,6 +16,7 @@ from typing import Any
 
 from sftjob.failures import FailureClass
 from sftjob_operator.observe import SANDBOX_CONDITION
+from sftjob_operator.pods import CONTAINER
 from sftjob_operator.termination import gpu_runtime_failure
 
 Obj = Mapping[str, Any]
@@ -66,10 +67,14 @@ MOUNT_GIVE_UP_SECONDS = 600.0
 def waiting_failure(pod: Obj, now: datetime, *, own_image: bool) -> Failure | None:
     """A container that cannot start and will not: its image cannot be had, or its Secret or ConfigMap is
     missing; a failure that may pass once it has lasted its give-up time. ``own_image``: the job sets
-    ``spec.image`` (:func:`~sftjob_operator.termination.gpu_runtime_failure` names the image to fix)."""
+    ``spec.image`` (:func:`~sftjob_operator.termination.gpu_runtime_failure` names the image to fix). Only
+    the containers the trainer waits for count: every init container (a native sidecar among them starts
+    before it) and the trainer itself, not a sidecar a webhook added beside it, which the attempt runs
+    without."""
     status = pod.get("status") or {}
     waited = _waited(pod, now, since_created=True)
-    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+    trainer = [cs for cs in status.get("containerStatuses") or [] if cs.get("name") == CONTAINER]
+    for cs in [*(status.get("initContainerStatuses") or []), *trainer]:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason, message = waiting.get("reason", ""), waiting.get("message", "")
         said = f"{reason}: {message or cs.get('image')}"

@@ -194,3 +194,30 @@ def test_a_dense_model_or_a_mixture_that_does_not_ask_for_balancing_adds_none() 
     )
     assert router_balancing(MixtralForCausalLM(config)) is None
     assert router_balancing(torch.nn.Linear(2, 2)) is None
+
+
+def test_a_mixture_whose_forward_lacks_the_balancing_its_config_asks_for_trains_on_cross_entropy() -> None:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = (
+        Llama4TextConfig(  # Llama 4 has router_aux_loss_coef in its config and no aux_loss in its outputs
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            intermediate_size_mlp=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            output_router_logits=True,
+            max_position_embeddings=64,
+        )
+    )
+    torch.manual_seed(0)
+    model = Llama4ForCausalLM(config).train()
+    examples = _examples(4)
+    loss, handed = _step(model, _micro_batches(examples, 2), DistContext(0, 1, 0, 1, torch.device("cpu")))
+    assert handed
+    assert loss == pytest.approx(_cross_entropy(model, examples), rel=1e-4)

@@ -59,3 +59,20 @@ def test_when_the_trainer_started_and_ended_is_read_from_the_trainer_container()
     sidecar_ended = {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": ts(900)}}
     ended = with_sidecar(pod("Failed", state=exited(1)), "agent", sidecar_ended)
     assert finished_at(ended) == NOW - timedelta(seconds=1)
+
+
+def test_a_sidecar_that_cannot_pull_its_image_does_not_fail_a_trainer_that_runs() -> None:
+    pulling = {
+        "waiting": {"reason": "ErrImagePull", "message": "pull access denied, repository does not exist"}
+    }
+    result = classify(with_sidecar(pod("Running", state=running(1800)), "log-shipper", pulling))
+    assert result.outcome is Outcome.RUNNING
+
+
+def test_an_init_container_that_cannot_pull_its_image_still_fails_the_pod_it_holds_back() -> None:
+    held = pod("Pending", state={"waiting": {"reason": "PodInitializing"}})
+    pulling = {
+        "waiting": {"reason": "ErrImagePull", "message": "pull access denied, repository does not exist"}
+    }
+    held["status"]["initContainerStatuses"] = [{"name": "vault-init", "image": "vault:1", "state": pulling}]
+    assert classify(held).failure_class is FailureClass.IMAGE_PULL_ERROR

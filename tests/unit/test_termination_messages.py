@@ -60,6 +60,19 @@ def test_an_oom_in_nccl_that_an_older_trainer_tagged_a_communication_error_is_cu
     assert (result.failure_class, result.exit_code) == (FailureClass.CUDA_OOM, ExitCode.COMMUNICATION_ERROR)
 
 
+def test_the_trainers_failed_start_up_probe_stays_a_communication_error_whatever_allocation_nccl_failed() -> (
+    None
+):
+    # The probe runs right after preflight found the plan's memory free: "Failed to CUDA calloc" follows any
+    # cudaMalloc error there (a faulted GPU, an unsupported cuMem call), and the trainer judged it on purpose.
+    tagged = (
+        "[exit 16] the first collective between the 16 ranks (a 1 MiB all-reduce) failed (DistBackendError:"
+        " NCCL error: unhandled cuda error, Last error: Failed to CUDA calloc 6291456 bytes) on 2 nodes"
+    )
+    result = classify(pod("Failed", state=exited(1, message=tagged)))
+    assert result.failure_class is FailureClass.COMMUNICATION_ERROR
+
+
 # The trainer's own messages for each documented failure, as ``write_termination_message`` writes them.
 TAGGED_MESSAGES = [
     (

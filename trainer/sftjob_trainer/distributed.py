@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
 from sftjob.config import TrainerConfig
-from sftjob.failures import ExitCode, TrainerError
+from sftjob.failures import COMMUNICATION_PROBE, ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
 from sftjob_trainer.preflight import check_gpu
 
@@ -192,7 +192,7 @@ def _probe_failure(device: torch.device, world: int, local_world: int, what: str
         )
     return TrainerError(
         ExitCode.COMMUNICATION_ERROR,
-        f"the first collective between the {world} ranks (a 1 MiB all-reduce) {what} on {where} with"
+        f"{COMMUNICATION_PROBE} the {world} ranks (a 1 MiB all-reduce) {what} on {where} with"
         f" NCCL_P2P_LEVEL {level}; likely causes: {'; '.join(causes)}",
     )
 

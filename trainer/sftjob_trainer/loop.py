@@ -325,6 +325,15 @@ def _weight_not_found(model_class: str) -> None:
     )
 
 
+@functools.cache
+def _no_balancing_loss(model_class: str) -> None:
+    log.warning(
+        "%s's config asks for its routers' load-balancing loss (output_router_logits), but its forward pass"
+        " returns none: training on the cross-entropy alone",
+        model_class,
+    )
+
+
 def micro_batch_loss(
     model: nn.Module, inputs: dict[str, Any], divisor: int | torch.Tensor, own_loss: bool, **extra: Any
 ) -> torch.Tensor:
@@ -368,6 +377,9 @@ def micro_batch_objective(
         loss = micro_batch_loss(model, inputs, divisor, own_loss)
         return loss, loss
     outputs = model(**inputs, use_cache=False, num_items_in_batch=divisor)
+    if getattr(outputs, "aux_loss", None) is None:  # a weight in its config, no such loss (Llama 4)
+        _no_balancing_loss(type(unwrap(model)).__name__)
+        return outputs.loss, outputs.loss
     balancing = weight * outputs.aux_loss
     cross_entropy = outputs.loss - balancing
     return cross_entropy + balancing / passes, cross_entropy
