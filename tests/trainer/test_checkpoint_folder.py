@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from sftjob.config import JobRef, TrainerConfig
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, ownership, resume, rng
+from sftjob_trainer import checkpoints, identity, ownership, resume, rng
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 
@@ -264,8 +264,8 @@ def test_a_checkpoint_of_other_training_is_refused_before_its_tensors_load_namin
 def test_only_fields_both_identities_record_are_compared_so_older_checkpoints_resume_as_before(
     tmp_path: Path,
 ) -> None:
-    assert resume.identity_differences({}, TRAINED) == []  # saved before checkpoints recorded it
-    assert resume.identity_differences(TRAINED | {"later.field": 1}, TRAINED) == []  # a newer trainer's
+    assert identity.identity_differences({}, TRAINED) == []  # saved before checkpoints recorded it
+    assert identity.identity_differences(TRAINED | {"later.field": 1}, TRAINED) == []  # a newer trainer's
     ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
     checkpoints.save(tmp_path, TrainState(step=4), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
     loaded = resume.load_latest(tmp_path, _trainables(), ONE_PROCESS, TRAINED)
@@ -283,7 +283,7 @@ def _config(**changes: object) -> TrainerConfig:
 
 
 def test_the_identity_of_training_leaves_out_what_may_change_over_kept_checkpoints() -> None:
-    trained = resume.identity(_config())
+    trained = identity.identity(_config())
     replanned = _config(
         training={
             "globalBatchSize": 32,
@@ -298,10 +298,12 @@ def test_the_identity_of_training_leaves_out_what_may_change_over_kept_checkpoin
         distributed={"nprocPerNode": 8, "sharding": "fsdp"},
         lora={"r": 16, "targetModules": ["q_proj", "v_proj"], "dropout": 0.2},
     )
-    assert resume.identity(replanned) == trained
-    assert resume.identity_differences(trained, resume.identity(_config(dataset={"path": "/data/v2.jsonl"})))
-    full = resume.identity(_config(method="full"))
-    assert "lora.r" not in full and resume.identity_differences(trained, full) == [
+    assert identity.identity(replanned) == trained
+    assert identity.identity_differences(
+        trained, identity.identity(_config(dataset={"path": "/data/v2.jsonl"}))
+    )
+    full = identity.identity(_config(method="full"))
+    assert "lora.r" not in full and identity.identity_differences(trained, full) == [
         "method was lora, now full"
     ]
 

@@ -1,5 +1,6 @@
-"""A resume whose data layout changed (an OOM re-plan halved the packed rows) keeps the fraction of the run
-already done: it still covers the planned epochs and the learning rate continues without a jump."""
+"""A resume whose data layout changed (an OOM re-plan halved the packed rows) ends where the new layout's data
+ends (or, from an older checkpoint, after the fraction of the run still to do): it still covers the planned
+epochs and the learning rate continues without a jump."""
 
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ def test_halved_rows_after_20_of_33_steps_end_the_run_after_its_one_epoch() -> N
     schedule = Schedule(3200, 1, 32, 1, 0, offset=resumed.offset)
     assert schedule.epoch_of(20) == pytest.approx(0.6) and schedule.epoch_of(resumed.total) == 1.0
     assert resumed.position(20) == 20 and resumed.position(resumed.total) == pytest.approx(33)
+
+
+def test_a_course_resumed_where_the_new_layouts_data_stands_ends_where_that_data_ends() -> None:
+    # Rows halved at step 20 of 33: the rest of the epoch and what follows take the new layout's data
+    # positions 62 to 100 (its offset 42), not the 39.4% of 100 steps the fraction of the run would give.
+    course = Course.fresh(33, "epochs 1").resumed(20, 100, offset=42)
+    assert (course.total, course.offset) == (58, 42)
+    assert course.position(20) == 20 and course.position(58) == pytest.approx(33)  # the schedule's end
+    assert course.resumed(40, 100) == course == course.resumed(40, 100, offset=42)  # a later restart
 
 
 def test_the_learning_rate_continues_from_the_same_fraction_of_the_run_after_a_layout_change() -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,8 +15,9 @@ from sftjob.config import TrainerConfig
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, PROGRESS_REPORT_INTERVAL_SECONDS
 from sftjob.failures import ExitCode
 from sftjob_trainer import observer as observer_module
-from sftjob_trainer.batching import Course, Schedule
+from sftjob_trainer.batching import Course, Schedule, make_units
 from sftjob_trainer.checkpoints import STATE_FILE, TrainState, checkpoint_dirs
+from sftjob_trainer.data import Example
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.flops import FlopsModel
 from sftjob_trainer.loop import StepResult
@@ -272,11 +274,18 @@ def test_the_expected_course_is_unknown_when_the_newest_checkpoints_state_does_n
     assert run(str(config)) == ExitCode.OK
     settings = TrainerConfig.model_validate_json(config.read_text())
     root = Path(settings.checkpoints.dir)
-    assert expected_course(root, settings.training, 4) == Course.fresh(4)
+    units = make_units([Example(np.ones(4, np.int32), np.ones(4, np.int32), row) for row in range(16)], None)
+    schedule = Schedule(len(units), 4, 2, 1, 0)
+
+    def expected(folder: Path) -> tuple[Course, Schedule] | None:
+        return expected_course(folder, settings.training, 4, units, schedule, None)
+
+    known = expected(root)
+    assert known is not None and known[0] == Course.fresh(4)
     ((_, newest), *_) = checkpoint_dirs(root)
     (newest / STATE_FILE).write_text("{")  # cut off: the resume skips it
-    assert expected_course(root, settings.training, 4) is None
-    assert expected_course(root / "none-yet", settings.training, 4) == Course.fresh(4)
+    assert expected(root) is None
+    assert expected(root / "none-yet") == (Course.fresh(4), schedule)
 
 
 def test_a_run_without_evaluation_exports_no_eval_loss() -> None:

@@ -214,4 +214,6 @@ def test_a_resume_on_another_number_of_gpus_with_the_same_global_batch_keeps_the
     assert all(units_of(one_gpu, step) == units_of(two_gpus, step) for step in range(40))
     now = {"units": 100, "perStep": 8, "seed": 7, "packing": True}
     assert same_data_order(now | {"worldSize": 1}, now)  # written by an older trainer on one GPU
+    where = {"used": {"epoch": 0, "rows": ""}, "rest": {"epoch": 0, "step": 3, "rows": ""}}
+    assert same_data_order(now | where, now)  # where the order stands is not its layout
     assert not same_data_order(now | {"perStep": 4}, now)

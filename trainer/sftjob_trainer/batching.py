@@ -8,8 +8,10 @@ to another and no mask is built; with eager attention transformers turns the res
 block-diagonal mask. Without packing a micro-batch is padded to its longest example. Which units an
 optimizer step uses is a pure function of (seed, epoch, step), so a resumed run only needs the step
 number to continue on exactly the same data. A resume with another layout (an OOM re-plan halved the
-rows, the batch or world size changed) takes a different number of steps per epoch: its :class:`Course`
-keeps the fraction of the run already done, so the run still covers its planned epochs.
+rows, the batch or world size changed) cannot go on in the old layout's order: the units differ. It
+trains the rest of the interrupted epoch first, packed anew from the examples that epoch had not used
+yet (:class:`Rest`, from the rows a checkpoint records), then the new layout's own epochs; its
+:class:`Course` ends where that data ends, so every example is trained once an epoch whatever the layout.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import ctypes
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,12 +47,15 @@ class Unit:
     :func:`trim_heap` gives the freed heap back); 200 M tokens take about 1.8 GB per process, 3.4 GB at
     the peak. The DataLoader workers a rank forks share the arrays, but reading a unit writes reference
     counts into the pages its small arrays share with their headers: a worker ends up copying about 3
-    bytes a token of short unpacked examples (100 tokens), a tenth of that packed.
+    bytes a token of short unpacked examples (100 tokens), a tenth of that packed. ``rows`` names the
+    examples for a resume with another layout (:class:`Rest`): about 50 bytes an example more packed, 80
+    unpacked.
     """
 
     input_ids: np.ndarray
     labels: np.ndarray
     lengths: tuple[int, ...]  # the examples inside, in order
+    rows: tuple[int, ...] = ()  # their dataset rows (Example.row), in the same order
 
     @property
     def position_ids(self) -> np.ndarray:
@@ -73,6 +78,16 @@ def make_units(examples: list[Example], packing_length: int | None) -> list[Unit
     """
     if packing_length is None:
         return [_pack([e]) for e in examples]
+    return [_pack(row) for row in _rows(examples, packing_length)]
+
+
+def count_units(examples: list[Example], packing_length: int | None) -> int:
+    """How many units :func:`make_units` makes of ``examples``, without joining their tokens."""
+    return len(examples) if packing_length is None else len(_rows(examples, packing_length))
+
+
+def _rows(examples: list[Example], packing_length: int) -> list[list[Example]]:
+    """The examples of each packed row (best-fit decreasing)."""
     bins: list[list[Example]] = []
     free: list[tuple[int, int]] = []  # sorted (free tokens, bin index)
     for example in sorted(examples, key=lambda e: len(e.input_ids), reverse=True):
@@ -87,7 +102,7 @@ def make_units(examples: list[Example], packing_length: int | None) -> list[Unit
             bins.append([])
         bins[index].append(example)
         bisect.insort(free, (room - size, index))
-    return [_pack(row) for row in bins]
+    return bins
 
 
 def _pack(examples: list[Example]) -> Unit:
@@ -99,7 +114,25 @@ def _pack(examples: list[Example]) -> Unit:
         return np.concatenate(tokens, dtype=np.int32)
 
     lengths = tuple(len(e.input_ids) for e in examples)
-    return Unit(joined([e.input_ids for e in examples]), joined([e.labels for e in examples]), lengths)
+    rows = tuple(e.row for e in examples)
+    return Unit(joined([e.input_ids for e in examples]), joined([e.labels for e in examples]), lengths, rows)
+
+
+def examples_of(units: Iterable[Unit]) -> Iterator[Example]:
+    """The examples packed into ``units``, in order, their tokens views of the units' arrays."""
+    for unit in units:
+        start = 0
+        for length, row in zip(unit.lengths, unit.rows, strict=True):
+            yield Example(unit.input_ids[start : start + length], unit.labels[start : start + length], row)
+            start += length
+
+
+def rest_examples(units: Sequence[Unit], used: np.ndarray) -> list[Example]:
+    """The examples of ``units`` whose rows are not in ``used``: the rest of an epoch another layout
+    interrupted (:class:`Rest`). Packed anew, unpacked ones share their arrays with ``units``."""
+    rows = np.fromiter((row for unit in units for row in unit.rows), dtype=np.int64)
+    unused = np.isin(rows, used, invert=True).tolist()
+    return [e for e, keep in zip(examples_of(units), unused, strict=True) if keep]
 
 
 def trim_heap() -> None:
@@ -111,12 +144,29 @@ def trim_heap() -> None:
         trim(0)
 
 
+@dataclass(frozen=True, eq=False)
+class Rest:
+    """The rest of epoch ``epoch``, which a resume with another layout interrupted at step ``start``: the
+    examples the epoch had not used by then (those whose rows are not in ``used``), packed anew into
+    ``units`` units, which follow the layout's own ones from index ``first``. Shuffled with the epoch's
+    seed, they take the steps up to ``end``; the remainder short of one step is left out, as every
+    epoch's is. The next epoch starts at step ``end``, in the layout's own units."""
+
+    epoch: int
+    start: int
+    first: int
+    units: int
+    used: np.ndarray  # sorted rows
+    end: int
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Which units each rank uses for each micro-batch of each optimizer step.
 
     Step ``s`` takes the units at data position ``s + offset``: the offset is non-zero only after a resume
-    that changed the layout (see :class:`Course`).
+    that changed the layout (see :class:`Course`). Such a resume trains the ``rest`` of the epoch it
+    interrupted first, as the last steps of that epoch's positions (:meth:`resting`).
     """
 
     units: int
@@ -125,6 +175,7 @@ class Schedule:
     world_size: int
     seed: int
     offset: int = 0
+    rest: Rest | None = None
 
     @property
     def per_step(self) -> int:
@@ -160,10 +211,20 @@ class Schedule:
     def epoch_of(self, step: int) -> float:
         return (step + self.offset) / self.steps_per_epoch
 
+    def starting(self, epoch: int, step: int) -> Schedule:
+        """This schedule with epoch ``epoch`` starting at step ``step`` (and no rest before it)."""
+        return replace(self, offset=epoch * self.steps_per_epoch - step, rest=None)
+
+    def resting(self, epoch: int, step: int, units: int, used: np.ndarray) -> Schedule:
+        """This schedule going on at step ``step`` with the rest of epoch ``epoch`` (:class:`Rest`):
+        ``units`` units that follow the layout's own ones. Its steps take the last positions of the epoch,
+        so that the next one starts after them and the run's data ends where the layout's does."""
+        end = step + units // self.per_step
+        rest = Rest(epoch, step, self.units, units, used, end)
+        return replace(self.starting(epoch + 1, end), rest=rest)
+
     def micro_batches(self, step: int, rank: int) -> list[list[int]]:
-        epoch, offset = divmod(step + self.offset, self.steps_per_epoch)
-        order = torch.randperm(self.units, generator=torch.Generator().manual_seed(self.seed + epoch))
-        base = offset * self.per_step
+        _, order, base = self._position(step)
         mb = self.micro_batch_size
         return [
             order[
@@ -171,6 +232,27 @@ class Schedule:
             ].tolist()
             for m in range(self.accumulation)
         ]
+
+    def used(self, step: int, units: Sequence[Unit]) -> tuple[int, np.ndarray]:
+        """The epoch of the data after ``step`` steps and the rows its steps so far have taken (sorted):
+        what a checkpoint of that step records for a resume with another layout (:class:`Rest`)."""
+        epoch, order, base = self._position(step)
+        taken = np.fromiter((row for i in order[:base].tolist() for row in units[i].rows), dtype=np.int64)
+        rest = self.rest
+        if rest is not None and step < rest.end:
+            taken = np.concatenate([rest.used, taken])
+        return epoch, np.unique(taken)
+
+    def _position(self, step: int) -> tuple[int, torch.Tensor, int]:
+        """The epoch ``step`` is in, its shuffled units and where in them the units of ``step`` start."""
+        rest = self.rest
+        if rest is not None and step < rest.end:
+            generator = torch.Generator().manual_seed(self.seed + rest.epoch)
+            order = rest.first + torch.randperm(rest.units, generator=generator)
+            return rest.epoch, order, (step - rest.start) * self.per_step
+        epoch, offset = divmod(step + self.offset, self.steps_per_epoch)
+        order = torch.randperm(self.units, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return epoch, order, offset * self.per_step
 
 
 @dataclass(frozen=True)
@@ -182,9 +264,11 @@ class Course:
     course expected another number (an OOM re-plan halved the rows: twice the steps per epoch) continues
     from the same fraction of the run: from ``from_step``, at ``from_position`` in the schedule, it ends
     at ``total`` after the share of ``planned`` steps still to do, and reads the last steps of the new
-    layout's epochs (``offset``: the run's end meets the end of its planned data). The learning rate
-    goes on from where it stood (``rate_from``, after ``updates_from`` optimizer updates) at the new
-    pace (:meth:`rate_position`). A resume with an unchanged layout keeps the course as it is.
+    layout's epochs (``offset``: the run's end meets the end of its planned data). When the resume knows
+    where the new layout's data stands (the rest of the interrupted epoch, :meth:`Schedule.resting`), the
+    run ends where that data ends instead. The learning rate goes on from where it stood (``rate_from``,
+    after ``updates_from`` optimizer updates) at the new pace (:meth:`rate_position`). A resume with an
+    unchanged layout (``planned`` is ``total + offset``) keeps the course as it is.
     ``length`` is the run length the user asked for (``epochs`` or ``maxSteps``): a job recreated with
     another one starts a new course instead.
 
@@ -231,14 +315,19 @@ class Course:
         """Where the learning rate is in the planned schedule after ``updates`` optimizer updates."""
         return self.rate_from + (updates - self.updates_from) * self.pace
 
-    def resumed(self, step: int, planned: int, updates: int | None = None) -> Course:
+    def resumed(
+        self, step: int, planned: int, updates: int | None = None, offset: int | None = None
+    ) -> Course:
         """The course of a run restarted at ``step``, after ``updates`` optimizer updates (the restored
-        scheduler's; ``step`` when none was skipped), with a layout that takes ``planned`` steps in all."""
-        if self._end(self.from_step, self.from_position, planned) == self.total:
+        scheduler's; ``step`` when none was skipped), with a layout that takes ``planned`` steps in all.
+        ``offset``: where that layout's data stands, when the resume knows it (step ``step`` takes the
+        data at position ``step + offset``): the run ends at ``planned - offset``, where that data ends;
+        else after the share of ``planned`` steps still to do."""
+        if planned == self.total + self.offset and offset in (None, self.offset):
             return self
         updates = step if updates is None else updates
         position = self.position(step)
-        total = self._end(step, position, planned)
+        total = self._end(step, position, planned) if offset is None else max(step, planned - offset)
         return Course(
             self.schedule_steps,
             total,

@@ -9,27 +9,34 @@ reading (EIO, a stale handle) stops the run with the checkpoints kept as they ar
 a permission denied (files a root process left 0600, nfs root_squash), but as a configuration error
 naming the owner, which no restart changes.
 
-A checkpoint records what training it is of (:func:`identity`): a job created again under its name over
+A checkpoint records what training it is of (identity.py): a job created again under its name over
 kept checkpoints with another base model, method, adapter shape or dataset is refused (CONFIG_ERROR,
 naming what differs) before any tensor is read, rather than train on, or write as its output, the old
 weights. So are checkpoints none of which fits the model (a tensor missing or of another shape: an older
 trainer's checkpoints record no identity), instead of being skipped as broken.
 
 The data order follows from the step (batching.py) as long as the layout it depends on is the same: a
-checkpoint records that layout (:func:`fingerprint`), and a resume with another one says so.
+checkpoint records that layout (:func:`fingerprint`) and the rows its epoch has used so far
+(:func:`used_rows`). A resume with another layout goes on with the rest of that epoch, those rows left
+out (:func:`data_order`, :func:`rest_of_epoch`), and an epochs run then ends where that data ends
+(:func:`follow`).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
 import os
 import time
+import zlib
 from collections.abc import Collection
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
@@ -40,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 from sftjob.config import TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import heartbeat, ownership
-from sftjob_trainer.batching import Course, Schedule
+from sftjob_trainer.batching import Course, Schedule, Unit, count_units, make_units, rest_examples
 from sftjob_trainer.checkpoints import (
     BAD_PREFIX,
     SCALER_FILE,
@@ -63,7 +70,8 @@ from sftjob_trainer.checkpoints import (
 from sftjob_trainer.distributed import DistContext, load_rank0_weights, loads_on_rank0
 from sftjob_trainer.durable import fsync_dir
 from sftjob_trainer.failures import causes, permission_advice, permission_denied, storage_failure
-from sftjob_trainer.loop import next_course
+from sftjob_trainer.identity import afresh, identity, identity_differences
+from sftjob_trainer.loop import continue_course, next_course
 from sftjob_trainer.metrics import Phase, TrainerMetrics
 from sftjob_trainer.model import pretrained_weights
 from sftjob_trainer.observer import Observer
@@ -74,6 +82,9 @@ log = logging.getLogger(__name__)
 # The counters every checkpoint has had since the first trainer: without them there is nothing to resume.
 _REQUIRED_STATE = ("step", "tokens", "samples")
 _MISFITS_SHOWN = 3  # tensors named in the error of checkpoints that do not fit the model
+# Fingerprint keys that are not the layout: the worldSize older checkpoints recorded, and where the data
+# order stands (the rest of an epoch it goes on with, the rows the checkpoint's epoch has used).
+_NOT_LAYOUT = ("worldSize", "rest", "used")
 
 
 class Resumed(NamedTuple):
@@ -90,55 +101,6 @@ class OtherShapes(ValueError):
     of another model, method or adapter."""
 
 
-def identity(config: TrainerConfig) -> dict[str, Any]:
-    """What training a checkpoint is of, by the spec fields that name it: the base model, the method, the
-    adapter's shape (LoRA and QLoRA) and the dataset. Not what may change over kept checkpoints by design:
-    the run length, learningRate and weightDecay, the layout (a re-plan's micro-batch, checkpointing and
-    row length), the number and type of GPUs."""
-    model, data = config.model, config.dataset
-    found: dict[str, Any] = {
-        "model.name": model.name,
-        "model.path": model.path,
-        "model.revision": model.revision,
-        "method": config.method,
-        "dataset.name": data.name,
-        "dataset.path": data.path,
-        "dataset.revision": data.revision,
-        "dataset.split": data.split,
-        "dataset.format": data.format,
-    }
-    if config.method != "full":
-        lora, targets = config.lora, config.lora.target_modules
-        found |= {
-            "lora.r": lora.r,
-            "lora.alpha": lora.alpha,
-            "lora.targetModules": targets if isinstance(targets, str) else sorted(targets),
-        }
-    return found
-
-
-def identity_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """What differs between a checkpoint's :func:`identity` and this attempt's, as ``field was X, now Y``.
-    Fields only one of them records (an older or a newer trainer's) are not compared: a checkpoint that
-    records none resumes as before."""
-    return [
-        f"{key} was {_shown(saved[key])}, now {_shown(value)}"
-        for key, value in now.items()
-        if key in saved and saved[key] != value
-    ]
-
-
-def _shown(value: Any) -> str:
-    return "unset" if value is None else json.dumps(value) if isinstance(value, list) else str(value)
-
-
-def _afresh(root: Path) -> str:
-    return (
-        "to start afresh, create the job under another name, with a checkpoint claim or checkpoints.volume"
-        f" of its own, or delete or move the checkpoints out of its checkpoint volume ({root} in the pod)"
-    )
-
-
 def fingerprint(units: int, schedule: Schedule, seed: int, packing: bool) -> dict[str, Any]:
     """What the data order depends on: which units a step takes follows from the units, the global batch
     and the seed (batching.Schedule), not from how many ranks share the batch."""
@@ -146,24 +108,162 @@ def fingerprint(units: int, schedule: Schedule, seed: int, packing: bool) -> dic
 
 
 def same_data_order(saved: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether a checkpoint's :func:`fingerprint` gives the data order ``now`` does; the ``worldSize``
-    older checkpoints recorded is ignored."""
-    return {key: value for key, value in saved.items() if key != "worldSize"} == now
+    """Whether a checkpoint's :func:`fingerprint` gives the data order ``now`` does: the same layout."""
+    return _layout(saved) == now
 
 
-def expected_course(root: Path, training: TrainingSettings, planned: int) -> Course | None:
+def _layout(saved: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in saved.items() if key not in _NOT_LAYOUT}
+
+
+def used_rows(schedule: Schedule, units: list[Unit], step: int) -> dict[str, Any]:
+    """What a checkpoint of ``step`` records of where its data stands (``used`` in its fingerprint): the
+    epoch and the rows its steps have taken so far, as a bitmap, compressed, in base64 (about 170 kB for
+    a million rows)."""
+    epoch, rows = schedule.used(step, units)
+    bits = np.zeros(int(rows[-1]) + 1 if rows.size else 0, dtype=bool)
+    bits[rows] = True
+    return {"epoch": epoch, "rows": base64.b64encode(zlib.compress(np.packbits(bits).tobytes())).decode()}
+
+
+def _rows(text: str) -> np.ndarray:
+    """The sorted rows of :func:`used_rows`'s bitmap."""
+    bits = np.unpackbits(np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.uint8))
+    return np.flatnonzero(bits).astype(np.int64)
+
+
+def data_order(saved: dict[str, Any], layout: dict[str, Any], step: int) -> dict[str, Any]:
+    """The fingerprint of an attempt with ``layout`` that resumes at ``step`` from a checkpoint whose
+    fingerprint is ``saved``: the layout and the ``rest`` of an epoch the data goes on with (its epoch,
+    the step it starts at, the rows that epoch had used: :func:`rest_of_epoch`). With the same layout, the
+    checkpoint's rest if it has one; with another, the rest of the epoch the checkpoint was in, after
+    the rows it records (:func:`used_rows`). A checkpoint of an older trainer records none: the new
+    layout's order then goes on from the same fraction of the run (batching.Course), whatever examples
+    the old one had used."""
+    if same_data_order(saved, layout):
+        return layout | ({"rest": saved["rest"]} if "rest" in saved else {})
+    used = saved.get("used")
+    if used is None:
+        return layout
+    return layout | {"rest": {"epoch": used["epoch"], "step": step, "rows": used["rows"]}}
+
+
+def rest_of_epoch(
+    order: dict[str, Any],
+    step: int,
+    units: list[Unit],
+    schedule: Schedule,
+    packing_length: int | None,
+    pack: bool = True,
+) -> tuple[list[Unit], Schedule]:
+    """The units and the schedule of the data order ``order`` (:func:`data_order`) from ``step`` on: as they
+    are without a rest; with one, ``units`` followed by the rest's, packed anew from the examples whose rows
+    its epoch had not used, and a schedule that trains them first (batching.Schedule.resting). ``pack``
+    False only counts them: the schedule is then for the epoch and the course the setup reports.
+    Once known, the step the rest ends at is recorded in it: a resume past it packs nothing."""
+    rest = order.get("rest")
+    if rest is None:
+        return units, schedule
+    epoch, start, end = rest["epoch"], rest["step"], rest.get("end")
+    if end is not None and step >= end:
+        return units, schedule.starting(epoch + 1, end)
+    used = _rows(rest["rows"])
+    if not used.size:  # interrupted as it started: the epoch in the layout's own units
+        return units, schedule.starting(epoch, start)
+    examples = rest_examples(units, used)
+    extra = make_units(examples, packing_length) if pack else []
+    count = len(extra) if pack else count_units(examples, packing_length)
+    resting = schedule.resting(epoch, start, count, used)
+    assert resting.rest is not None
+    rest["end"] = resting.rest.end
+    if pack:
+        log.info(
+            "the rest of epoch %d: %d examples it has not used yet, in %d units, take steps %d to %d",
+            epoch,
+            len(examples),
+            count,
+            start + 1,
+            resting.rest.end,
+        )
+    return [*units, *extra], resting
+
+
+def follow(
+    state: TrainState, parts: Trainables, training: TrainingSettings, planned: int, schedule: Schedule
+) -> tuple[Course, Schedule]:
+    """The course this attempt follows (loop.continue_course) and the schedule of its data, ``schedule``
+    from :func:`rest_of_epoch`. Without a rest the data goes where the course says (its offset), as it
+    always has; with one, the course of an epochs run ends where the data ends (:func:`_ending_with_data`),
+    put in ``state`` for continue_course to keep and follow."""
+    if "rest" not in state.fingerprint:
+        course = continue_course(state, parts, training, planned)
+        return course, replace(schedule, offset=course.offset)
+    updates = parts.scheduler.last_epoch
+    ending = _ending_with_data(state.course, state.step, training, planned, updates, schedule)
+    before = Course.saved(state.course) if state.course else None
+    if ending is not None and before is not None and ending != before:
+        log.warning(
+            "resuming at step %d with a data layout that takes %d steps for the whole run instead of %d:"
+            " the rest of its data takes %d steps, so it ends at step %d, the learning rate continuing"
+            " from where it stood",
+            state.step,
+            planned,
+            before.total + before.offset,
+            ending.total - state.step,
+            ending.total,
+        )
+        state.course = asdict(ending)
+    return continue_course(state, parts, training, planned), schedule
+
+
+def _ending_with_data(
+    saved: dict[str, Any],
+    step: int,
+    training: TrainingSettings,
+    planned: int,
+    updates: int | None,
+    schedule: Schedule,
+) -> Course | None:
+    """The course ``saved`` resumed at ``step`` to end where the data of ``schedule`` ends (its offset:
+    batching.Course.resumed); None where the run's end does not follow the data: a ``maxSteps`` run, a
+    checkpoint without a course, another run length (which starts a new course: loop.next_course)."""
+    if training.max_steps is not None or not saved:
+        return None
+    before = Course.saved(saved)
+    if next_course(saved, step, training, planned, updates).length != before.length:
+        return None
+    return before.resumed(step, planned, updates, offset=schedule.offset)
+
+
+def expected_course(
+    root: Path,
+    training: TrainingSettings,
+    planned: int,
+    units: list[Unit],
+    schedule: Schedule,
+    packing_length: int | None,
+) -> tuple[Course, Schedule] | None:
     """Rank 0, before the model loads: the course this attempt will follow when it resumes from the newest
     checkpoint that looks complete (:func:`~sftjob_trainer.checkpoints.newest_complete_step`, the step the
-    setup's progress reports show), read from its state without loading it; a fresh one without such a
-    checkpoint. None when that state does not read (the resume skips such a checkpoint, or stops): the
-    setup's reports then leave the total and the epoch out until the resume knows them."""
+    setup's progress reports show), read from its state without loading it, and the schedule of its data
+    (:func:`follow`); a fresh one without such a checkpoint. None when that state does not read (the
+    resume skips such a checkpoint, or stops): the setup's reports then leave the total and the epoch out
+    until the resume knows them."""
     try:
         for _step, path in checkpoint_dirs(root):
             if problem(path) is None:
                 saved = json.loads((path / STATE_FILE).read_text())
-                return next_course(saved.get("course") or {}, int(saved["step"]), training, planned)
-        return next_course({}, 0, training, planned)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+                course, step = saved.get("course") or {}, int(saved["step"])
+                layout = fingerprint(len(units), schedule, training.seed, training.packing)
+                order = data_order(saved.get("fingerprint") or {}, layout, step)
+                if "rest" not in order:
+                    expected = next_course(course, step, training, planned)
+                    return expected, replace(schedule, offset=expected.offset)
+                _, going = rest_of_epoch(order, step, units, schedule, packing_length, pack=False)
+                ending = _ending_with_data(course, step, training, planned, None, going)
+                return ending or next_course(course, step, training, planned), going
+        return next_course({}, 0, training, planned), schedule
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, zlib.error) as exc:
         log.info("the course of the newest checkpoint in %s is not known before it loads: %s", root, exc)
         return None
 
@@ -179,7 +279,8 @@ def restore(
 ) -> tuple[TrainState, Path | None]:
     """Collective: this attempt takes the checkpoint folder over and starts from the newest checkpoint that
     loads (returned with it), or from the pretrained weights with a fresh state (and None). ``layout`` is
-    this attempt's :func:`fingerprint`, recorded in the state.
+    this attempt's :func:`fingerprint`, recorded in the state with where the data order stands
+    (:func:`data_order`).
 
     Under FSDP rank 0 alone reads the pretrained weights and broadcasts them into the shards: before the
     checkpoint for adapters (theirs holds no base; it overwrites the fresh adapters), after it for full
@@ -205,15 +306,19 @@ def restore(
     if resumed is None:
         return TrainState(fingerprint=layout, identity=trains), None
     state, path, _ = resumed
+    order = data_order(state.fingerprint, layout, state.step)
     if not same_data_order(state.fingerprint, layout):
         log.warning(
-            "resuming with a different data layout (%s, was %s): the data order after step %d"
-            " differs from the interrupted run",
+            "resuming with a different data layout (%s, was %s): %s",
             layout,
-            state.fingerprint,
-            state.step,
+            _layout(state.fingerprint),
+            f"the rest of epoch {order['rest']['epoch']} goes on with the examples it has not used yet,"
+            " packed anew, then the new layout's epochs"
+            if "rest" in order
+            else f"the data order after step {state.step} differs from the interrupted run (its checkpoint,"
+            " an older trainer's, does not record which examples its epoch has used)",
         )
-    state.fingerprint, state.identity = layout, trains
+    state.fingerprint, state.identity = order, trains
     return state, path
 
 
@@ -244,7 +349,7 @@ def load_latest(
     optimizer in place, so once one has failed part-way only a later success restores a consistent
     state. When none of them loads, the run stops rather than train from weights half overwritten, or
     from the pretrained weights as if the checkpoints were not there: CONFIG_ERROR when none fits the
-    model (:class:`OtherShapes`), else STORAGE_ERROR. A checkpoint whose :func:`identity` differs from
+    model (:class:`OtherShapes`), else STORAGE_ERROR. A checkpoint whose identity (identity.py) differs from
     ``trains`` stops the run too (CONFIG_ERROR), before its tensors are read. Once one has loaded (or on
     a fresh start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
     """
@@ -275,7 +380,7 @@ def load_latest(
                 ExitCode.CONFIG_ERROR,
                 f"checkpoint {path.name} in {root} is of other training than this job's spec:"
                 f" {'; '.join(differences)}. Resuming it would go on from the old weights: create the job"
-                f" with the spec it was trained with to resume it; {_afresh(root)}",
+                f" with the spec it was trained with to resume it; {afresh(root)}",
             )
         tensors = trainable_tensors(parts)
         planner = _Loading(persistent_buffers(parts.model, tensors["model"]))
@@ -315,7 +420,7 @@ def load_latest(
             f"no checkpoint in {root} fits this model ({', '.join(failed)}; {misfits[0]}): they were"
             " trained with other settings than the spec asks for now (another base model, method,"
             " lora.r or lora.targetModules). Create the job with the settings they were trained with to"
-            f" resume them; {_afresh(root)}",
+            f" resume them; {afresh(root)}",
         )
     if failed:
         raise TrainerError(

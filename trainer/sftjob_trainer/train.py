@@ -13,7 +13,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,6 @@ from sftjob_trainer.loop import (
     NonFiniteSteps,
     build_optimizer,
     build_scheduler,
-    continue_course,
     make_scaler,
     train_step,
 )
@@ -163,7 +161,7 @@ class Training:
             len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
         )
         schedule.validate()
-        planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (loop.continue_course)
+        planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (resume.follow)
         longest = max([n for unit in units for n in unit.lengths] + [len(e.input_ids) for e in held])
         check_positions(model_config, longest)
         attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest, model_class)
@@ -188,9 +186,9 @@ class Training:
         if self.metrics is not None:
             # The course of the checkpoint the attempt will most likely resume from, for the reports until
             # it is restored: an OOM re-plan's resume ends at another step, reads other epochs' data.
-            expected = resume.expected_course(root, t, planned)
-            total, offset = (None, 0) if expected is None else (expected.total, expected.offset)
-            observer = Observer(config, ctx, self.metrics, peak, total, replace(schedule, offset=offset))
+            expected = resume.expected_course(root, t, planned, units, schedule, packing_length)
+            total, going = (None, schedule) if expected is None else (expected[0].total, expected[1])
+            observer = Observer(config, ctx, self.metrics, peak, total, going)
             self.observer = observer
             observer.metrics.bad_rows.inc(stats.bad_rows)
             observer.phase("data ready", checkpoints.newest_complete_step(root), then=Phase.LOADING_MODEL)
@@ -200,11 +198,13 @@ class Training:
             "badRows": stats.bad_rows,
             "truncated": stats.truncated,
             "withoutTarget": stats.without_target,
+            "answersCutByTemplate": stats.answers_cut_by_template,
+            "answersUntrained": stats.answers_untrained,
         }
         if evaluation is not None:
             data["evalExamples"] = evaluation.examples
         summary = self.train(
-            tokenizer, units, schedule, layout, attention, planned, observer, data, evaluation
+            tokenizer, units, packing_length, schedule, layout, attention, planned, observer, data, evaluation
         )
         if ctx.is_main:
             log.info("done: %s", json.dumps(summary))
@@ -214,6 +214,7 @@ class Training:
         self,
         tokenizer: Any,
         units: list[Unit],
+        packing_length: int | None,
         schedule: Schedule,
         layout: Layout,
         attention: str,
@@ -265,8 +266,9 @@ class Training:
         resumed_from = state.step if resumed else None
         if evaluation is not None:
             selection.measured_on(state, evaluation.fingerprint)  # before the resume's report and evaluation
-        course = continue_course(state, parts, self.t, planned)
-        schedule = replace(schedule, offset=course.offset)
+        # After a resume with another layout, the rest of the epoch it interrupted first (resume.py).
+        units, schedule = resume.rest_of_epoch(state.fingerprint, state.step, units, schedule, packing_length)
+        course, schedule = resume.follow(state, parts, self.t, planned, schedule)
         if observer is not None:
             observer.follow(schedule, course.total)
             if resumed is not None:
@@ -383,6 +385,10 @@ class Training:
                 selection.saving(state)
                 doing = f"saving the checkpoint of step {state.step}"
                 with heartbeat.saving(observer, doing, self.io_seconds):  # a SIGTERM's save as well
+                    if ctx.is_main:  # the rows this epoch has used, for a resume with another layout
+                        state.fingerprint["used"] = resume.used_rows(
+                            batches.schedule, batches.units, state.step
+                        )
                     job = self.config.job
                     path = checkpoints.save(
                         Path(every.dir), state, parts, ctx, keep=every.keep, job=job, keep_best=best
