@@ -133,3 +133,24 @@ ctx = init_distributed(config)
 torch.manual_seed(0)
 model = wrap_model(Small(), config, ctx, torch.float32)
 """
+
+
+def tiny_glm_moe_config(vocab_size: int, **extra: Any) -> Any:
+    """A tiny GLM-4 MoE's config: a mixture whose router correction bias is a buffer its weights carry and
+    its class keeps in fp32 (``_keep_in_fp32_modules_strict``), which a model built from its config zeroes."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        **extra,
+    )

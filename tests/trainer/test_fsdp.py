@@ -23,7 +23,14 @@ from sftjob.config import TrainerConfig
 from sftjob_trainer import distributed
 from sftjob_trainer.distributed import DistContext, wrap_model
 from sftjob_trainer.model import build_model, load_model
-from tests.trainer.runs import RANKS, SMALL_SHARDED_MODEL, MakeConfig, torchrun, trainer_output
+from tests.trainer.runs import (
+    RANKS,
+    SMALL_SHARDED_MODEL,
+    MakeConfig,
+    tiny_glm_moe_config,
+    torchrun,
+    trainer_output,
+)
 
 pytestmark = pytest.mark.trainer
 
@@ -226,23 +233,13 @@ ROUTER_BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 def tiny_glm_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GLM-4 MoE whose router correction bias, a buffer, comes from its weights (not zero,
     as the model class builds it)."""
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+    from transformers import Glm4MoeForCausalLM
 
     from sftjob_trainer.tiny import make_tokenizer
 
     tokenizer = make_tokenizer()
-    config = Glm4MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
+    config = tiny_glm_moe_config(
+        len(tokenizer),
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,

@@ -25,6 +25,7 @@ from sftjob_trainer.observer import TRAIN_LOG_FILE
 from sftjob_trainer.output import save_output
 from sftjob_trainer.preflight import check_model_files
 from sftjob_trainer.tiny import make_tokenizer, tiny_llama
+from tests.trainer.runs import tiny_glm_moe_config
 
 pytestmark = pytest.mark.trainer
 
@@ -83,22 +84,10 @@ def test_a_full_fine_tune_is_written_in_bf16_with_a_config_that_says_so_and_its_
 def test_a_full_fine_tune_writes_in_fp32_what_its_model_keeps_in_fp32_as_from_pretrained_loads_it(
     tmp_path: Path,
 ) -> None:
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
+    from transformers import AutoModelForCausalLM, Glm4MoeForCausalLM
 
     tokenizer = make_tokenizer()
-    shape = Glm4MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-    )
+    shape = tiny_glm_moe_config(len(tokenizer))
     model = Glm4MoeForCausalLM(shape)  # _keep_in_fp32_modules_strict: its router's correction bias
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     routing = torch.tensor([0.1234567, -2.3456789, 3.4567891, 1e-4])  # digits bf16 would round away
