@@ -336,9 +336,12 @@ def _check_owner(kind: str, name: str, owner: str, existing: Mapping[str, Any]) 
     Anything but a pod that is being deleted is refused too, until it is gone: a pod created to use it
     would wait for it forever (an earlier job's claim, which ``pvc-protection`` keeps until that job's
     pods have stopped). This job's own pod being deleted is no such thing: the pass judges it once gone."""
-    if kind != "Pod" and (existing.get("metadata") or {}).get("deletionTimestamp"):
-        raise NameTaken(f"{kind} {name} already exists and is being deleted: created again once it is gone")
     theirs = controller_uid(existing)
+    if kind != "Pod" and (existing.get("metadata") or {}).get("deletionTimestamp"):
+        whose = f" (owner uid {theirs})" if theirs is not None and theirs != owner else ""
+        raise NameTaken(
+            f"{kind} {name} already exists and is being deleted{whose}: created again once it is gone"
+        )
     if theirs == owner or (theirs is None and kind == "PersistentVolumeClaim"):
         return
     if theirs is None:

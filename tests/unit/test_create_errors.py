@@ -185,7 +185,9 @@ def test_a_claim_being_deleted_is_waited_for_so_no_pod_is_made_to_wait_on_it_for
     api = FakeApi({"create": api_error(409, "already exists")}, existing=being_deleted(owned_by(owner)))
     with pytest.raises(NameTaken) as raised:
         fake_kube(api).ensure(claim(None if kept else JOB_UID))
-    assert str(raised.value).endswith("is being deleted: created again once it is gone")
+    said = str(raised.value)
+    assert "is being deleted" in said and said.endswith("created again once it is gone")
+    assert ("(owner uid uid-old)" in said) == (owner == "uid-old")  # whose, where it is another job's
 
 
 def test_this_jobs_own_pod_being_deleted_is_taken_as_there_for_the_pass_to_judge() -> None:
