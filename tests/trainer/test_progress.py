@@ -18,12 +18,12 @@ from sftjob_trainer import observer as observer_module
 from sftjob_trainer.batching import Course, Schedule, make_units
 from sftjob_trainer.checkpoints import STATE_FILE, TrainState, checkpoint_dirs
 from sftjob_trainer.data import Example
+from sftjob_trainer.data_order import expected_course
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.flops import FlopsModel
 from sftjob_trainer.loop import StepResult
 from sftjob_trainer.metrics import TrainerMetrics
 from sftjob_trainer.observer import Observer
-from sftjob_trainer.resume import expected_course
 from sftjob_trainer.train import run
 from tests.trainer.runs import ONE_PACKED_EPOCH, MakeConfig, killed_at, train_log
 

@@ -18,7 +18,7 @@ import torch
 
 from sftjob.config import TrainingSettings
 from sftjob.failures import ExitCode
-from sftjob_trainer import resume
+from sftjob_trainer import data_order
 from sftjob_trainer.batching import Course, Schedule, StepBatches, Unit, make_units
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.data import Example
@@ -42,7 +42,7 @@ def _examples(count: int, longest: int) -> list[Example]:
 
 
 def _layout(units: list[Unit]) -> dict[str, Any]:
-    return resume.fingerprint(len(units), Schedule(len(units), MICRO_BATCH, 1, RANKS, SEED), SEED, True)
+    return data_order.fingerprint(len(units), Schedule(len(units), MICRO_BATCH, 1, RANKS, SEED), SEED, True)
 
 
 @dataclass
@@ -82,12 +82,12 @@ def _replanned(epochs: int, fraction: float) -> tuple[Trained, list[Unit], list[
     stop = int(planned_before * fraction)
     trained = Trained()
     trained.steps(old, before, 0, stop)
-    saved = json.loads(json.dumps(_layout(old) | {"used": resume.used_rows(before, old, stop)}))
+    saved = json.loads(json.dumps(_layout(old) | {"used": data_order.used_rows(before, old, stop)}))
 
     halved = make_units([Example(e.input_ids[:1024], e.labels[:1024], e.row) for e in examples], 1024)
-    order = resume.data_order(saved, _layout(halved), stop)
+    order = data_order.data_order(saved, _layout(halved), stop)
     after = Schedule(len(halved), MICRO_BATCH, 1, RANKS, SEED)
-    units, schedule = resume.rest_of_epoch(order, stop, halved, after, 1024)
+    units, schedule = data_order.rest_of_epoch(order, stop, halved, after, 1024)
     planned = after.total_steps(epochs, None)
     course = Course.fresh(planned_before, f"epochs {epochs}").resumed(stop, planned, offset=schedule.offset)
     trained.steps(units, schedule, stop, course.total)
@@ -122,10 +122,10 @@ def test_halving_the_rows_in_either_epoch_of_two_trains_every_example_once_an_ep
 def test_a_resume_with_the_same_layout_takes_the_same_units_every_step_as_before() -> None:
     units = make_units(_examples(300, 2048), 2048)
     schedule = Schedule(len(units), MICRO_BATCH, 1, RANKS, SEED, offset=3)
-    saved = _layout(units) | {"used": resume.used_rows(schedule, units, 40), "worldSize": 2}
-    order = resume.data_order(saved, _layout(units), 40)
-    assert order == _layout(units) and resume.same_data_order(saved, order)
-    going, same = resume.rest_of_epoch(order, 40, units, schedule, 2048)
+    saved = _layout(units) | {"used": data_order.used_rows(schedule, units, 40), "worldSize": 2}
+    order = data_order.data_order(saved, _layout(units), 40)
+    assert order == _layout(units) and data_order.same_data_order(saved, order)
+    going, same = data_order.rest_of_epoch(order, 40, units, schedule, 2048)
     assert going is units and same is schedule
 
 
@@ -133,16 +133,16 @@ def test_a_restart_with_the_same_layout_within_the_rest_of_an_epoch_goes_on_in_t
     examples = _examples(600, 2048)
     old = make_units(examples, 2048)
     before = Schedule(len(old), MICRO_BATCH, 1, RANKS, SEED)
-    saved = _layout(old) | {"used": resume.used_rows(before, old, 10)}
+    saved = _layout(old) | {"used": data_order.used_rows(before, old, 10)}
     halved = make_units([Example(e.input_ids[:1024], e.labels[:1024], e.row) for e in examples], 1024)
     after = Schedule(len(halved), MICRO_BATCH, 1, RANKS, SEED)
-    order = resume.data_order(saved, _layout(halved), 10)
-    units, schedule = resume.rest_of_epoch(order, 10, halved, after, 1024)
+    order = data_order.data_order(saved, _layout(halved), 10)
+    units, schedule = data_order.rest_of_epoch(order, 10, halved, after, 1024)
     assert schedule.rest is not None and schedule.rest.end > 15
     # The attempt saves at step 15, within the rest, and the next one resumes there with its layout.
-    checkpoint = json.loads(json.dumps(order | {"used": resume.used_rows(schedule, units, 15)}))
-    again = resume.data_order(checkpoint, _layout(halved), 15)
-    units_again, schedule_again = resume.rest_of_epoch(again, 15, halved, after, 1024)
+    checkpoint = json.loads(json.dumps(order | {"used": data_order.used_rows(schedule, units, 15)}))
+    again = data_order.data_order(checkpoint, _layout(halved), 15)
+    units_again, schedule_again = data_order.rest_of_epoch(again, 15, halved, after, 1024)
     for step in range(15, schedule.rest.end + 2 * schedule.steps_per_epoch):
         for rank in range(RANKS):
             picked = schedule.micro_batches(step, rank)
@@ -152,10 +152,10 @@ def test_a_restart_with_the_same_layout_within_the_rest_of_an_epoch_goes_on_in_t
             ]
     # One that resumes past the rest packs none, and goes on in the same order.
     late = schedule.rest.end + 3
-    past = resume.data_order(
-        checkpoint | {"used": resume.used_rows(schedule, units, late)}, _layout(halved), late
+    past = data_order.data_order(
+        checkpoint | {"used": data_order.used_rows(schedule, units, late)}, _layout(halved), late
     )
-    units_past, schedule_past = resume.rest_of_epoch(past, late, halved, after, 1024)
+    units_past, schedule_past = data_order.rest_of_epoch(past, late, halved, after, 1024)
     assert units_past is halved and schedule_past.rest is None
     assert schedule_past.micro_batches(late, 1) == schedule.micro_batches(late, 1)
 
@@ -165,11 +165,11 @@ def test_a_layout_change_at_the_start_of_an_epoch_trains_that_epoch_in_the_new_l
     old = make_units(examples, 2048)
     before = Schedule(len(old), MICRO_BATCH, 1, RANKS, SEED)
     at = 2 * before.steps_per_epoch  # epoch 2 starts
-    saved = _layout(old) | {"used": resume.used_rows(before, old, at)}
+    saved = _layout(old) | {"used": data_order.used_rows(before, old, at)}
     halved = make_units([Example(e.input_ids[:1024], e.labels[:1024], e.row) for e in examples], 1024)
-    order = resume.data_order(saved, _layout(halved), at)
+    order = data_order.data_order(saved, _layout(halved), at)
     after = Schedule(len(halved), MICRO_BATCH, 1, RANKS, SEED)
-    units, schedule = resume.rest_of_epoch(order, at, halved, after, 1024)
+    units, schedule = data_order.rest_of_epoch(order, at, halved, after, 1024)
     assert units is halved and schedule.rest is None
     assert schedule.micro_batches(at, 1) == after.micro_batches(2 * after.steps_per_epoch, 1)
 
@@ -179,10 +179,10 @@ def test_a_checkpoint_records_the_rows_its_epoch_has_used_in_under_two_bits_a_ro
         [Example(np.ones(3, np.int32), np.ones(3, np.int32), row) for row in range(100_000)], None
     )
     schedule = Schedule(len(units), 10, 1, 1, SEED)
-    used = resume.used_rows(schedule, units, 6_000)  # 60% of the epoch
+    used = data_order.used_rows(schedule, units, 6_000)  # 60% of the epoch
     assert used["epoch"] == 0 and len(used["rows"]) < 100_000 * 2 / 8
-    order = resume.data_order(_layout(units) | {"perStep": 5, "used": used}, _layout(units), 6_000)
-    _, resting = resume.rest_of_epoch(order, 6_000, units, schedule, None)
+    order = data_order.data_order(_layout(units) | {"perStep": 5, "used": used}, _layout(units), 6_000)
+    _, resting = data_order.rest_of_epoch(order, 6_000, units, schedule, None)
     assert resting.rest is not None and resting.rest.units == 40_000 and order["rest"]["end"] == 10_000
 
 
@@ -200,14 +200,16 @@ def _resumed_state(length: str, schedule_steps: int) -> tuple[TrainState, list[U
         Unit(np.ones(6, np.int32), np.ones(6, np.int32), (3, 3), (2 * i, 2 * i + 1)) for i in range(4000)
     ]
     before = Schedule(len(paired), 100, 1, 1, SEED)  # 40 steps an epoch
-    saved = resume.fingerprint(4000, before, SEED, True) | {"used": resume.used_rows(before, paired, 20)}
+    saved = data_order.fingerprint(4000, before, SEED, True) | {
+        "used": data_order.used_rows(before, paired, 20)
+    }
     units = make_units(
         [Example(np.ones(3, np.int32), np.ones(3, np.int32), row) for row in range(8000)], None
     )
     schedule = Schedule(len(units), 100, 1, 1, SEED)
-    order = resume.data_order(saved, resume.fingerprint(len(units), schedule, SEED, True), 20)
+    order = data_order.data_order(saved, data_order.fingerprint(len(units), schedule, SEED, True), 20)
     state = TrainState(step=20, fingerprint=order, course=asdict(Course.fresh(schedule_steps, length)))
-    units, schedule = resume.rest_of_epoch(order, 20, units, schedule, None)
+    units, schedule = data_order.rest_of_epoch(order, 20, units, schedule, None)
     return state, units, schedule
 
 
@@ -216,17 +218,17 @@ def test_an_epochs_run_resumed_with_another_layout_ends_with_its_data_and_keeps_
 ) -> None:
     state, _, schedule = _resumed_state("epochs 1", 40)
     with caplog.at_level(logging.WARNING):
-        course, followed = resume.follow(state, _parts(80), TrainingSettings(epochs=1), 80, schedule)
+        course, followed = data_order.follow(state, _parts(80), TrainingSettings(epochs=1), 80, schedule)
     assert followed is schedule and course.total == 20 + 40  # 4,000 examples left, 100 a step
     assert course.offset == schedule.offset and course.position(20) == 20
     assert "resuming at step 20 with a data layout that takes 80 steps" in caplog.text
     again = TrainState(step=30, fingerprint=state.fingerprint, course=state.course)  # a later restart
-    assert resume.follow(again, _parts(80), TrainingSettings(epochs=1), 80, schedule)[0] == course
+    assert data_order.follow(again, _parts(80), TrainingSettings(epochs=1), 80, schedule)[0] == course
 
 
 def test_a_max_steps_run_resumed_with_another_layout_ends_at_its_steps_after_the_rest_of_the_epoch() -> None:
     state, _, schedule = _resumed_state("maxSteps 100", 100)
-    course, followed = resume.follow(state, _parts(100), TrainingSettings(maxSteps=100), 100, schedule)
+    course, followed = data_order.follow(state, _parts(100), TrainingSettings(maxSteps=100), 100, schedule)
     assert course == Course.fresh(100) and followed is schedule
     assert schedule.rest is not None and schedule.rest.end == 60
     # Then the new layout's second epoch, at its start.

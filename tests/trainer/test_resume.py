@@ -17,7 +17,7 @@ from sftjob.failures import ExitCode
 from sftjob_trainer import checkpoints
 from sftjob_trainer.batching import Schedule
 from sftjob_trainer.checkpoints import BAD_PREFIX, TENSORS_DIR, TrainState, checkpoint_dirs, problem
-from sftjob_trainer.resume import same_data_order
+from sftjob_trainer.data_order import same_data_order
 from sftjob_trainer.tiny import write_dataset
 from sftjob_trainer.train import run
 from tests.trainer.runs import MakeConfig, start_trainer, train_log, trainer_output, wait_for_step

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from sftjob.config import EvaluationSettings, JobRef, TrainerConfig
 from sftjob.failures import ExitCode
-from sftjob_trainer import checkpoints, ownership, resume, selection
+from sftjob_trainer import checkpoint_loading, checkpoints, ownership, selection
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.train import run
@@ -87,7 +87,7 @@ def test_rotation_spares_the_best_checkpoint_and_its_weights_load_back_into_the_
         checkpoints.save(tmp_path, state, parts, ONE_PROCESS, keep=1, job=JOB, keep_best=True)
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2]
 
-    resume.load_weights(tmp_path / "checkpoint-2", parts, ONE_PROCESS)
+    checkpoint_loading.load_weights(tmp_path / "checkpoint-2", parts, ONE_PROCESS)
     assert torch.equal(parts.model.weight, saved[2])
 
 

@@ -64,10 +64,12 @@ TRAINABLE = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 @dataclass
 class TrainState:
-    """Counters that survive a restart; ``fingerprint`` records what the data order depends on, ``course``
-    where the run ends and how far along it is (``batching.Course``), ``identity`` what training this is
-    (``resume.identity``: the base model, the method, the adapter's shape, the dataset), which a resume
-    compares with the job's. The last two are empty in older checkpoints."""
+    """Counters that survive a restart; ``fingerprint`` records what the data order depends on
+    (data_order.py), ``course`` where the run ends and how far along it is (``batching.Course``),
+    ``identity`` what training this is (identity.py: the base model, the method, the adapter's shape, the
+    dataset), which a resume compares with the job's, and ``versions`` the transformers and peft that
+    saved it (``identity.model_code``: not part of the identity), which a checkpoint of the same training
+    that does not fit the model is explained by. The last three are empty in older checkpoints."""
 
     step: int = 0
     tokens: int = 0
@@ -83,6 +85,7 @@ class TrainState:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     course: dict[str, Any] = field(default_factory=dict)
     identity: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
     nonfinite_in_a_row: int = 0  # steps skipped for a non-finite loss or gradients, up to this one
 
 

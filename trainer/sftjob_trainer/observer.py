@@ -59,7 +59,8 @@ class Observer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``total`` and ``schedule``: the steps and the data order of the course the attempt is expected to
-        follow (``resume.expected_course``); ``total`` None while that is not known, until :meth:`follow`."""
+        follow (``data_order.expected_course``); ``total`` None while that is not known, until
+        :meth:`follow`."""
         self.ctx, self.metrics, self.peak, self.schedule = ctx, metrics, peak, schedule
         self.total = 0 if total is None else total
         self.known = total is not None  # whether the total and the epoch are known, to be reported

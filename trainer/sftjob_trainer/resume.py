@@ -7,53 +7,50 @@ warning and the next older one is tried. Those newer than the one resumed from a
 rank below them, nor rotation delete the run's own progress to keep them. A storage failure while
 reading (EIO, a stale handle) stops the run with the checkpoints kept as they are for the restart; so does
 a permission denied (files a root process left 0600, nfs root_squash), but as a configuration error
-naming the owner, which no restart changes.
+naming the owner, which no restart changes (checkpoint_loading.py tells these apart).
 
 A checkpoint records what training it is of (identity.py): a job created again under its name over
 kept checkpoints with another base model, method, adapter shape or dataset is refused (CONFIG_ERROR,
 naming what differs) before any tensor is read, rather than train on, or write as its output, the old
-weights. So are checkpoints none of which fits the model (a tensor missing or of another shape: an older
-trainer's checkpoints record no identity), instead of being skipped as broken.
+weights; a model or dataset only moved (from the hub to a volume) or pinned to a revision is resumed,
+with a warning. So are checkpoints none of which fits the model (a tensor missing or of another shape:
+an older trainer's checkpoints record no identity, and a trainer image of another transformers or PEFT
+version may name or shape the parameters otherwise), instead of being skipped as broken.
 
-The data order follows from the step (batching.py) as long as the layout it depends on is the same: a
-checkpoint records that layout (:func:`fingerprint`) and the rows its epoch has used so far
-(:func:`used_rows`). A resume with another layout goes on with the rest of that epoch, those rows left
-out (:func:`data_order`, :func:`rest_of_epoch`), and an epochs run then ends where that data ends
-(:func:`follow`).
+Where the data order of the checkpoint resumed from stands is data_order.py's.
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import logging
 import os
 import time
-import zlib
-from collections.abc import Collection
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-from sftjob.config import TrainerConfig, TrainingSettings
+from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import heartbeat, ownership
-from sftjob_trainer.batching import Course, Schedule, Unit, count_units, make_units, rest_examples
+from sftjob_trainer.checkpoint_loading import (
+    Loading,
+    OtherShapes,
+    load_tensors,
+    load_weights,
+    read_failure,
+    storage_error,
+    tensors_failure,
+)
 from sftjob_trainer.checkpoints import (
     BAD_PREFIX,
     SCALER_FILE,
     SCHEDULER_FILE,
     STATE_FILE,
-    TENSORS_DIR,
     TRAINABLE,
     Trainables,
     TrainState,
@@ -62,16 +59,14 @@ from sftjob_trainer.checkpoints import (
     persistent_buffers,
     problem,
     rng_file,
-    single_process_is_meant,
     step_of,
     trainable_tensors,
-    trainable_weights,
 )
+from sftjob_trainer.data_order import data_order, layout_of, same_data_order
 from sftjob_trainer.distributed import DistContext, load_rank0_weights, loads_on_rank0
 from sftjob_trainer.durable import fsync_dir
-from sftjob_trainer.failures import causes, permission_advice, permission_denied, storage_failure
-from sftjob_trainer.identity import afresh, identity, identity_differences
-from sftjob_trainer.loop import continue_course, next_course
+from sftjob_trainer.failures import permission_advice, storage_failure
+from sftjob_trainer.identity import Comparison, afresh, code_changes, compare, identity, model_code
 from sftjob_trainer.metrics import Phase, TrainerMetrics
 from sftjob_trainer.model import pretrained_weights
 from sftjob_trainer.observer import Observer
@@ -81,10 +76,6 @@ log = logging.getLogger(__name__)
 
 # The counters every checkpoint has had since the first trainer: without them there is nothing to resume.
 _REQUIRED_STATE = ("step", "tokens", "samples")
-_MISFITS_SHOWN = 3  # tensors named in the error of checkpoints that do not fit the model
-# Fingerprint keys that are not the layout: the worldSize older checkpoints recorded, and where the data
-# order stands (the rest of an epoch it goes on with, the rows the checkpoint's epoch has used).
-_NOT_LAYOUT = ("worldSize", "rest", "used")
 
 
 class Resumed(NamedTuple):
@@ -94,178 +85,6 @@ class Resumed(NamedTuple):
     state: TrainState
     path: Path
     without_buffers: list[str]
-
-
-class OtherShapes(ValueError):
-    """A checkpoint lacks tensors the model has, or holds them in another shape (:class:`_Loading`): it is
-    of another model, method or adapter."""
-
-
-def fingerprint(units: int, schedule: Schedule, seed: int, packing: bool) -> dict[str, Any]:
-    """What the data order depends on: which units a step takes follows from the units, the global batch
-    and the seed (batching.Schedule), not from how many ranks share the batch."""
-    return {"units": units, "perStep": schedule.per_step, "seed": seed, "packing": packing}
-
-
-def same_data_order(saved: dict[str, Any], now: dict[str, Any]) -> bool:
-    """Whether a checkpoint's :func:`fingerprint` gives the data order ``now`` does: the same layout."""
-    return _layout(saved) == now
-
-
-def _layout(saved: dict[str, Any]) -> dict[str, Any]:
-    return {key: value for key, value in saved.items() if key not in _NOT_LAYOUT}
-
-
-def used_rows(schedule: Schedule, units: list[Unit], step: int) -> dict[str, Any]:
-    """What a checkpoint of ``step`` records of where its data stands (``used`` in its fingerprint): the
-    epoch and the rows its steps have taken so far, as a bitmap, compressed, in base64 (about 170 kB for
-    a million rows)."""
-    epoch, rows = schedule.used(step, units)
-    bits = np.zeros(int(rows[-1]) + 1 if rows.size else 0, dtype=bool)
-    bits[rows] = True
-    return {"epoch": epoch, "rows": base64.b64encode(zlib.compress(np.packbits(bits).tobytes())).decode()}
-
-
-def _rows(text: str) -> np.ndarray:
-    """The sorted rows of :func:`used_rows`'s bitmap."""
-    bits = np.unpackbits(np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype=np.uint8))
-    return np.flatnonzero(bits).astype(np.int64)
-
-
-def data_order(saved: dict[str, Any], layout: dict[str, Any], step: int) -> dict[str, Any]:
-    """The fingerprint of an attempt with ``layout`` that resumes at ``step`` from a checkpoint whose
-    fingerprint is ``saved``: the layout and the ``rest`` of an epoch the data goes on with (its epoch,
-    the step it starts at, the rows that epoch had used: :func:`rest_of_epoch`). With the same layout, the
-    checkpoint's rest if it has one; with another, the rest of the epoch the checkpoint was in, after
-    the rows it records (:func:`used_rows`). A checkpoint of an older trainer records none: the new
-    layout's order then goes on from the same fraction of the run (batching.Course), whatever examples
-    the old one had used."""
-    if same_data_order(saved, layout):
-        return layout | ({"rest": saved["rest"]} if "rest" in saved else {})
-    used = saved.get("used")
-    if used is None:
-        return layout
-    return layout | {"rest": {"epoch": used["epoch"], "step": step, "rows": used["rows"]}}
-
-
-def rest_of_epoch(
-    order: dict[str, Any],
-    step: int,
-    units: list[Unit],
-    schedule: Schedule,
-    packing_length: int | None,
-    pack: bool = True,
-) -> tuple[list[Unit], Schedule]:
-    """The units and the schedule of the data order ``order`` (:func:`data_order`) from ``step`` on: as they
-    are without a rest; with one, ``units`` followed by the rest's, packed anew from the examples whose rows
-    its epoch had not used, and a schedule that trains them first (batching.Schedule.resting). ``pack``
-    False only counts them: the schedule is then for the epoch and the course the setup reports.
-    Once known, the step the rest ends at is recorded in it: a resume past it packs nothing."""
-    rest = order.get("rest")
-    if rest is None:
-        return units, schedule
-    epoch, start, end = rest["epoch"], rest["step"], rest.get("end")
-    if end is not None and step >= end:
-        return units, schedule.starting(epoch + 1, end)
-    used = _rows(rest["rows"])
-    if not used.size:  # interrupted as it started: the epoch in the layout's own units
-        return units, schedule.starting(epoch, start)
-    examples = rest_examples(units, used)
-    extra = make_units(examples, packing_length) if pack else []
-    count = len(extra) if pack else count_units(examples, packing_length)
-    resting = schedule.resting(epoch, start, count, used)
-    assert resting.rest is not None
-    rest["end"] = resting.rest.end
-    if pack:
-        log.info(
-            "the rest of epoch %d: %d examples it has not used yet, in %d units, take steps %d to %d",
-            epoch,
-            len(examples),
-            count,
-            start + 1,
-            resting.rest.end,
-        )
-    return [*units, *extra], resting
-
-
-def follow(
-    state: TrainState, parts: Trainables, training: TrainingSettings, planned: int, schedule: Schedule
-) -> tuple[Course, Schedule]:
-    """The course this attempt follows (loop.continue_course) and the schedule of its data, ``schedule``
-    from :func:`rest_of_epoch`. Without a rest the data goes where the course says (its offset), as it
-    always has; with one, the course of an epochs run ends where the data ends (:func:`_ending_with_data`),
-    put in ``state`` for continue_course to keep and follow."""
-    if "rest" not in state.fingerprint:
-        course = continue_course(state, parts, training, planned)
-        return course, replace(schedule, offset=course.offset)
-    updates = parts.scheduler.last_epoch
-    ending = _ending_with_data(state.course, state.step, training, planned, updates, schedule)
-    before = Course.saved(state.course) if state.course else None
-    if ending is not None and before is not None and ending != before:
-        log.warning(
-            "resuming at step %d with a data layout that takes %d steps for the whole run instead of %d:"
-            " the rest of its data takes %d steps, so it ends at step %d, the learning rate continuing"
-            " from where it stood",
-            state.step,
-            planned,
-            before.total + before.offset,
-            ending.total - state.step,
-            ending.total,
-        )
-        state.course = asdict(ending)
-    return continue_course(state, parts, training, planned), schedule
-
-
-def _ending_with_data(
-    saved: dict[str, Any],
-    step: int,
-    training: TrainingSettings,
-    planned: int,
-    updates: int | None,
-    schedule: Schedule,
-) -> Course | None:
-    """The course ``saved`` resumed at ``step`` to end where the data of ``schedule`` ends (its offset:
-    batching.Course.resumed); None where the run's end does not follow the data: a ``maxSteps`` run, a
-    checkpoint without a course, another run length (which starts a new course: loop.next_course)."""
-    if training.max_steps is not None or not saved:
-        return None
-    before = Course.saved(saved)
-    if next_course(saved, step, training, planned, updates).length != before.length:
-        return None
-    return before.resumed(step, planned, updates, offset=schedule.offset)
-
-
-def expected_course(
-    root: Path,
-    training: TrainingSettings,
-    planned: int,
-    units: list[Unit],
-    schedule: Schedule,
-    packing_length: int | None,
-) -> tuple[Course, Schedule] | None:
-    """Rank 0, before the model loads: the course this attempt will follow when it resumes from the newest
-    checkpoint that looks complete (:func:`~sftjob_trainer.checkpoints.newest_complete_step`, the step the
-    setup's progress reports show), read from its state without loading it, and the schedule of its data
-    (:func:`follow`); a fresh one without such a checkpoint. None when that state does not read (the
-    resume skips such a checkpoint, or stops): the setup's reports then leave the total and the epoch out
-    until the resume knows them."""
-    try:
-        for _step, path in checkpoint_dirs(root):
-            if problem(path) is None:
-                saved = json.loads((path / STATE_FILE).read_text())
-                course, step = saved.get("course") or {}, int(saved["step"])
-                layout = fingerprint(len(units), schedule, training.seed, training.packing)
-                order = data_order(saved.get("fingerprint") or {}, layout, step)
-                if "rest" not in order:
-                    expected = next_course(course, step, training, planned)
-                    return expected, replace(schedule, offset=expected.offset)
-                _, going = rest_of_epoch(order, step, units, schedule, packing_length, pack=False)
-                ending = _ending_with_data(course, step, training, planned, None, going)
-                return ending or next_course(course, step, training, planned), going
-        return next_course({}, 0, training, planned), schedule
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, zlib.error) as exc:
-        log.info("the course of the newest checkpoint in %s is not known before it loads: %s", root, exc)
-        return None
 
 
 def restore(
@@ -279,8 +98,8 @@ def restore(
 ) -> tuple[TrainState, Path | None]:
     """Collective: this attempt takes the checkpoint folder over and starts from the newest checkpoint that
     loads (returned with it), or from the pretrained weights with a fresh state (and None). ``layout`` is
-    this attempt's :func:`fingerprint`, recorded in the state with where the data order stands
-    (:func:`data_order`).
+    this attempt's ``data_order.fingerprint``, recorded in the state with where the data order stands
+    (``data_order.data_order``).
 
     Under FSDP rank 0 alone reads the pretrained weights and broadcasts them into the shards: before the
     checkpoint for adapters (theirs holds no base; it overwrites the fresh adapters), after it for full
@@ -302,23 +121,23 @@ def restore(
         if resumed is not None:
             why = load_weights(resumed.path, parts, ctx)
             if why is not None:
-                raise _storage_error(f"could not read the weights of {resumed.path} again: {why}")
+                raise storage_error(f"could not read the weights of {resumed.path} again: {why}")
     if resumed is None:
-        return TrainState(fingerprint=layout, identity=trains), None
+        return TrainState(fingerprint=layout, identity=trains, versions=model_code()), None
     state, path, _ = resumed
     order = data_order(state.fingerprint, layout, state.step)
     if not same_data_order(state.fingerprint, layout):
         log.warning(
             "resuming with a different data layout (%s, was %s): %s",
             layout,
-            _layout(state.fingerprint),
+            layout_of(state.fingerprint),
             f"the rest of epoch {order['rest']['epoch']} goes on with the examples it has not used yet,"
             " packed anew, then the new layout's epochs"
             if "rest" in order
             else f"the data order after step {state.step} differs from the interrupted run (its checkpoint,"
             " an older trainer's, does not record which examples its epoch has used)",
         )
-    state.fingerprint, state.identity = order, trains
+    state.fingerprint, state.identity, state.versions = order, trains, model_code()
     return state, path
 
 
@@ -349,15 +168,18 @@ def load_latest(
     optimizer in place, so once one has failed part-way only a later success restores a consistent
     state. When none of them loads, the run stops rather than train from weights half overwritten, or
     from the pretrained weights as if the checkpoints were not there: CONFIG_ERROR when none fits the
-    model (:class:`OtherShapes`), else STORAGE_ERROR. A checkpoint whose identity (identity.py) differs from
-    ``trains`` stops the run too (CONFIG_ERROR), before its tensors are read. Once one has loaded (or on
-    a fresh start) every checkpoint newer than it is set aside (:func:`_set_aside_newer`).
+    model (:class:`OtherShapes`: :func:`_no_fit` says why), else STORAGE_ERROR. A checkpoint whose
+    identity (identity.py) shows other training than ``trains`` stops the run too (CONFIG_ERROR), before
+    its tensors are read; one whose model or dataset only moved, or whose revision was pinned, is tried
+    with a warning. Once one has loaded (or on a fresh start) every checkpoint newer than it is set aside
+    (:func:`_set_aside_newer`).
     """
     candidates: list[Path] | tuple[ExitCode, str] = ctx.broadcast(_listing(root) if ctx.is_main else None)
     if isinstance(candidates, tuple):
         raise TrainerError(*candidates)
     failed: dict[str, str] = {}  # checkpoint name: why it did not load (as rank 0 saw it)
     misfits: list[str] = []  # the OtherShapes of those that do not fit the model
+    newest: tuple[TrainState, Comparison] | None = None  # the newest misfit's state and identity check
     for path in candidates:
         failure = None
         try:
@@ -372,28 +194,37 @@ def load_latest(
             failed[path.name] = why
             continue
         assert small is not None
-        differences = ctx.broadcast(
-            identity_differences(small[STATE_FILE].identity, trains or {}) if ctx.is_main else None
+        check: Comparison = ctx.broadcast(
+            compare(small[STATE_FILE].identity, trains or {}) if ctx.is_main else None
         )
-        if differences:
+        if check.other:
             raise TrainerError(
                 ExitCode.CONFIG_ERROR,
                 f"checkpoint {path.name} in {root} is of other training than this job's spec:"
-                f" {'; '.join(differences)}. Resuming it would go on from the old weights: create the job"
+                f" {'; '.join(check.other)}. Resuming it would go on from the old weights: create the job"
                 f" with the spec it was trained with to resume it; {afresh(root)}",
             )
+        if check.moved and ctx.is_main:
+            log.warning(
+                "checkpoint %s was trained from a model or dataset the spec now reads from elsewhere, or"
+                " at a revision pinned or unpinned (%s): resuming it as the same training, its tensors"
+                " checked against the model's shapes as they load",
+                path,
+                "; ".join(check.moved),
+            )
         tensors = trainable_tensors(parts)
-        planner = _Loading(persistent_buffers(parts.model, tensors["model"]))
+        planner = Loading(persistent_buffers(parts.model, tensors["model"]))
         try:
-            _load(tensors, path, ctx, planner)
+            load_tensors(tensors, path, ctx, planner)
         except CheckpointException as exc:  # raised on every rank alike, with every rank's failures
-            stop = _tensors_failure(exc, path)
+            stop = tensors_failure(exc, path)
             if stop is not None:
                 raise stop from exc
             failed[path.name] = f"its tensors do not load ({describe_failures(exc)})"
             log.warning("skipping checkpoint %s: %s", path, failed[path.name])
             if all(isinstance(error, OtherShapes) for error, _ in exc.failures.values()):
                 misfits.append(str(next(iter(exc.failures.values()))[0]))
+                newest = newest or (small[STATE_FILE], check)
             continue
         set_model_state_dict(parts.model, tensors["model"], options=TRAINABLE)
         set_optimizer_state_dict(parts.model, parts.optimizer, tensors["optimizer"], options=TRAINABLE)
@@ -415,12 +246,11 @@ def load_latest(
         _set_aside_newer(root, step_of(path), failed, ctx)
         return Resumed(state, path, planner.absent)
     if failed and len(misfits) == len(failed):
+        assert newest is not None
         raise TrainerError(
             ExitCode.CONFIG_ERROR,
-            f"no checkpoint in {root} fits this model ({', '.join(failed)}; {misfits[0]}): they were"
-            " trained with other settings than the spec asks for now (another base model, method,"
-            " lora.r or lora.targetModules). Create the job with the settings they were trained with to"
-            f" resume them; {afresh(root)}",
+            f"no checkpoint in {root} fits this model ({', '.join(failed)}; {misfits[0]}):"
+            f" {_no_fit(*newest)}; {afresh(root)}",
         )
     if failed:
         raise TrainerError(
@@ -432,95 +262,41 @@ def load_latest(
     return None
 
 
-def load_weights(path: Path, parts: Trainables, ctx: DistContext) -> str | None:
-    """Collective: the trainable weights of the checkpoint at ``path`` into the model (the optimizer is
-    left alone: this is for writing the output from an earlier checkpoint, not for training on); None
-    once they are in, else why they do not load (the checkpoint at fault), the model left as it was.
-
-    Every tensor is read first without being written anywhere, then loaded: a checkpoint whose files
-    fail part-way would otherwise leave the model half overwritten, and a full fine-tune's last weights
-    are in no checkpoint. The storage failing, or permission denied, raises its TrainerError."""
-    weights = {"model": trainable_weights(parts.model)}
-    buffers = persistent_buffers(parts.model, weights["model"])
-    try:
-        _load(weights, path, ctx, _Reading(buffers))
-        _load(weights, path, ctx, _Loading(buffers))
-    except CheckpointException as exc:
-        stop = _tensors_failure(exc, path)
-        if stop is not None:
-            raise stop from exc
-        return describe_failures(exc)
-    set_model_state_dict(parts.model, weights["model"], options=TRAINABLE)
-    return None
-
-
-def _load(tensors: dict[str, Any], path: Path, ctx: DistContext, planner: DefaultLoadPlanner) -> None:
-    """Collective: the checkpoint at ``path`` into ``tensors``, as ``planner`` plans it."""
-    with single_process_is_meant():
-        dcp.load(
-            tensors,
-            storage_reader=FileSystemReader(path / TENSORS_DIR),
-            planner=planner,
-            no_dist=not ctx.active,
+def _no_fit(newest: TrainState, check: Comparison) -> str:
+    """Why no checkpoint fits the model, by what the newest of them records: the model read from elsewhere
+    when the spec moved it; other settings than the spec's when it records no identity (an older
+    trainer's); when its training is this job's, this trainer image's model code (naming the library
+    versions that differ, when it records them), or the model changed where the spec reads it."""
+    if check.moved:
+        return (
+            f"the model they were trained from is not the one the spec reads now ({'; '.join(check.moved)})."
+            " Create the job with the source they were trained with to resume them"
         )
-
-
-class _Loading(DefaultLoadPlanner):
-    """torch.distributed.checkpoint's planner, which first checks that the checkpoint holds every tensor
-    asked for, in its shape: :class:`OtherShapes` otherwise, raised before anything is written. Buffers it
-    does not hold (of ``optional``, the model's persistent ones: an older trainer saved none) are left out
-    of the load and of ``tensors["model"]``, and listed in ``absent``."""
-
-    def __init__(self, optional: Collection[str] = ()) -> None:
-        super().__init__()
-        self.optional = set(optional)
-        self.absent: list[str] = []
-
-    def set_up_planner(
-        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
-    ) -> None:
-        if metadata is not None:
-            model, saved = state_dict["model"], metadata.state_dict_metadata
-            self.absent = sorted(n for n in self.optional if n in model and f"model.{n}" not in saved)
-            for name in self.absent:
-                del model[name]
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        saved = self.metadata.state_dict_metadata
-        misfits = [m for key, value in self.state_dict.items() if (m := _misfit(key, value, saved.get(key)))]
-        if misfits:
-            more = len(misfits) - _MISFITS_SHOWN
-            raise OtherShapes(
-                f"{len(misfits)} tensor(s) do not fit the model: {'; '.join(misfits[:_MISFITS_SHOWN])}"
-                + (f"; {more} more" if more > 0 else "")
-            )
-        return super().create_local_plan()
-
-
-def _misfit(key: str, value: Any, held: Any) -> str | None:
-    """How the checkpoint's ``held`` (its index's entry, None when it has none) does not fit ``value``."""
-    if held is None:
-        return f"{key} is not in it"
-    fits = not isinstance(held, TensorStorageMetadata) or not isinstance(value, torch.Tensor)
-    if fits or held.size == value.size():
-        return None
-    return f"{key} is {list(held.size)} in it, {list(value.size())} here"
-
-
-class _Reading(_Loading):
-    """:class:`_Loading` that reads every tensor into a scratch one of its size and writes none: whether
-    the checkpoint's files load, the model left as it is (one tensor at a time in memory)."""
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        return torch.empty(tuple(read_item.lengths))
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        pass
+    if not check.same:
+        return (
+            "they were trained with other settings than the spec asks for now (another base model, method,"
+            " lora.r or lora.targetModules). Create the job with the settings they were trained with to"
+            " resume them"
+        )
+    changes = code_changes(newest.versions, model_code())
+    if changes:
+        return (
+            "they record the same training as this job's spec but do not fit this trainer image's model"
+            f" code: they were saved with {', '.join(changes)}, whose code names or shapes the parameters"
+            " otherwise. Resume them with an image of the versions that saved them (spec.image)"
+        )
+    if not newest.versions:
+        return (
+            "they record the same training as this job's spec but do not fit this trainer image's model"
+            " code (another transformers or peft version than the image that saved them names or shapes"
+            " the parameters otherwise). Resume them with the image that saved them (spec.image)"
+        )
+    return (
+        "they record the same training as this job's spec and were saved with this image's transformers"
+        " and peft: the model changed where the spec reads it (a new commit of a hub model without"
+        " model.revision, other files at model.path, its remote code). Give the job the model they were"
+        " trained from to resume them"
+    )
 
 
 def _set_aside_newer(root: Path, resumed: int, failed: dict[str, str], ctx: DistContext) -> None:
@@ -572,45 +348,8 @@ def _stop_together(path: Path, missing: bool, failure: TrainerError | None, ctx:
             f" {permission_advice(None, path)}",
         )
     if failing:
-        raise failure or _storage_error(f"{failing} other rank(s) could not read {path} (their log says why)")
+        raise failure or storage_error(f"{failing} other rank(s) could not read {path} (their log says why)")
     return unreadable
-
-
-def _read_failure(exc: BaseException, doing: str, folder: Path) -> TrainerError | None:
-    """The error to stop on when ``doing`` failed with ``exc``: CONFIG_ERROR naming the owner when permission
-    was denied anywhere in its causes, STORAGE_ERROR when the storage failed (:func:`_is_storage_failure`);
-    None when the checkpoint itself is at fault."""
-    denied = permission_denied(exc)
-    if denied is not None:
-        return storage_failure(denied, doing, folder)
-    return _storage_error(f"{doing}: {exc}") if _is_storage_failure(exc) else None
-
-
-def _tensors_failure(exc: CheckpointException, path: Path) -> TrainerError | None:
-    """What to stop on when the tensors of ``path`` did not load on some rank (``exc`` holds every rank's
-    failure): a permission denied on any of them first, then a storage failure; None to skip it."""
-    errors = [error for error, _ in exc.failures.values()]
-    denied = next((d for d in map(permission_denied, errors) if d is not None), None)
-    if denied is not None:
-        return storage_failure(denied, f"could not read checkpoint {path}", path)
-    if any(_is_storage_failure(error) for error in errors):
-        return _storage_error(f"could not read {path}: {describe_failures(exc)}")
-    return None
-
-
-def _is_storage_failure(exc: BaseException) -> bool:
-    """The storage failing (EIO, a stale NFS handle, a timeout), not the checkpoint: no reason to skip it.
-    A missing file is the checkpoint's fault (a lost rank's file, a node's copy of an unshared folder)."""
-    return any(
-        isinstance(cause, OSError) and not isinstance(cause, FileNotFoundError) for cause in causes(exc)
-    )
-
-
-def _storage_error(detail: str) -> TrainerError:
-    return TrainerError(
-        ExitCode.STORAGE_ERROR,
-        f"storage error reading the checkpoints: {detail} (kept as they are: the restart tries again)",
-    )
 
 
 def _listing(root: Path) -> list[Path] | tuple[ExitCode, str]:
@@ -619,7 +358,7 @@ def _listing(root: Path) -> list[Path] | tuple[ExitCode, str]:
     try:
         return _complete(root)
     except OSError as exc:
-        stop = _read_failure(exc, f"could not list the checkpoints in {root}", root) or _storage_error(
+        stop = read_failure(exc, f"could not list the checkpoints in {root}", root) or storage_error(
             f"could not list {root}: {exc}"
         )
         return stop.code, stop.reason
@@ -663,7 +402,7 @@ def _small_files(path: Path, rank: int) -> tuple[dict[str, Any] | None, str | No
         for name in names:
             files[name] = torch.load(path / name, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated pickle can raise nearly anything
-        stop = _read_failure(exc, f"rank {rank} could not read checkpoint {path}", path)
+        stop = read_failure(exc, f"rank {rank} could not read checkpoint {path}", path)
         if stop is not None:
             raise stop from exc  # the caller stops the run: a restart may read it, or the owner fix it
         why = f"its files do not load on rank {rank} ({type(exc).__name__}: {exc})"

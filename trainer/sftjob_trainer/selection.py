@@ -17,7 +17,7 @@ from typing import Any
 
 from sftjob.config import EvaluationSettings, TrainerConfig
 from sftjob.constants import CHECKPOINT_PREFIX
-from sftjob_trainer import checkpoints, resume
+from sftjob_trainer import checkpoint_loading, checkpoints
 from sftjob_trainer.checkpoints import Trainables, TrainState
 from sftjob_trainer.distributed import DistContext
 
@@ -101,7 +101,7 @@ def output_step(state: TrainState, settings: EvaluationSettings | None) -> int |
 def load_output(config: TrainerConfig, parts: Trainables, state: TrainState, ctx: DistContext) -> int:
     """Collective: the weights the output is written from into the model (:func:`output_step`); returns
     their step. A best checkpoint that is gone, broken or whose tensors do not load leaves the last
-    step's, with a warning (``resume.load_weights`` leaves the model as it was); only the storage
+    step's, with a warning (``checkpoint_loading.load_weights`` leaves the model as it was); only the storage
     failing, or permission denied, stops the run."""
     step = output_step(state, config.evaluation)
     if step is None:
@@ -109,7 +109,7 @@ def load_output(config: TrainerConfig, parts: Trainables, state: TrainState, ctx
     path = Path(config.checkpoints.dir) / f"{CHECKPOINT_PREFIX}{step}"
     problem = ctx.broadcast(checkpoints.problem(path) if ctx.is_main else None)
     if problem is None:
-        problem = resume.load_weights(path, parts, ctx)
+        problem = checkpoint_loading.load_weights(path, parts, ctx)
     if problem is not None:
         log.warning(
             "the best checkpoint %s cannot be read (%s): the output is the last step's", path, problem

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, heartbeat, output, remote_code, resume, selection
+from sftjob_trainer import checkpoints, data_order, heartbeat, output, remote_code, resume, selection
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units, trim_heap
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -161,7 +161,7 @@ class Training:
             len(units), t.micro_batch_size, t.gradient_accumulation_steps, ctx.world_size, t.seed
         )
         schedule.validate()
-        planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (resume.follow)
+        planned = schedule.total_steps(t.epochs, t.max_steps)  # a resume may change it (data_order.follow)
         longest = max([n for unit in units for n in unit.lengths] + [len(e.input_ids) for e in held])
         check_positions(model_config, longest)
         attention = resolve_attention(t.attention, ctx.device, t.packing, model_config, longest, model_class)
@@ -186,7 +186,7 @@ class Training:
         if self.metrics is not None:
             # The course of the checkpoint the attempt will most likely resume from, for the reports until
             # it is restored: an OOM re-plan's resume ends at another step, reads other epochs' data.
-            expected = resume.expected_course(root, t, planned, units, schedule, packing_length)
+            expected = data_order.expected_course(root, t, planned, units, schedule, packing_length)
             total, going = (None, schedule) if expected is None else (expected[0].total, expected[1])
             observer = Observer(config, ctx, self.metrics, peak, total, going)
             self.observer = observer
@@ -261,14 +261,16 @@ class Training:
         self.stop.during_setup("after loading the model")
 
         # Resume: the newest checkpoint that loads, else the pretrained weights (resume.py).
-        data_layout = resume.fingerprint(len(units), schedule, t.seed, t.packing)
+        data_layout = data_order.fingerprint(len(units), schedule, t.seed, t.packing)
         state, resumed = resume.restore(config, ctx, parts, attention, data_layout, self.metrics, observer)
         resumed_from = state.step if resumed else None
         if evaluation is not None:
             selection.measured_on(state, evaluation.fingerprint)  # before the resume's report and evaluation
-        # After a resume with another layout, the rest of the epoch it interrupted first (resume.py).
-        units, schedule = resume.rest_of_epoch(state.fingerprint, state.step, units, schedule, packing_length)
-        course, schedule = resume.follow(state, parts, self.t, planned, schedule)
+        # After a resume with another layout, the rest of the epoch it interrupted first (data_order.py).
+        units, schedule = data_order.rest_of_epoch(
+            state.fingerprint, state.step, units, schedule, packing_length
+        )
+        course, schedule = data_order.follow(state, parts, self.t, planned, schedule)
         if observer is not None:
             observer.follow(schedule, course.total)
             if resumed is not None:
@@ -386,7 +388,7 @@ class Training:
                 doing = f"saving the checkpoint of step {state.step}"
                 with heartbeat.saving(observer, doing, self.io_seconds):  # a SIGTERM's save as well
                     if ctx.is_main:  # the rows this epoch has used, for a resume with another layout
-                        state.fingerprint["used"] = resume.used_rows(
+                        state.fingerprint["used"] = data_order.used_rows(
                             batches.schedule, batches.units, state.step
                         )
                     job = self.config.job
