@@ -1,8 +1,7 @@
 """What a checkpoint folder holds (the trainable parameters, and a whole model's persistent buffers), who owns
 it (one attempt at a time), and what happens to the checkpoints that do not load: set aside when an older
-one does, the run stopped when none does (as a configuration error when none fits the model, or when they
-are of other training: not when the model or dataset only moved to a volume or got a pinned revision), and
-the progress of the run never rotated away for them."""
+one does, the run stopped when none does, and the progress of the run never rotated away for them (whose
+training the checkpoints are, and what fits the model: test_checkpoint_identity.py)."""
 
 from __future__ import annotations
 
@@ -12,55 +11,39 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from sftjob.config import JobRef, TrainerConfig
+from sftjob.config import JobRef
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_OWNER_FILE
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoint_loading, checkpoints, identity, ownership, resume, rng
+from sftjob_trainer import checkpoints, ownership, resume, rng
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
-from sftjob_trainer.distributed import DistContext
+from tests.trainer.checkpoint_cases import ONE_PROCESS, attempt, bad, trainables, unloadable
 
 pytestmark = pytest.mark.trainer
-
-ONE_PROCESS = DistContext(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-
-
-def _attempt(n: int, uid: str = "uid-1") -> JobRef:
-    return JobRef(name="job", uid=uid, attempt=n)
 
 
 def _owner(root: Path) -> dict[str, object]:
     return dict(json.loads((root / CHECKPOINT_OWNER_FILE).read_text()))
 
 
-def _trainables() -> Trainables:
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.ones(1, 4)).sum().backward()
-    optimizer.step()
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    return Trainables(model, optimizer, scheduler, scaler=None)
-
-
 def test_an_attempt_takes_over_the_folder_and_saves_into_it(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(2), ONE_PROCESS)
     assert _owner(tmp_path) == {"namespace": "default", "name": "job", "job": "uid-1", "attempt": 2}
-    checkpoints.save(tmp_path, TrainState(step=5), _trainables(), ONE_PROCESS, keep=2, job=_attempt(2))
+    checkpoints.save(tmp_path, TrainState(step=5), trainables(), ONE_PROCESS, keep=2, job=attempt(2))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [5]
 
 
 def test_a_save_of_an_attempt_superseded_meanwhile_is_discarded_not_committed(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    checkpoints.save(tmp_path, TrainState(step=4), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
-    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)  # the restart began while attempt 1 still ran
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
+    checkpoints.save(tmp_path, TrainState(step=4), trainables(), ONE_PROCESS, keep=2, job=attempt(1))
+    ownership.take_over(tmp_path, attempt(2), ONE_PROCESS)  # the restart began while attempt 1 still ran
 
     with pytest.raises(TrainerError) as stopped:
-        checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+        checkpoints.save(tmp_path, TrainState(step=6), trainables(), ONE_PROCESS, keep=2, job=attempt(1))
     assert stopped.value.code == ExitCode.PREEMPTED
     assert "superseded by attempt 2" in stopped.value.reason
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4]
@@ -68,20 +51,20 @@ def test_a_save_of_an_attempt_superseded_meanwhile_is_discarded_not_committed(tm
 
 
 def test_an_attempt_that_starts_after_a_later_one_owns_the_folder_stops(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(3), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(3), ONE_PROCESS)
     with pytest.raises(TrainerError) as stopped:
-        ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+        ownership.take_over(tmp_path, attempt(2), ONE_PROCESS)
     assert stopped.value.code == ExitCode.PREEMPTED
     assert _owner(tmp_path)["attempt"] == 3
 
 
 def test_a_job_recreated_under_the_same_name_takes_over_the_folder_it_kept(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(3, uid="old"), ONE_PROCESS)
-    ownership.take_over(tmp_path, _attempt(1, uid="new"), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(3, uid="old"), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1, uid="new"), ONE_PROCESS)
     assert _owner(tmp_path)["job"] == "new" and _owner(tmp_path)["attempt"] == 1
     with pytest.raises(TrainerError, match="superseded by job new"):
         checkpoints.save(
-            tmp_path, TrainState(step=2), _trainables(), ONE_PROCESS, keep=2, job=_attempt(3, "old")
+            tmp_path, TrainState(step=2), trainables(), ONE_PROCESS, keep=2, job=attempt(3, "old")
         )
 
 
@@ -102,30 +85,30 @@ def test_an_owner_file_that_names_no_job_is_taken_over_as_before(tmp_path: Path)
     (tmp_path / CHECKPOINT_OWNER_FILE).write_text(
         json.dumps({"job": "old", "attempt": 3})
     )  # an older trainer's
-    ownership.take_over(tmp_path, _attempt(1, uid="new"), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1, uid="new"), ONE_PROCESS)
     assert _owner(tmp_path) == {"namespace": "default", "name": "job", "job": "new", "attempt": 1}
 
 
 def test_an_owner_file_that_cannot_be_read_stops_the_save_as_a_storage_error_and_commits_nothing(
     tmp_path: Path,
 ) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    checkpoints.save(tmp_path, TrainState(step=4), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
+    checkpoints.save(tmp_path, TrainState(step=4), trainables(), ONE_PROCESS, keep=2, job=attempt(1))
     owner = tmp_path / CHECKPOINT_OWNER_FILE
     owner.unlink()
     owner.mkdir()  # reading it fails (IsADirectoryError) as an EIO or a stale NFS handle would
 
     with pytest.raises(TrainerError) as stopped:
-        checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+        checkpoints.save(tmp_path, TrainState(step=6), trainables(), ONE_PROCESS, keep=2, job=attempt(1))
     assert stopped.value.code == ExitCode.STORAGE_ERROR  # not "no owner": it may name a later attempt
     assert f"could not read {owner}" in stopped.value.reason
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4]
     with pytest.raises(TrainerError) as refused:
-        ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+        ownership.take_over(tmp_path, attempt(2), ONE_PROCESS)
     assert refused.value.code == ExitCode.STORAGE_ERROR
 
     owner.rmdir()  # a folder without an owner is anyone's
-    checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    checkpoints.save(tmp_path, TrainState(step=6), trainables(), ONE_PROCESS, keep=2, job=attempt(1))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [6, 4]
 
 
@@ -134,7 +117,7 @@ def test_an_attempt_taking_over_removes_the_unfinished_saves_of_the_attempts_bef
 ) -> None:
     leftover = tmp_path / ".tmp-checkpoint-4-attempt-1" / checkpoints.TENSORS_DIR
     leftover.mkdir(parents=True)  # attempt 1 was killed while saving step 4
-    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(2), ONE_PROCESS)
     assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_OWNER_FILE]
 
 
@@ -159,8 +142,8 @@ def test_a_checkpoint_holds_the_trainable_parameters_only_not_buffers_frozen_wei
     model(torch.tensor([1, 2])).sum().backward()
     optimizer.step()
     parts = Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    path = checkpoints.save(tmp_path, TrainState(step=1), parts, ONE_PROCESS, keep=1, job=_attempt(1))
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
+    path = checkpoints.save(tmp_path, TrainState(step=1), parts, ONE_PROCESS, keep=1, job=attempt(1))
 
     saved = FileSystemReader(path / checkpoints.TENSORS_DIR).read_metadata().state_dict_metadata
     assert {key for key in saved if key.startswith("model.")} == {"model.embed.weight"}
@@ -200,8 +183,8 @@ def test_a_checkpoint_of_a_whole_model_holds_its_persistent_buffers_and_a_resume
     parts = _routed()
     with torch.no_grad():
         parts.model.e_score_correction_bias.copy_(torch.tensor([0.5, -0.25]))  # the pretrained values
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    path = checkpoints.save(tmp_path, TrainState(step=2), parts, ONE_PROCESS, keep=1, job=_attempt(1))
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
+    path = checkpoints.save(tmp_path, TrainState(step=2), parts, ONE_PROCESS, keep=1, job=attempt(1))
     saved = FileSystemReader(path / checkpoints.TENSORS_DIR).read_metadata().state_dict_metadata
     assert {key for key in saved if key.startswith("model.")} == {
         "model.gate.weight",
@@ -218,10 +201,10 @@ def test_a_checkpoint_of_a_whole_model_holds_its_persistent_buffers_and_a_resume
 def test_an_older_checkpoint_without_buffers_resumes_with_the_buffers_as_they_were_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
     with monkeypatch.context() as older_trainer:
         older_trainer.setattr(checkpoints, "persistent_buffers", lambda model, state: set())
-        checkpoints.save(tmp_path, TrainState(step=2), _routed(), ONE_PROCESS, keep=1, job=_attempt(1))
+        checkpoints.save(tmp_path, TrainState(step=2), _routed(), ONE_PROCESS, keep=1, job=attempt(1))
 
     resumed = _routed()
     with torch.no_grad():
@@ -232,302 +215,66 @@ def test_an_older_checkpoint_without_buffers_resumes_with_the_buffers_as_they_we
     assert "holds none of the model's buffers" in caplog.text
 
 
-TRAINED: dict[str, object] = {
-    "model.name": "Qwen/Qwen2.5-7B",
-    "model.path": None,
-    "model.revision": None,
-    "method": "lora",
-    "lora.r": 16,
-    "lora.targetModules": "all-linear",
-}
-
-
-def test_a_checkpoint_of_other_training_is_refused_before_its_tensors_load_naming_each_difference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    checkpoints.save(
-        tmp_path, TrainState(step=4, identity=TRAINED), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1)
-    )
-    monkeypatch.setattr(checkpoint_loading.dcp, "load", None)  # reading a tensor would fail the test
-    now = TRAINED | {"model.name": "Qwen/Qwen2.5-7B-Instruct", "lora.r": 32}
-
-    with pytest.raises(TrainerError) as refused:  # the job created again, with another base and lora.r
-        resume.load_latest(tmp_path, _trainables(), ONE_PROCESS, now)
-    assert refused.value.code == ExitCode.CONFIG_ERROR
-    reason = refused.value.reason
-    assert "checkpoint-4" in reason and "is of other training than this job's spec" in reason
-    assert "model.name was Qwen/Qwen2.5-7B, now Qwen/Qwen2.5-7B-Instruct" in reason
-    assert "lora.r was 16, now 32" in reason and "method was" not in reason
-    assert "another name" in reason and "delete or move the checkpoints" in reason
-    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4] and _bad(tmp_path) == []
-
-
-def test_only_fields_both_identities_record_are_compared_so_older_checkpoints_resume_as_before(
-    tmp_path: Path,
-) -> None:
-    assert identity.compare({}, TRAINED) == ([], [], False)  # saved before checkpoints recorded it
-    assert identity.compare(TRAINED | {"later.field": 1}, TRAINED) == ([], [], True)  # a newer trainer's
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    checkpoints.save(tmp_path, TrainState(step=4), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
-    loaded = resume.load_latest(tmp_path, _trainables(), ONE_PROCESS, TRAINED)
-    assert loaded is not None and loaded.state.step == 4
-
-
-def _config(**changes: object) -> TrainerConfig:
-    settings: dict[str, object] = {
-        "model": {"name": "Qwen/Qwen2.5-7B"},
-        "dataset": {"path": "/data/train.jsonl"},
-        "lora": {"r": 16, "targetModules": ["v_proj", "q_proj"]},
-        "training": {"globalBatchSize": 8, "gradientAccumulationSteps": 8},
-    }
-    return TrainerConfig.model_validate(settings | changes)
-
-
-def test_the_identity_of_training_leaves_out_what_may_change_over_kept_checkpoints() -> None:
-    trained = identity.identity(_config())
-    replanned = _config(
-        training={
-            "globalBatchSize": 32,
-            "microBatchSize": 2,
-            "gradientAccumulationSteps": 2,
-            "maxSteps": 500,
-            "learningRate": 1e-5,
-            "weightDecay": 0.1,
-            "gradientCheckpointing": True,
-            "packingLength": 512,
-        },
-        distributed={"nprocPerNode": 8, "sharding": "fsdp"},
-        lora={"r": 16, "targetModules": ["q_proj", "v_proj"], "dropout": 0.2},
-    )
-    assert identity.identity(replanned) == trained
-    assert identity.compare(trained, identity.identity(_config(dataset={"path": "/data/v2.jsonl"}))).other
-    full = identity.identity(_config(method="full"))
-    assert "lora.r" not in full and identity.compare(trained, full).other == ["method was lora, now full"]
-
-
-# A LoRA of a hub model on a hub dataset, neither pinned.
-FROM_THE_HUB: dict[str, object] = TRAINED | {
-    "dataset.name": "org/chats",
-    "dataset.path": None,
-    "dataset.revision": None,
-    "dataset.split": "train",
-    "dataset.format": "auto",
-}
-ON_A_VOLUME = {"model.name": None, "model.path": "/model/qwen2.5-7b"}
-
-
-def test_a_source_moved_to_a_volume_or_a_revision_pinned_is_no_evidence_of_other_training() -> None:
-    moved = identity.compare(FROM_THE_HUB, FROM_THE_HUB | ON_A_VOLUME)  # a NetworkError's advice
-    assert moved.other == [] and not moved.same
-    assert moved.moved == [
-        "model.name was Qwen/Qwen2.5-7B, now unset",
-        "model.path was unset, now /model/qwen2.5-7b",
-    ]
-    to_a_file = FROM_THE_HUB | {"dataset.name": None, "dataset.path": "/data/chats.jsonl"}
-    assert identity.compare(FROM_THE_HUB, to_a_file).other == []
-    pinned = identity.compare(FROM_THE_HUB, FROM_THE_HUB | {"dataset.revision": "0123abc"})  # a DataError's
-    assert pinned == ([], ["dataset.revision was unset, now 0123abc"], False)
-    main, commit = FROM_THE_HUB | {"model.revision": "main"}, FROM_THE_HUB | {"model.revision": "9f2e"}
-    assert identity.compare(main, commit).other == []  # main is the default branch, as unset is
-    assert identity.compare(FROM_THE_HUB, main) == ([], [], True)
-
-
-@pytest.mark.parametrize(
-    ("was", "now", "named"),
-    [
-        ({}, {"model.name": "Qwen/Qwen2.5-7B-Instruct"}, "model.name was Qwen/Qwen2.5-7B, now Qwen"),
-        (ON_A_VOLUME, {"model.path": "/model/llama"}, "model.path was /model/qwen2.5-7b"),
-        ({}, {"dataset.name": "org/other"}, "dataset.name was org/chats"),
-        ({"model.revision": "v1"}, {"model.revision": "v2"}, "model.revision was v1, now v2"),
-        ({"dataset.revision": "0123abc"}, {"dataset.revision": "4567def"}, "dataset.revision was 0123abc"),
-        ({}, {"dataset.split": "test"}, "dataset.split was train, now test"),
-        ({}, {"dataset.format": "text"}, "dataset.format was auto, now text"),
-        ({}, {"method": "qlora"}, "method was lora, now qlora"),
-        ({}, {"lora.targetModules": ["q_proj"]}, 'lora.targetModules was all-linear, now ["q_proj"]'),
-    ],
-)
-def test_another_source_two_set_revisions_or_another_method_adapter_or_split_is_other_training(
-    was: dict[str, object], now: dict[str, object], named: str
-) -> None:
-    found = identity.compare(FROM_THE_HUB | was, FROM_THE_HUB | was | now)
-    assert found.moved == [] and len(found.other) == 1 and found.other[0].startswith(named)
-
-
-def test_a_job_recreated_with_its_model_on_a_volume_resumes_the_hub_models_checkpoints_with_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    state = TrainState(step=4, identity=FROM_THE_HUB)
-    checkpoints.save(tmp_path, state, _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
-    now = FROM_THE_HUB | ON_A_VOLUME | {"dataset.revision": "0123abc"}
-    loaded = resume.load_latest(tmp_path, _trainables(), ONE_PROCESS, now)
-    assert loaded is not None and loaded.state.step == 4
-    assert "resuming it as the same training" in caplog.text
-    assert "model.path was unset, now /model/qwen2.5-7b" in caplog.text
-    assert "dataset.revision was unset, now 0123abc" in caplog.text
-
-
-def _saved_as(width: int, root: Path, step: int, **recorded: Any) -> None:
-    """A checkpoint of step ``step`` of a ``width``-wide layer (an adapter of lora.r ``width``, say), its
-    state recording ``recorded`` besides."""
-    parts = _trainables_of_width(width)
-    checkpoints.save(root, TrainState(step=step, **recorded), parts, ONE_PROCESS, keep=3, job=_attempt(1))
-
-
-def test_checkpoints_none_of_which_fits_the_model_stop_the_run_as_a_config_error_not_a_storage_error(
-    tmp_path: Path,
-) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    for step in (2, 4):
-        _saved_as(2, tmp_path, step)  # as lora.r 2, say, resumed below with 3
-
-    with pytest.raises(TrainerError) as stopped:
-        resume.load_latest(tmp_path, _trainables_of_width(3), ONE_PROCESS)
-    assert stopped.value.code == ExitCode.CONFIG_ERROR
-    reason = stopped.value.reason
-    assert "no checkpoint in" in reason and "fits this model (checkpoint-4, checkpoint-2;" in reason
-    assert "model.weight is [2, 4] in it, [3, 4] here" in reason
-    assert "trained with other settings than the spec asks for now" in reason and "another name" in reason
-    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and _bad(tmp_path) == []
-
-
-THIS_IMAGE = {"transformers": "5.23.0", "peft": "0.18.0"}
-
-
-@pytest.mark.parametrize(
-    ("saved_with", "said"),
-    [
-        (
-            {"transformers": "4.57.1", "peft": "0.18.0"},
-            "they were saved with transformers 4.57.1 (this image has 5.23.0), whose code names or shapes",
-        ),
-        ({}, "another transformers or peft version than the image that saved them"),
-        (THIS_IMAGE, "the model changed where the spec reads it"),
-    ],
-)
-def test_checkpoints_of_this_jobs_training_that_do_not_fit_blame_the_image_or_the_model_not_the_spec(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved_with: dict[str, str], said: str
-) -> None:
-    monkeypatch.setattr(resume, "model_code", lambda: THIS_IMAGE)
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    for step in (2, 4):
-        _saved_as(2, tmp_path, step, identity=FROM_THE_HUB, versions=saved_with)
-
-    with pytest.raises(TrainerError) as stopped:  # the same spec, and another image's model code
-        resume.load_latest(tmp_path, _trainables_of_width(3), ONE_PROCESS, FROM_THE_HUB)
-    assert stopped.value.code == ExitCode.CONFIG_ERROR
-    reason = stopped.value.reason
-    assert "fits this model (checkpoint-4, checkpoint-2;" in reason and said in reason
-    assert "model.weight is [2, 4] in it, [3, 4] here" in reason
-    assert "other settings than the spec" not in reason and "another name" in reason
-    if saved_with != THIS_IMAGE:
-        assert "do not fit this trainer image's model code" in reason and "spec.image" in reason
-
-
-def test_checkpoints_that_do_not_fit_a_model_moved_to_a_volume_name_the_move(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    _saved_as(2, tmp_path, 2, identity=FROM_THE_HUB)
-
-    with pytest.raises(TrainerError) as stopped:  # another model at the path the job was given
-        resume.load_latest(tmp_path, _trainables_of_width(3), ONE_PROCESS, FROM_THE_HUB | ON_A_VOLUME)
-    assert stopped.value.code == ExitCode.CONFIG_ERROR
-    reason = stopped.value.reason
-    assert "is not the one the spec reads now (model.name was Qwen/Qwen2.5-7B, now unset;" in reason
-    assert "the source they were trained with" in reason
-
-
-def test_checkpoints_that_do_not_fit_beside_ones_whose_files_are_broken_stop_the_run_as_a_storage_error(
-    tmp_path: Path,
-) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    _saved_as(3, tmp_path, 2)
-    _saved_as(2, tmp_path, 4)
-    _unloadable(tmp_path / "checkpoint-2")
-
-    with pytest.raises(TrainerError) as stopped:
-        resume.load_latest(tmp_path, _trainables_of_width(3), ONE_PROCESS)
-    assert stopped.value.code == ExitCode.STORAGE_ERROR and "move them away" in stopped.value.reason
-
-
-def _trainables_of_width(width: int) -> Trainables:
-    model = torch.nn.Linear(4, width)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.ones(1, 4)).sum().backward()
-    optimizer.step()
-    return Trainables(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), None)
-
-
-def _unloadable(path: Path) -> None:
-    """Tensor files as long as the index says but not loadable: the checks pass, loading fails part-way."""
-    for tensors in (path / checkpoints.TENSORS_DIR).glob("*.distcp"):
-        tensors.write_bytes(bytes(tensors.stat().st_size))
-
-
-def _bad(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if p.name.startswith(checkpoints.BAD_PREFIX))
-
-
 def test_checkpoints_newer_than_the_one_resumed_from_are_set_aside_and_no_later_save_deletes_the_progress(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
     for step in (4, 10):
-        checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=5, job=_attempt(1))
-    _unloadable(tmp_path / "checkpoint-10")
+        checkpoints.save(tmp_path, TrainState(step=step), trainables(), ONE_PROCESS, keep=5, job=attempt(1))
+    unloadable(tmp_path / "checkpoint-10")
 
-    ownership.take_over(tmp_path, _attempt(2), ONE_PROCESS)
-    resumed = resume.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(2), ONE_PROCESS)
+    resumed = resume.load_latest(tmp_path, trainables(), ONE_PROCESS)
     assert resumed is not None and resumed[0].step == 4
-    assert _bad(tmp_path) == [".bad-checkpoint-10"]
+    assert bad(tmp_path) == [".bad-checkpoint-10"]
     assert "setting checkpoint" in caplog.text and "its tensors do not load" in caplog.text
     # keep 1: before, checkpoint-10 ranked newest and each save deleted itself and the one resumed from.
-    checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=1, job=_attempt(2))
+    checkpoints.save(tmp_path, TrainState(step=6), trainables(), ONE_PROCESS, keep=1, job=attempt(2))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [6]
-    assert _bad(tmp_path) == [".bad-checkpoint-10"]  # kept for inspection
-    assert resume.load_latest(tmp_path, _trainables(), ONE_PROCESS) is not None
+    assert bad(tmp_path) == [".bad-checkpoint-10"]  # kept for inspection
+    assert resume.load_latest(tmp_path, trainables(), ONE_PROCESS) is not None
 
 
 def test_a_save_keeps_the_checkpoint_it_committed_whatever_is_newer(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
     for step in (4, 10, 6):
-        checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=1, job=_attempt(1))
+        checkpoints.save(tmp_path, TrainState(step=step), trainables(), ONE_PROCESS, keep=1, job=attempt(1))
     assert [step for step, _ in checkpoint_dirs(tmp_path)] == [10, 6]
 
 
 def test_checkpoints_whose_small_files_do_not_load_stop_the_run_rather_than_start_it_afresh(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
     for step in (2, 4):
         path = checkpoints.save(
-            tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1)
+            tmp_path, TrainState(step=step), trainables(), ONE_PROCESS, keep=2, job=attempt(1)
         )
         (path / checkpoints.SCHEDULER_FILE).write_bytes(b"cut off")
 
     with pytest.raises(TrainerError) as stopped:
-        resume.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+        resume.load_latest(tmp_path, trainables(), ONE_PROCESS)
     assert stopped.value.code == ExitCode.STORAGE_ERROR
     assert "no checkpoint" in stopped.value.reason and "checkpoint-4, checkpoint-2" in stopped.value.reason
     assert "its files do not load" in caplog.text
-    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and _bad(tmp_path) == []
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and bad(tmp_path) == []
 
 
 def test_a_fresh_start_sets_incomplete_checkpoints_aside(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
-    path = checkpoints.save(tmp_path, TrainState(step=2), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
+    path = checkpoints.save(tmp_path, TrainState(step=2), trainables(), ONE_PROCESS, keep=2, job=attempt(1))
     (path / CHECKPOINT_COMPLETE_MARKER).unlink()
-    assert resume.load_latest(tmp_path, _trainables(), ONE_PROCESS) is None
-    assert checkpoint_dirs(tmp_path) == [] and _bad(tmp_path) == [".bad-checkpoint-2"]
+    assert resume.load_latest(tmp_path, trainables(), ONE_PROCESS) is None
+    assert checkpoint_dirs(tmp_path) == [] and bad(tmp_path) == [".bad-checkpoint-2"]
 
 
 @pytest.mark.parametrize("where", ["listing", "small files", "tensors"])
 def test_a_storage_error_reading_a_checkpoint_stops_the_run_and_sets_nothing_aside(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
     for step in (2, 4):
-        checkpoints.save(tmp_path, TrainState(step=step), _trainables(), ONE_PROCESS, keep=2, job=_attempt(1))
+        checkpoints.save(tmp_path, TrainState(step=step), trainables(), ONE_PROCESS, keep=2, job=attempt(1))
 
     def stale(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.ESTALE, "Stale file handle")
@@ -539,9 +286,9 @@ def test_a_storage_error_reading_a_checkpoint_stops_the_run_and_sets_nothing_asi
     }[where]
     monkeypatch.setattr(*target, stale)
     with pytest.raises(TrainerError) as stopped:
-        resume.load_latest(tmp_path, _trainables(), ONE_PROCESS)
+        resume.load_latest(tmp_path, trainables(), ONE_PROCESS)
     assert stopped.value.code == ExitCode.STORAGE_ERROR and "Stale file handle" in stopped.value.reason
-    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and _bad(tmp_path) == []
+    assert [step for step, _ in checkpoint_dirs(tmp_path)] == [4, 2] and bad(tmp_path) == []
 
 
 class _FakeCuda:
@@ -590,10 +337,10 @@ def test_an_older_checkpoints_rng_states_of_every_gpu_restore_this_devices_or_no
 
 
 def test_rotation_leaves_unfinished_saves_to_the_attempt_that_takes_the_folder_over(tmp_path: Path) -> None:
-    ownership.take_over(tmp_path, _attempt(1), ONE_PROCESS)
+    ownership.take_over(tmp_path, attempt(1), ONE_PROCESS)
     in_progress = tmp_path / ".tmp-checkpoint-8-attempt-2"  # the save of a restart that took over meanwhile
     in_progress.mkdir()
-    checkpoints.save(tmp_path, TrainState(step=6), _trainables(), ONE_PROCESS, keep=1, job=_attempt(1))
+    checkpoints.save(tmp_path, TrainState(step=6), trainables(), ONE_PROCESS, keep=1, job=attempt(1))
     assert in_progress.is_dir()
 
 
@@ -698,7 +445,7 @@ def test_checkpoints_a_rank_cannot_read_are_skipped_by_all_ranks_together_and_st
         return _results(tmp_path / case)
 
     assert results("one") == [{"step": 2}, {"step": 2}]
-    assert _bad(tmp_path / "one") == [".bad-checkpoint-4"]
+    assert bad(tmp_path / "one") == [".bad-checkpoint-4"]
     assert "1 other rank(s) cannot read its files" in output
     # No checkpoint loads on every rank: both stop (rather than start afresh), neither waits for the other.
     assert results("all") == [{"code": ExitCode.STORAGE_ERROR}] * 2
@@ -715,7 +462,7 @@ def test_a_rank_denied_permission_to_read_a_checkpoint_stops_every_rank_with_a_c
     assert "1 other rank(s) may not read checkpoint" in str(results[0]["reason"])
     assert "Permission denied" in str(results[1]["reason"])
     assert all("chown -R" in str(result["reason"]) for result in results)
-    assert [step for step, _ in checkpoint_dirs(denied)] == [2] and _bad(denied) == []
+    assert [step for step, _ in checkpoint_dirs(denied)] == [2] and bad(denied) == []
 
 
 def test_a_save_into_a_folder_the_nodes_do_not_share_fails_as_a_storage_error_and_is_never_marked_complete(
