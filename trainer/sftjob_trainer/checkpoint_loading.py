@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-from sftjob.failures import ExitCode, TrainerError
+from sftjob.failures import ExitCode, OomPhase, TrainerError
 from sftjob_trainer.checkpoints import (
     TENSORS_DIR,
     TRAINABLE,
@@ -33,7 +33,7 @@ from sftjob_trainer.checkpoints import (
     trainable_weights,
 )
 from sftjob_trainer.distributed import DistContext
-from sftjob_trainer.failures import causes, permission_denied, storage_failure
+from sftjob_trainer.failures import causes, oom_among, permission_denied, storage_failure
 
 _MISFITS_SHOWN = 3  # tensors named in the error of checkpoints that do not fit the model
 
@@ -146,8 +146,12 @@ def read_failure(exc: BaseException, doing: str, folder: Path) -> TrainerError |
 
 def tensors_failure(exc: CheckpointException, path: Path) -> TrainerError | None:
     """What to stop on when the tensors of ``path`` did not load on some rank (``exc`` holds every rank's
-    failure): a permission denied on any of them first, then a storage failure; None to skip it."""
+    failure): a CUDA OOM first, then a permission denied on any of them, then a storage failure; None to
+    skip it."""
     errors = [error for error, _ in exc.failures.values()]
+    oom = oom_among(errors, f"{OomPhase.LOADING} the weights to start from")
+    if oom is not None:
+        return oom
     denied = next((d for d in map(permission_denied, errors) if d is not None), None)
     if denied is not None:
         return storage_failure(denied, f"could not read checkpoint {path}", path)

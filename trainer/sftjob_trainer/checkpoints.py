@@ -44,10 +44,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from sftjob.config import JobRef
 from sftjob.constants import CHECKPOINT_COMPLETE_MARKER, CHECKPOINT_PREFIX
-from sftjob.failures import ExitCode, TrainerError
+from sftjob.failures import ExitCode, OomPhase, TrainerError
 from sftjob_trainer.distributed import DistContext, unwrap
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir, save_file, write_text
-from sftjob_trainer.failures import storage_failure
+from sftjob_trainer.failures import oom_among, storage_failure
 from sftjob_trainer.ownership import check_owner
 from sftjob_trainer.rng import capture_rng
 
@@ -215,10 +215,22 @@ def save(
     except OSError as exc:
         raise storage_failure(exc, f"could not save checkpoint {final}", root) from exc
     except CheckpointException as exc:
-        raise TrainerError(
-            ExitCode.STORAGE_ERROR, f"could not save checkpoint {final}: {describe_failures(exc)}"
-        ) from exc
+        raise save_failure(exc, f"could not save checkpoint {final}", root) from exc
     return final
+
+
+def save_failure(exc: CheckpointException, doing: str, folder: Path) -> TrainerError:
+    """The error to end with when a save failed on some rank (``exc`` holds every rank's failure): a CUDA
+    OOM first (the phase named, for the operator not to lower the micro-batch for it), then the storage
+    failing (a permission denied is the user's to fix), else STORAGE_ERROR with every rank's words."""
+    errors = [error for error, _ in exc.failures.values()]
+    oom = oom_among(errors, f"{OomPhase.SAVING} a checkpoint")
+    if oom is not None:
+        return oom
+    error = next((error for error in errors if isinstance(error, OSError)), None)
+    if error is not None:
+        return storage_failure(error, doing, folder)
+    return TrainerError(ExitCode.STORAGE_ERROR, f"{doing}: {describe_failures(exc)}")
 
 
 def _missing(tmp: Path, world_size: int) -> str | None:

@@ -21,7 +21,7 @@ import os
 import re
 import stat
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -170,6 +170,16 @@ def storage_failure(exc: OSError, doing: str, folder: str | Path | None = None) 
     if exc.errno in _PERMISSION_ERRNOS:
         return TrainerError(ExitCode.CONFIG_ERROR, f"{doing}: {exc} ({permission_advice(exc, folder)})")
     return TrainerError(ExitCode.STORAGE_ERROR, f"{doing}: {exc}")
+
+
+def oom_among(errors: Iterable[BaseException], where: str) -> TrainerError | None:
+    """The CUDA OOM to end with when one of ``errors`` (every rank's, as torch.distributed.checkpoint's
+    CheckpointException gathers them) is one, ``where`` ("while saving a checkpoint") naming the phase
+    (:class:`sftjob.failures.OomPhase`) for the operator to read; None when none is."""
+    oom = next((error for error in errors if _is_oom(error)), None)
+    if oom is None:
+        return None
+    return TrainerError(ExitCode.CUDA_OOM, f"{CUDA_OOM_REASON} {where}: {type(oom).__name__}: {oom}")
 
 
 def os_error(exc: BaseException) -> OSError | None:
