@@ -13,6 +13,7 @@ walks one rung down the ladder after a CUDA OOM. docs/planner.md explains the ru
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from sftjob.candidates import (
@@ -38,6 +39,13 @@ CHEAPER_METHODS: dict[Method, tuple[Method, ...]] = {
     "lora": ("qlora",),
     "qlora": (),
 }
+# More GPUs of the job's card, fewest first: one node of 2, 4 or 8, then 2, 4 or 8 nodes of 8.
+MORE_GPUS: tuple[tuple[int, int], ...] = ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8))
+NOTHING_TRIED_FITS = (
+    f"no change the planner tried fits either (a cheaper method, up to {MORE_GPUS[-1][1]} nodes x"
+    f" {MORE_GPUS[-1][0]} GPUs, a bigger card, rows down to {MIN_PACKING_LENGTH} tokens, a cheaper method"
+    " with more GPUs, shorter rows with a cheaper method or on a bigger card)"
+)
 
 
 def _training(request: PlanRequest, fixed: Fixed, c: Candidate, cpus_per_gpu: int) -> TrainingSettings:
@@ -157,14 +165,32 @@ def _no_fit_verdict(request: PlanRequest, gpu: GpuProfile, c: Candidate, fixed: 
     )
 
 
+def _split_batch(request: PlanRequest) -> tuple[PlanRequest, str]:
+    """``request`` with the user's globalBatchSize rounded up to the nearest multiple its GPUs (times the
+    user's microBatchSize, when set) split evenly, and the words that say so; as it is when it splits."""
+    o = request.overrides
+    unit = request.world_size * (o.micro_batch_size or 1)
+    if o.global_batch_size is None or o.global_batch_size % unit == 0:
+        return request, ""
+    rounded = unit * math.ceil(o.global_batch_size / unit)
+    overrides = o.model_copy(update={"global_batch_size": rounded})
+    return request.model_copy(update={"overrides": overrides}), f" at globalBatchSize {rounded}"
+
+
 def _suggest(request: PlanRequest, gpu: GpuProfile, rows_tried: int | None = None) -> list[str]:
-    """What would fit instead, each found by planning it (without suggestions of its own). After an
-    OOM ladder ran out, ``rows_tried`` is the row length that still ran out of memory where the estimate
-    said it would fit: settings left to the planner, cheaper methods and bigger cards are planned with rows
-    no longer than those (and say so), shorter rows are shorter still, and more GPUs count only when they
-    shard the model (a replica per GPU needs as much memory on two as on one; sharding frees memory at
-    any row length, so they are planned as the job is)."""
+    """What would fit instead, each found by planning it (without suggestions of its own): one change
+    at a time first (the planner's own micro-batch and checkpointing, a cheaper method, more GPUs, a
+    bigger card, shorter rows), then two: a cheaper method no single change fits with more GPUs or else
+    with shorter rows, and, when no single change keeping the job's method fits, shorter rows on a
+    bigger card. More GPUs that do not split the user's globalBatchSize are planned with it rounded up
+    (and say so). After an OOM ladder ran out, ``rows_tried`` is the row length that still ran out of
+    memory where the estimate said it would fit: settings left to the planner, cheaper methods and
+    bigger cards are planned with rows no longer than those (and say so), shorter rows are shorter
+    still, and more GPUs of the job's method count only when they shard the model (a replica per GPU
+    needs as much memory on two as on one; sharding frees memory at any row length, so they are planned
+    as the job is)."""
     out: list[str] = []
+    combined: list[str] = []  # two changes at once: after every single change
 
     def fits(r: PlanRequest, g: GpuProfile) -> Plan | None:
         p = _plan(r, g, suggest=False)
@@ -174,7 +200,33 @@ def _suggest(request: PlanRequest, gpu: GpuProfile, rows_tried: int | None = Non
         speed = f"~{p.predicted_tokens_per_second:,.0f} tokens/s"
         return f"~{p.memory.total_gib:.1f}/{p.memory.budget_gib:.1f} GiB, {speed}"
 
+    def more_gpus(r: PlanRequest, sharded_only: bool) -> str | None:
+        """The fewest more GPUs of this card that fit ``r``, in words."""
+        for gpus, nodes in MORE_GPUS:
+            if gpus * nodes <= r.world_size:
+                continue
+            more, batch = _split_batch(r.model_copy(update={"gpus_per_node": gpus, "nodes": nodes}))
+            if (p := fits(more, gpu)) and (not sharded_only or p.distributed.sharding in ("fsdp", "hsdp")):
+                return f"{nodes} node(s) x {gpus} {gpu.key} with {p.distributed.sharding}{batch} ({show(p)})"
+        return None
+
     rows = request.packing_length or request.max_seq_length  # tokens per row as the user set them
+    # Shorter rows: a packingLength the user set is the one to lower (below maxSeqLength, as admission
+    # wants it); otherwise maxSeqLength.
+    field = "packing_length" if request.packing_length else "max_seq_length"
+    name = "packingLength" if request.packing_length else "maxSeqLength"
+
+    def shorter(r: PlanRequest, cards: tuple[GpuProfile, ...]) -> tuple[str, GpuProfile, Plan] | None:
+        """The longest rows, halving from the job's (or those that ran out of memory), that fit ``r`` on
+        one of ``cards`` (the first that does), in words."""
+        length = min(rows, rows_tried or rows) // 2
+        while length >= MIN_PACKING_LENGTH:
+            for card in cards:
+                if p := fits(r.model_copy(update={field: length}), card):
+                    return f"{name} {length}", card, p
+            length //= 2
+        return None
+
     base, at = request, ""
     if rows_tried is not None and rows_tried < rows:  # the ladder shortened rows the user left to it
         base = request.model_copy(update={"max_seq_length": rows_tried, "packing_length": None})
@@ -190,41 +242,34 @@ def _suggest(request: PlanRequest, gpu: GpuProfile, rows_tried: int | None = Non
             out.append(f"leave microBatchSize/gradientCheckpointing to the planner{at}: {p.summary()}")
     # Cards at least a GiB bigger (an L40S is not a bigger A40).
     bigger = [b for b in map(profile_for_type, GPU_TYPES) if b.memory_gib > gpu.memory_gib + 1]
+    cards = (gpu, *bigger)
     for method in CHEAPER_METHODS[request.method]:
         update: dict[str, object] = {"method": method}
         if method == "qlora":  # one GPU only (admission refuses more)
             update |= {"gpus_per_node": 1, "nodes": 1}
         cheaper = base.model_copy(update=update)
-        for card in (gpu, *bigger):
-            if p := fits(cheaper, card):
-                gpus = p.distributed.nnodes * p.distributed.nproc_per_node
-                out.append(f"method {method}{at} fits on {gpus} x {card.key} ({show(p)})")
-                break
-    if request.method != "qlora":  # one GPU only
-        for gpus, nodes in ((2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8)):
-            if gpus * nodes <= request.world_size:
-                continue
-            more = request.model_copy(update={"gpus_per_node": gpus, "nodes": nodes})
-            if (p := fits(more, gpu)) and (rows_tried is None or p.distributed.sharding in ("fsdp", "hsdp")):
-                out.append(
-                    f"{request.method} fits on {nodes} node(s) x {gpus} {gpu.key} with"
-                    f" {p.distributed.sharding} ({show(p)})"
-                )
-                break
+        if found := next(((card, p) for card in cards if (p := fits(cheaper, card))), None):
+            card, p = found
+            out.append(f"method {method}{at} fits on {p.distributed.world_size} x {card.key} ({show(p)})")
+        elif method != "qlora" and (layout := more_gpus(cheaper, sharded_only=False)):
+            combined.append(f"method {method}{at} fits on {layout}")
+        elif shortened := shorter(request.model_copy(update=update), cards):
+            rows_at, card, p = shortened
+            combined.append(
+                f"method {method} at {rows_at} fits on {p.distributed.world_size} x {card.key} ({show(p)})"
+            )
+    kept = len(out)  # the suggestions that keep the job's method start here
+    if request.method != "qlora" and (layout := more_gpus(request, sharded_only=rows_tried is not None)):
+        out.append(f"{request.method} fits on {layout}")
     for card in bigger:
         if p := fits(base, card):
             out.append(f"fits on {request.world_size} x {card.key}{at} ({show(p)})")
-    # Shorter rows: a packingLength the user set is the one to lower (below maxSeqLength, as admission
-    # wants it); otherwise maxSeqLength.
-    field = "packing_length" if request.packing_length else "max_seq_length"
-    name = "packingLength" if request.packing_length else "maxSeqLength"
-    length = min(rows, rows_tried or rows) // 2
-    while length >= MIN_PACKING_LENGTH:
-        if p := fits(request.model_copy(update={field: length}), gpu):
-            out.append(f"{name} {length} fits ({show(p)})")
-            break
-        length //= 2
-    return out
+    if shortened := shorter(request, (gpu,)):
+        out.append(f"{shortened[0]} fits ({show(shortened[2])})")
+    elif len(out) == kept and (shortened := shorter(request, tuple(bigger))):
+        rows_at, card, p = shortened
+        combined.append(f"{rows_at} fits on {request.world_size} x {card.key} ({show(p)})")
+    return out + combined
 
 
 def _card_reasons(gpu: GpuProfile) -> list[str]:
@@ -246,18 +291,12 @@ def _plan(request: PlanRequest, gpu: GpuProfile, suggest: bool) -> Plan:
         verdict = f"fits{traded}: ~{best.memory.total_gib:.1f} of {best.memory.budget_gib:.1f} GiB per GPU"
         return _assemble(request, gpu, fixed, best, True, reasons, verdict, [], [])
     verdict = _no_fit_verdict(request, gpu, best, fixed)
+    suggestions: list[str] = []
+    if suggest and not fixed.problem:
+        suggestions = _suggest(request, gpu)
+        verdict += "" if suggestions else f"; {NOTHING_TRIED_FITS}"
     reasons.append(f"does not fit: {verdict}")
-    return _assemble(
-        request,
-        gpu,
-        fixed,
-        best,
-        False,
-        reasons,
-        verdict,
-        _suggest(request, gpu) if suggest and not fixed.problem else [],
-        [],
-    )
+    return _assemble(request, gpu, fixed, best, False, reasons, verdict, suggestions, [])
 
 
 def plan(request: PlanRequest, gpu: GpuProfile) -> Plan:
@@ -308,6 +347,8 @@ def replan_after_oom(request: PlanRequest, gpu: GpuProfile, previous: Plan) -> P
             f"CUDA OOM at {was}: nothing left to trade on {gpu.key}"
             " (micro-batch, checkpointing and row length are at their limits or fixed by the spec)"
         )
+        suggestions = _suggest(request, gpu, rows_tried=sequence)
+        verdict += "" if suggestions else f"; {NOTHING_TRIED_FITS}"
         return _assemble(
             request,
             gpu,
@@ -316,7 +357,7 @@ def replan_after_oom(request: PlanRequest, gpu: GpuProfile, previous: Plan) -> P
             False,
             [*reasons, verdict],
             verdict,
-            _suggest(request, gpu, rows_tried=sequence),
+            suggestions,
             [*previous.ladder, f"exhausted after OOM at {was}"],
         )
     estimate = f"~{c.memory.total_gib:.1f} GiB estimated"
