@@ -55,6 +55,7 @@ from sftjob_operator.job_lifecycle import JobPass
 from sftjob_operator.not_started import MOUNT_GIVE_UP_SECONDS
 from sftjob_operator.planning import CandidatePlans, PlanningError, plan_status
 from sftjob_operator.reconcile_io import Actions, Context, Manifest, Obj, Observed
+from sftjob_operator.restarts import ADVICE
 from sftjob_operator.scheduling import node_affinity
 from sftjob_operator.status import gpu_status, node_of_rank
 from sftjob_operator.status_draft import Event
@@ -261,7 +262,8 @@ class _Pass(JobPass):
         self.observe_running(spec, attempt_plans, record)
 
     def deadline_exceeded(self, spec: SFTJobSpec) -> None:
-        message = f"the job ran longer than activeDeadlineSeconds {spec.active_deadline_seconds}"
+        ran = f"the job ran longer than activeDeadlineSeconds {spec.active_deadline_seconds}"
+        message = f"{ran}; {ADVICE[FailureClass.DEADLINE_EXCEEDED]}"
         return self.fail(Reason.DEADLINE_EXCEEDED, message, ended_as=FailureClass.DEADLINE_EXCEEDED)
 
     def own_progress(self, record: AttemptRecord) -> ProgressStatus | None:

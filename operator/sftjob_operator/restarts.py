@@ -44,19 +44,31 @@ COMMUNICATION_ERRORS_TO_AVOID_NODE = 2
 # GPUs of one node only: with one GPU per node there is none to turn off, and no fallback.
 SAFE_PCIE_NCCL_ENV = {"NCCL_P2P_LEVEL": "NVL"}
 
+# The spec of a failed job is immutable and a failed job is never judged again: a permanent failure's fix
+# takes a new job, which resumes only from checkpoints that outlived the old one (docs/install.md).
+RECREATE = (
+    "delete the job and create it again (its checkpoints survive only with checkpoints.keepOnDelete, a"
+    " checkpoints.volume, or the claim <job>-checkpoints detached first: remove its ownerReferences)"
+)
+# docs/failures.md's "You" column.
 ADVICE: dict[FailureClass, str] = {
-    FailureClass.CONFIG_ERROR: "fix the SFTJob spec (or the Secret/ConfigMap it names) and apply it again",
-    FailureClass.DATA_ERROR: "fix the dataset (format, columns, bad rows) and apply the job again",
-    FailureClass.MODEL_LOAD_ERROR: "check the model name, revision, token Secret and volume; apply again",
-    FailureClass.IMAGE_PULL_ERROR: "check spec.image and the registry credentials, then apply again",
-    FailureClass.DIVERGED: "lower training.learningRate or raise warmupRatio, check the data; apply again",
-    FailureClass.DEADLINE_EXCEEDED: "raise spec.activeDeadlineSeconds or shorten the training",
+    FailureClass.CONFIG_ERROR: f"fix the SFTJob spec (or the Secret/ConfigMap it names), then {RECREATE}",
+    FailureClass.DATA_ERROR: f"fix the dataset (format, columns, bad rows), then {RECREATE}",
+    FailureClass.MODEL_LOAD_ERROR: "check the model name, revision, token Secret and volume, then"
+    f" {RECREATE}",
+    FailureClass.IMAGE_PULL_ERROR: f"check spec.image and the registry credentials, then {RECREATE}",
+    FailureClass.DIVERGED: "lower training.learningRate or raise warmupRatio, check the data, then"
+    f" {RECREATE}",
+    # Said once the job has failed: raising activeDeadlineSeconds then changes nothing.
+    FailureClass.DEADLINE_EXCEEDED: "a larger spec.activeDeadlineSeconds or shorter training takes a new"
+    f" job: {RECREATE}",
     FailureClass.CUDA_OOM: "lower training.microBatchSize or dataset.maxSeqLength, or use a larger GPU",
-    FailureClass.HOST_OOM: "lower dataloader memory (workers, in-memory data) or use bigger nodes",
+    FailureClass.HOST_OOM: "a larger spec.resources.memory, a lower spec.resources.cpu (it sets the"
+    " dataloader workers) or nodes with more memory",
     FailureClass.NETWORK_ERROR: "check the egress to the hub (HF_ENDPOINT), or put the model on a volume",
     FailureClass.DRIVER_MISMATCH: "use a spec.image built for a CUDA the nodes' drivers support",
     FailureClass.GPU_UNAVAILABLE: "use a spec.image with PyTorch built for CUDA and no NVIDIA driver files",
-    # docs/failures.md's "You" column, for the classes that end a job by using up restartPolicy.maxRestarts.
+    # The classes that end a job by using up restartPolicy.maxRestarts.
     FailureClass.STORAGE_ERROR: "give the checkpoints more room (a larger checkpoints.size or volume, or a"
     " smaller checkpoints.keep) and the hub cache too; a multi-node job needs a checkpoints.volume every node"
     " mounts (ReadWriteMany)",

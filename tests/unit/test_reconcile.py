@@ -172,6 +172,16 @@ def test_a_job_past_its_deadline_fails_and_its_pods_go() -> None:
     assert late.delete_pods == ["job-1-0"] and late.status.attempts[0].reason == "DeadlineExceeded"
 
 
+def test_a_job_failed_for_its_deadline_says_a_larger_one_takes_a_new_job() -> None:
+    spec = {**SPEC, "activeDeadlineSeconds": 60}
+    obs = observed(spec=spec)
+    first = reconcile(obs, CTX)
+    late = reconcile(then(obs, first, pods=[pod()], now=NOW + timedelta(seconds=61)), CTX)
+    message = next(c.message for c in late.status.conditions if c.type == "Failed")
+    assert message.startswith("the job ran longer than activeDeadlineSeconds 60; ")
+    assert "larger spec.activeDeadlineSeconds" in message and "delete the job and create it again" in message
+
+
 def _seen_late(ended: dict[str, Any]) -> Actions:
     """The pass that first sees `ended`, the attempt's pod, comes 30 s after the 60 s deadline."""
     spec = {**SPEC, "activeDeadlineSeconds": 60}

@@ -48,7 +48,17 @@ def test_permanent_failures_fail_the_job_at_once_with_advice(cls: FailureClass) 
     result = give_up(policy_decision(history_of(cls)))
     assert result.reason == cls.value
     assert result.message.startswith(f"attempt 1 failed with {cls} (exit code 1): {cls} happened; ")
-    assert "apply" in result.message or "spec." in result.message
+    assert result.message.endswith(f"; {ADVICE[cls]}")
+
+
+@pytest.mark.parametrize("cls", sorted(PERMANENT))
+def test_a_permanent_failure_says_to_delete_the_job_and_create_it_again_not_to_apply_it(
+    cls: FailureClass,
+) -> None:
+    """A failed job is never judged again and its spec is immutable: applying it again changes nothing."""
+    result = give_up(policy_decision(history_of(cls)))
+    assert "delete the job and create it again" in result.message and "apply" not in result.message
+    assert "checkpoints.keepOnDelete" in result.message and "ownerReferences" in result.message
 
 
 @pytest.mark.parametrize(
