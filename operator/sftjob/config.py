@@ -304,6 +304,16 @@ class TrainerConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _qlora_is_single_gpu(self) -> TrainerConfig:
+        d = self.distributed
+        if self.method == "qlora" and (d.sharding != "none" or d.world_size > 1):
+            raise ValueError(
+                f"method qlora runs on exactly one GPU (its 4-bit base is neither sharded nor replicated):"
+                f" distributed.sharding {d.sharding} and world_size {d.world_size} must be none and 1"
+            )
+        return self
+
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
 

@@ -150,6 +150,8 @@ class ModelSpec(SpecModel):
             raise ValueError("spec.model needs exactly one of name (a hub id) or path (inside volume)")
         if (self.path is None) != (self.volume is None):
             raise ValueError("spec.model.path and spec.model.volume go together")
+        if self.revision is not None and self.name is None:
+            raise ValueError("spec.model.revision pins a hub model: it needs spec.model.name, not path")
         if problem := parameters_problem(self.architecture, self.parameters):  # CEL lacks the formula
             raise ValueError(problem)
         return self

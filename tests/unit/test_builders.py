@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
 from sftjob import constants as c
 from sftjob.config import DistributedSettings, JobRef, TrainerConfig, TrainingSettings
 from sftjob.gpus import GpuProfile, profile_for_type
@@ -264,6 +267,28 @@ def test_the_config_map_holds_a_valid_trainer_config_per_candidate_gpu() -> None
     )
     assert config.output_dir == f"{c.CHECKPOINT_MOUNT}/final" and config.lora.target_modules == "all-linear"
     assert cm["data"][c.CONFIG_FILE] == cm["data"]["config-L40S.json"]
+
+
+@pytest.mark.parametrize(
+    "distributed",
+    [{"nproc_per_node": 2}, {"nnodes": 2}, {"sharding": "ddp"}, {"sharding": "fsdp"}, {"sharding": "hsdp"}],
+)
+def test_a_trainer_config_refuses_qlora_on_more_than_one_gpu_or_with_sharding(
+    distributed: dict[str, Any],
+) -> None:
+    world = distributed.get("nproc_per_node", 1) * distributed.get("nnodes", 1)
+    body = {
+        "model": {"name": "a/b"},
+        "dataset": {"name": "c/d"},
+        "method": "qlora",
+        "distributed": distributed,
+        "training": {"global_batch_size": world},
+    }
+    with pytest.raises(ValidationError, match="method qlora runs on exactly one GPU"):
+        TrainerConfig.model_validate(body)
+    assert TrainerConfig.model_validate(body | {"method": "lora"}).method == "lora"
+    one_gpu = body | {"distributed": {}, "training": {"global_batch_size": 1}}
+    assert TrainerConfig.model_validate(one_gpu).method == "qlora"
 
 
 def test_each_cards_config_carries_the_tokens_per_second_its_own_plan_predicted() -> None:

@@ -344,6 +344,20 @@ def test_the_crd_refuses_all_linear_beside_other_target_modules_with_the_models_
     assert "[all-linear]" in targets["description"]
 
 
+@pytest.mark.parametrize(("block", "what"), [("model", "model"), ("dataset", "dataset")])
+def test_a_revision_beside_a_path_is_refused_by_the_crd_and_the_model_alike(
+    schema: Schema, block: str, what: str
+) -> None:
+    rules = schema["properties"]["spec"]["properties"][block]["x-kubernetes-validations"]
+    message = f"{block}.revision pins a hub {what}; it needs {block}.name, not path"
+    assert {"rule": "!has(self.revision) || has(self.name)", "message": message} in rules
+    volume = {"persistentVolumeClaim": {"claimName": "files"}}
+    body = {"model": {"name": "a/b"}, "dataset": {"name": "c/d"}}
+    body[block] = {"path": "p", "volume": volume, "revision": "v1.0"}
+    with pytest.raises(ValidationError, match=rf"spec\.{block}\.revision pins a hub {what}: it needs"):
+        SFTJobSpec.model_validate(body)
+
+
 def test_the_architecture_description_says_a_mixture_of_experts_is_sized_by_parameters_alone(
     schema: Schema,
 ) -> None:

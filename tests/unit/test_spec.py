@@ -46,6 +46,7 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
         {"model": {"path": "../up", "volume": PVC}},
         {"dataset": {"split": "train"}},
         {"dataset": {"path": "d", "volume": PVC, "revision": "v1.0"}},
+        {"model": {"path": "m", "volume": PVC, "revision": "v1.0"}},
         {"method": "qlora", "gpu": {"count": 4}},
         {"method": "qlora", "gpu": {"nodes": 2}},
         {"gpu": {"type": "A800", "types": ["A40"]}},

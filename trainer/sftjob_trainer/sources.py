@@ -1,17 +1,23 @@
 """Where SFT rows come from: JSON Lines, JSON array and Parquet files, dataset folders, hub datasets.
 
-A folder is read like the datasets library reads a hub snapshot (its ``data_files`` rules, followed here
-in order): hidden files and folders, folders starting with ``__`` and the library's metadata files are
-skipped; files named ``data/{split}-00000-of-00001...`` give the splits' exact names; otherwise split names
-in folder names, then in file names (``train.jsonl``, ``validation/part-0.json``); every file when no
-name carries one. Text is decoded strictly: a JSON Lines line that is not UTF-8 or not JSON comes through
-as a :class:`BadRow`, counted with the other malformed rows. A row's location is its file's path in the
-dataset folder and its line or row number, from 1.
+A folder is read like the datasets library reads a hub snapshot. The default config of the ``configs:``
+in its README.md's front matter (the only one, the one with ``default: true`` or the one named
+``default``) names the split's files: ``data_files`` globs, under its ``data_dir``. Without them the
+library's rules are followed here in order: hidden files and folders, folders starting with ``__`` and the
+library's metadata files are skipped; files named ``data/{split}-00000-of-00001...`` give the splits'
+exact names; otherwise split names in folder names, then in file names (``train.jsonl``,
+``validation/part-0.json``); every file when no name carries one. Arrow folders of ``save_to_disk`` are
+refused (the library reads them with ``load_from_disk`` alone).
+
+Text is decoded strictly: a JSON Lines line that is not UTF-8 or not JSON comes through as a
+:class:`BadRow`, counted with the other malformed rows. A row's location is its file's path in the dataset
+folder and its line or row number, from 1.
 """
 
 from __future__ import annotations
 
 import codecs
+import glob
 import importlib
 import json
 import logging
@@ -19,6 +25,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+
+import yaml
 
 from sftjob.config import DatasetSource
 from sftjob.failures import ExitCode, TrainerError
@@ -38,8 +46,14 @@ SPLIT_NAMES = {
     "test": ("test", "testing", "eval", "evaluation"),
 }
 _SPLIT_SEPARATOR = r"[-._ 0-9]"
-# Files the datasets library never reads as data (those a dataset folder could hold as .json).
-_NOT_DATA = frozenset({"config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json"})
+# Files the datasets library never reads as data (those a dataset folder could hold as .json), and the
+# state.json of a save_to_disk folder.
+_NOT_DATA = frozenset(
+    {"config.json", "dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"}
+)
+_README = "README.md"
+_FRONT_MATTER = "---"
+_DEFAULT_SPLIT = "train"  # the split of data_files given as a string or a list of them
 _SHOWN_FILES = 20
 _UTF8_BOM = b"\xef\xbb\xbf"
 _JSON_CHUNK_BYTES = 1 << 20  # what a JSON array file is read in
@@ -67,14 +81,19 @@ def files_of(path: Path, split: str, field: str = "dataset.split") -> list[Path]
     """The data files ``dataset.path`` holds for ``split`` (the spec's ``field``): the file itself, or the
     folder's files of it."""
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if _is_data(p.relative_to(path)) and p.is_file())
+        _refuse_arrow_folder(path)
+        config = _default_config(path)
+        folder = path / str(config.get("data_dir") or "") if config else path
+        if config and config.get("data_files") is not None:
+            return _config_files(folder, config, split, field)
+        files = sorted(p for p in folder.rglob("*") if _is_data(p.relative_to(folder)) and p.is_file())
         if not files:
             raise TrainerError(
                 ExitCode.DATA_ERROR,
-                f"dataset folder {path} has no .jsonl/.json/.parquet files (hidden files and folders, and"
+                f"dataset folder {folder} has no .jsonl/.json/.parquet files (hidden files and folders, and"
                 " folders starting with __, are skipped)",
             )
-        files = split_files(path, files, split, field)
+        files = split_files(folder, files, split, field)
     elif path.is_file():
         if path.suffix not in DATA_SUFFIXES:
             raise TrainerError(ExitCode.DATA_ERROR, f"dataset file {path} is not .jsonl, .json or .parquet")
@@ -82,6 +101,92 @@ def files_of(path: Path, split: str, field: str = "dataset.split") -> list[Path]
     else:
         raise TrainerError(ExitCode.DATA_ERROR, f"dataset path {path} does not exist")
     return files
+
+
+def _refuse_arrow_folder(path: Path) -> None:
+    """A ``save_to_disk`` folder (``dataset_dict.json``, or ``state.json`` beside ``*.arrow`` files in it or
+    in a split folder) holds no file the trainer reads."""
+    states = [path / "state.json", *path.glob("*/state.json")]
+    if (path / "dataset_dict.json").is_file() or any(
+        s.is_file() and any(s.parent.glob("*.arrow")) for s in states
+    ):
+        raise TrainerError(
+            ExitCode.DATA_ERROR,
+            f"dataset folder {path} is an Arrow folder written by save_to_disk, which the trainer does not"
+            " read: export it with to_json (JSON Lines) or to_parquet",
+        )
+
+
+def _default_config(folder: Path) -> dict[str, Any] | None:
+    """The default config of the ``configs:`` list in README.md's YAML front matter; None without one."""
+    readme = folder / _README
+    lines = readme.read_text(encoding="utf-8", errors="replace").splitlines() if readme.is_file() else []
+    if not lines or lines[0] != _FRONT_MATTER or _FRONT_MATTER not in lines[1:]:
+        return None
+    try:
+        card = yaml.safe_load("\n".join(lines[1 : lines.index(_FRONT_MATTER, 1)]))
+    except yaml.YAMLError as exc:
+        raise TrainerError(ExitCode.DATA_ERROR, f"{readme}: its front matter is not YAML: {exc}") from exc
+    configs = card.get("configs") if isinstance(card, dict) else None
+    if not configs:
+        return None
+    if not isinstance(configs, list) or not all(isinstance(c, dict) and "config_name" in c for c in configs):
+        raise TrainerError(
+            ExitCode.DATA_ERROR, f"{readme}: configs must be a list of mappings, each with a config_name"
+        )
+    defaults = [c for c in configs if len(configs) == 1 or c["config_name"] == "default" or c.get("default")]
+    if len(defaults) != 1:
+        names = ", ".join(str(c["config_name"]) for c in configs)
+        raise TrainerError(
+            ExitCode.DATA_ERROR,
+            f"{readme} names configs {names} but {'more than one' if defaults else 'none'} of them is the"
+            " default (default: true, or named default): the trainer reads the default config; to train"
+            " another, point dataset.path at its folder",
+        )
+    return dict(defaults[0])
+
+
+def _config_files(folder: Path, config: dict[str, Any], split: str, field: str) -> list[Path]:
+    """The files of ``split`` that a config's ``data_files`` names, globs relative to ``folder`` (its
+    ``data_dir``): a string or a list of them (split train), or a list of ``{split, path}``."""
+    data_files, name = config["data_files"], config["config_name"]
+    if isinstance(data_files, list) and any(isinstance(entry, dict) for entry in data_files):
+        patterns = {str(e.get("split")): e.get("path") for e in data_files if isinstance(e, dict)}
+    else:
+        patterns = {_DEFAULT_SPLIT: data_files}
+    chosen = patterns.get(split)
+    if chosen is None:
+        raise TrainerError(
+            ExitCode.DATA_ERROR,
+            f"the default config {name!r} of {folder}'s {_README} has no split {split!r} ({field}); its"
+            f" splits: {', '.join(patterns)}",
+        )
+    names: dict[str, None] = {}  # in the patterns' order, each file once
+    for pattern in chosen if isinstance(chosen, list) else [chosen]:
+        matched = sorted(glob.glob(str(pattern), root_dir=folder, recursive=True))
+        found = [m for m in matched if _is_requested(Path(m), str(pattern)) and (folder / m).is_file()]
+        if not found:
+            raise TrainerError(
+                ExitCode.DATA_ERROR,
+                f"{pattern!r}, of split {split!r} in the default config {name!r} of {folder}'s {_README},"
+                " matches no .jsonl/.json/.parquet file in the folder",
+            )
+        names.update(dict.fromkeys(found))
+    log.info("dataset folder %s, config %s, split %s: reading %s", folder, name, split, _shown(list(names)))
+    return [folder / n for n in names]
+
+
+def _is_requested(relative: Path, pattern: str) -> bool:
+    """Whether a file a config's glob matched is read: a data file inside the folder, in no folder
+    starting with ``__`` that the pattern does not name (glob itself skips the hidden ones)."""
+    specials = sum(part.startswith("__") for part in relative.parent.parts)
+    return (
+        relative.suffix in DATA_SUFFIXES
+        and relative.name not in _NOT_DATA
+        and not relative.is_absolute()
+        and ".." not in relative.parts
+        and specials == sum(part.startswith("__") for part in Path(pattern).parent.parts)
+    )
 
 
 def _is_data(relative: Path) -> bool:
