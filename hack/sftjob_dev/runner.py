@@ -8,10 +8,11 @@ and ``<workdir>/local/assets/{model,data}`` (where the demo puts a tiny model an
 ``python -m sftjob_trainer.train`` on the CPU as the job's trainer ServiceAccount, so progress reports
 go through the real per-job RBAC. When the process exits, the runner steers the pod with the
 ``sim.sftjob.dev/*`` annotations so KWOK ends it as a real pod ends: the termination message, and the exit
-code of the container's PID 1, torchrun, which is 1 for any failure (the trainer's own code is the
-``[exit N]`` tag its message starts with) and 128+N when the container is killed by signal N. A pod
-deleted (suspend, restart, job deleted) or ended by someone else while its process runs gets SIGTERM
-sent to the process: the trainer saves a checkpoint and exits, and the pod is left alone.
+code of the container's PID 1 (the launcher, passing on torchrun's), which is 1 for any failure (the
+trainer's own code is the ``[exit N]`` tag its message starts with) and 128+N when the container is
+killed by signal N. A pod deleted (suspend, restart, job deleted) or ended by someone else while its
+process runs gets SIGTERM sent to the process: the trainer saves a checkpoint and exits, and the pod is
+left alone.
 
 It talks only to the API server on loopback, never to a pod or node IP. Each trainer's output is in
 ``<workdir>/local/<ns>/<job>/<pod>.log``. Run it with ``python -m sftjob_dev.runner --workdir DIR``.

@@ -44,6 +44,13 @@ Obj = Mapping[str, Any]
 
 CONTAINER = "trainer"
 TRAINER_MODULE = "sftjob_trainer.train"
+# The container's PID 1, above torchrun: it writes the termination message of a rank killed by a signal,
+# which could not write its own. The image's `python` (the trainer image installs with it) runs it.
+LAUNCHER = ("python", "-m", "sftjob_trainer.launch")
+# torchrun prints each worker's stderr lines behind its local rank ("[default1]:..."), which is how the
+# launcher tells whose last words are whose; it tees them through files under a new folder in $TMPDIR or
+# /tmp, the scratch volume (SCRATCH_MOUNT), and only stderr, so stdout and the log look as before.
+TORCHRUN_TEE = "--tee=2"
 HF_HOME = posixpath.join(c.CHECKPOINT_MOUNT, ".cache", "huggingface")  # downloads survive restarts
 TRITON_CACHE_DIR = posixpath.join(c.SCRATCH_MOUNT, "triton")
 # The trainer acts on SIGTERM after the optimizer step under way and then saves a checkpoint; give it
@@ -117,9 +124,10 @@ def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int, *, grace: int) ->
     procs = f"--nproc-per-node={spec.gpu.count}"
     shutdown = f"--shutdown-timeout={grace - TORCHRUN_SHUTDOWN_MARGIN_SECONDS}"
     if spec.gpu.nodes == 1:
-        return ["torchrun", "--standalone", procs, shutdown, "-m", TRAINER_MODULE]
+        return [*LAUNCHER, "torchrun", "--standalone", procs, shutdown, TORCHRUN_TEE, "-m", TRAINER_MODULE]
     master = f"{pod_name(job.name, job.attempt, 0)}.{job.name}"
     return [
+        *LAUNCHER,
         "torchrun",
         f"--nnodes={spec.gpu.nodes}",
         procs,
@@ -129,6 +137,7 @@ def torchrun_command(job: JobRef, spec: SFTJobSpec, rank: int, *, grace: int) ->
         # The static rendezvous (torchrun's with --master-addr) gives up after 600 s unless told.
         f"--rdzv-conf=timeout={rendezvous_timeout(spec)}",
         shutdown,
+        TORCHRUN_TEE,
         "-m",
         TRAINER_MODULE,
     ]

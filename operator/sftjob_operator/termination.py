@@ -1,10 +1,12 @@
 """What a trainer container's termination message says: the trainer's exit code and a one-line summary.
 
-The container's PID 1 is torchrun, which exits 1 whatever code a failed rank ended with, so the trainer
-starts its one-line message with that code (``[exit 11] dataset /data/train.jsonl is empty``, see
-:func:`sftjob.failures.tag_exit_code`). When the trainer wrote nothing (a segfault, the NCCL watchdog's
-SIGABRT, a SIGKILLed rank) the pod's ``FallbackToLogsOnError`` policy makes the message the last 2048
-bytes of the log instead, and those end with torchrun's own traceback and its report on the ranks::
+The container runs torchrun, which exits 1 whatever code a failed rank ended with, so the trainer starts
+its one-line message with that code (``[exit 11] dataset /data/train.jsonl is empty``, see
+:func:`sftjob.failures.tag_exit_code`). When a rank wrote nothing (a segfault, the NCCL watchdog's SIGABRT,
+a SIGKILLed rank) the launcher above torchrun (``sftjob_trainer.launch``) writes its root cause and last
+words instead, untagged (:mod:`sftjob.torchrun_report`). When nothing wrote a message (torchrun failed
+before any rank did, the launcher was killed too) the pod's ``FallbackToLogsOnError`` policy makes the
+message the last 2048 bytes of the log, which may end with torchrun's own traceback and its report::
 
     torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB    <- the rank's last words
     E1130 09:00:10.722000 1 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) ...
@@ -41,7 +43,7 @@ hook, ``nvidia-container-cli: initialization error: nvml error: driver/library v
 device that does not resolve), the node is usually broken, not the job: :func:`gpu_runtime_failure` says
 so. An image that asks for a newer CUDA than the driver has (a requirement error) is a DriverMismatch,
 which the restart policy blames on the job once it has happened on two nodes; an image that holds driver
-files of its own, or cannot run the trainer's command (no torchrun, another CPU architecture), fails on
+files of its own, or cannot run the trainer's command (no python, another CPU architecture), fails on
 every node, a ConfigError at once, and so does an image without kernels for the GPU's architecture or,
 when the job brought its own image, without a module the trainer imports (:func:`image_fault`). Pure
 functions, no I/O.
@@ -50,21 +52,13 @@ functions, no I/O.
 from __future__ import annotations
 
 import re
-import signal
 from dataclasses import dataclass
 
 from sftjob.failures import CUDA_OOM_PATTERN, GPU_FAULT_PATTERN, NO_KERNEL_IMAGE, FailureClass, read_exit_tag
+from sftjob.torchrun_report import RULE, last_words, read_report, summarize
 
-# The heading of the last block of torchrun's report (torch.distributed.elastic.multiprocessing.errors).
-_ROOT_CAUSE_HEADING = "Root Cause (first observed failure):"
-_RULE = re.compile(r"^\s*([=*-])\1{2,}\s*$")  # the report's =/- rules, torchrun's ***** banner
-_REPORT_FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)")
 # torchrun's own log lines: they name its modules, and even cut short end in glog's "<file>.py:<line>] ".
 _TORCHRUN_LOG = re.compile(r"torch/distributed/elastic/|\.py:\d+\] ")
-_ALPHANUMERIC = re.compile(r"[A-Za-z0-9]")
-# A C++ backtrace (c10::Error's "Exception raised from ...", then "frame #N: ..."), as an NCCL watchdog abort
-# prints below its what(): never the words that say what happened.
-_CPP_BACKTRACE = re.compile(r"^(?:frame #\d+: |Exception raised from )")
 # The kubelet's fallback message is the log's last 80 lines cut to their last 2048 bytes (its
 # MaxContainerTerminationMessageLogLines and MaxContainerTerminationMessageLogLength): a tail that long begins
 # mid-line. torchrun's own output after a failure (a SIGTERM line per other local rank, its traceback and its
@@ -79,7 +73,7 @@ NOT_IN_TAIL = (
 # <rootfs>/usr/bin/nvidia-smi: file exists". (Other file creation failures, such as the persistenced
 # socket's "no such device or address", are the node's.)
 IMAGE_DRIVER_FILE = re.compile(r"mount error: file creation failed: (\S+?): file exists", re.IGNORECASE)
-# The image cannot run the trainer's command at all (no torchrun in it, or built for another CPU
+# The image cannot run the trainer's command at all (no python in it, or built for another CPU
 # architecture; the job's spec.image or the operator's --image): the same on every node and every attempt.
 IMAGE_CANNOT_RUN = re.compile(r"exec: \S+: executable file not found in \$PATH|exec format error")
 _CONTAINER_ROOT = re.compile(r"^.*/(?:rootfs|merged)(?=/)")  # containerd's and CRI-O's container root
@@ -144,20 +138,18 @@ def read_message(message: str) -> TerminationMessage:
     cut = code is None and len(message.encode()) >= LOG_TAIL_BYTES and len(lines) > 1
     if cut:  # a log tail the kubelet cut: its first line is a fragment ("IGTERM"), left to the signatures
         lines = lines[1:]
-    heading = max((i for i, line in enumerate(lines) if line.strip() == _ROOT_CAUSE_HEADING), default=None)
-    if heading is None:
-        return TerminationMessage(code, text, _last_words(lines))
-    top = max((i for i in range(heading) if _RULE.match(lines[i]) and "=" in lines[i]), default=0)
-    rank, exitcode = _root_cause(lines[heading + 1 :])
-    before = lines[:top]
+    report = read_report(lines)
+    if report is None:
+        return TerminationMessage(code, text, last_words(lines))
+    before = lines[: report.start]
     while before and _torchrun_trailer(before[-1]):
         before.pop()
-    last = _last_words(before)
-    root = _describe(rank, exitcode)
-    if root and not last and cut:  # torchrun's output filled the tail: say so rather than guess
-        summary = f"{root}; {NOT_IN_TAIL}"
-    else:
-        summary = f"{root}: {last}" if root and last else root or last
+    last = last_words(before)
+    cause = report.root_cause
+    root = cause.describe()
+    # When torchrun's output filled the tail, say so rather than guess.
+    summary = f"{root}; {NOT_IN_TAIL}" if root and not last and cut else summarize(cause, last)
+    exitcode = cause.exitcode
     if code is None and exitcode is not None and exitcode > 0:
         code = exitcode  # the rank ended with a code of its own but could not write the message
     return TerminationMessage(code, text, summary)
@@ -239,30 +231,6 @@ def image_fault(said: TerminationMessage, *, own_image: bool) -> str | None:
     return None
 
 
-def _root_cause(block: list[str]) -> tuple[int | None, int | None]:
-    """The rank and exit code (negative: killed by that signal) in the report's root-cause block."""
-    fields: dict[str, int] = {}
-    for line in block:
-        if _RULE.match(line):
-            break
-        match = _REPORT_FIELD.match(line)
-        if match:
-            fields.setdefault(match[1], int(match[2]))
-    return fields.get("rank"), fields.get("exitcode")
-
-
-def _describe(rank: int | None, exitcode: int | None) -> str:
-    if exitcode is None:
-        return ""
-    who = f"rank {rank}" if rank is not None else "a rank"
-    if exitcode >= 0:
-        return f"{who} exited with code {exitcode}"
-    try:
-        return f"{who} killed by {signal.Signals(-exitcode).name}"
-    except ValueError:
-        return f"{who} killed by signal {-exitcode}"
-
-
 def _torchrun_trailer(line: str) -> bool:
     """A line of what torchrun prints after a rank fails: its log lines and its own traceback."""
     stripped = line.strip()
@@ -272,18 +240,5 @@ def _torchrun_trailer(line: str) -> bool:
         or stripped == "Traceback (most recent call last):"
         or "ChildFailedError" in stripped
         or _TORCHRUN_LOG.search(stripped) is not None
-        or _RULE.match(stripped) is not None
-    )
-
-
-def _last_words(lines: list[str]) -> str:
-    """The last line with letters or digits that is neither a rule nor a C++ backtrace's: where a traceback
-    puts the error, and a C++ exception its what()."""
-    return next(
-        (
-            s
-            for s in (line.strip() for line in reversed(lines))
-            if _ALPHANUMERIC.search(s) and not _RULE.match(s) and not _CPP_BACKTRACE.match(s)
-        ),
-        "",
+        or RULE.match(stripped) is not None
     )

@@ -123,8 +123,8 @@ CDI_UNRESOLVABLE = (
     " nvidia.com/gpu=GPU-3b1c2d4e-5f60-7182-93a4-b5c6d7e8f901"
 )
 # ... and when the container could not start for a reason of the image's own.
-NO_TORCHRUN = (
+NO_PYTHON = (
     "failed to create containerd task: failed to create shim task: OCI runtime create failed: runc create"
-    ' failed: unable to start container process: exec: "torchrun": executable file not found in $PATH:'
+    ' failed: unable to start container process: exec: "python": executable file not found in $PATH:'
     " unknown"
 )

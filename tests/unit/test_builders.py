@@ -66,14 +66,18 @@ def test_a_pod_is_named_labelled_and_owned_for_its_attempt_and_rank() -> None:
     assert owner["kind"] == "SFTJob" and owner["uid"] == "uid-1" and owner["controller"]
 
 
-def test_a_single_node_pod_runs_torchrun_standalone_with_one_process_per_gpu() -> None:
+def test_a_single_node_pod_runs_torchrun_standalone_with_one_process_per_gpu_under_the_launcher() -> None:
     p = pod(spec(gpu={"type": "A800", "count": 8}))
     (container,) = p["spec"]["containers"]
     assert container["command"] == [
+        "python",
+        "-m",
+        "sftjob_trainer.launch",  # PID 1: the message of a rank killed by a signal
         "torchrun",
         "--standalone",
         "--nproc-per-node=8",
         "--shutdown-timeout=307",  # 120 s + 1.5 x a 131 s step (64 x 2048 tokens at 1000/s) - 10 s
+        "--tee=2",  # each rank's stderr lines behind its local rank, for the launcher
         "-m",
         "sftjob_trainer.train",
     ]
@@ -96,6 +100,7 @@ def test_multi_node_pods_meet_at_rank_zero_through_the_headless_service() -> Non
     command = p["spec"]["containers"][0]["command"]
     assert "--nnodes=2" in command and "--node-rank=1" in command
     assert "--master-addr=llama-3-0.llama" in command and f"--master-port={c.TORCHRUN_PORT}" in command
+    assert command[:4] == ["python", "-m", "sftjob_trainer.launch", "torchrun"] and "--tee=2" in command
     assert (p["spec"]["hostname"], p["spec"]["subdomain"]) == ("llama-3-1", "llama")
     service = builders.rendezvous_service(JOB)
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]

@@ -23,7 +23,7 @@ from tests.unit.classify_cases import (
     CDI_UNRESOLVABLE,
     DRIVER_FILE_IN_IMAGE,
     NO_NVML,
-    NO_TORCHRUN,
+    NO_PYTHON,
     NODE,
     NOW,
     NVML_MISMATCH,
@@ -39,7 +39,7 @@ from tests.unit.classify_cases import (
 from tests.unit.restart_cases import candidates, failed, give_up, policy_decision, restart
 
 # An image built for another CPU architecture than the node's.
-WRONG_CPU = NO_TORCHRUN.replace('exec: "torchrun": executable file not found in $PATH', "exec format error")
+WRONG_CPU = NO_PYTHON.replace('exec: "python": executable file not found in $PATH', "exec format error")
 
 
 @pytest.mark.parametrize(
@@ -72,9 +72,9 @@ def test_driver_files_baked_into_the_image_fail_the_job_at_once_as_a_config_erro
 
 
 def test_an_image_that_cannot_run_the_trainers_command_is_a_config_error_not_a_node_fault() -> None:
-    result = classify(pod("Failed", state=exited(128, "StartError", NO_TORCHRUN)), own_image=True)
+    result = classify(pod("Failed", state=exited(128, "StartError", NO_PYTHON)), own_image=True)
     assert result.failure_class is FailureClass.CONFIG_ERROR
-    assert "spec.image cannot run the trainer" in result.message and '"torchrun"' in result.message
+    assert "spec.image cannot run the trainer" in result.message and '"python"' in result.message
     assert classify(pod("Failed", state=exited(128, "StartError", WRONG_CPU))).failure_class is (
         FailureClass.CONFIG_ERROR
     )
@@ -99,7 +99,7 @@ def test_an_image_fault_of_a_job_without_spec_image_names_the_operators_image_no
 
 
 def test_a_start_error_neither_the_image_nor_the_gpu_runtime_explains_is_unknown() -> None:
-    other = NO_TORCHRUN.replace('exec: "torchrun": executable file not found in $PATH', "permission denied")
+    other = NO_PYTHON.replace('exec: "python": executable file not found in $PATH', "permission denied")
     result = classify(pod("Failed", state=exited(128, "StartError", other)))
     assert result.failure_class is FailureClass.UNKNOWN
 
