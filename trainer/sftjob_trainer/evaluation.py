@@ -36,11 +36,11 @@ from sftjob.config import DatasetSource, EvaluationSettings, TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer.batching import Layout, Unit, collate, make_units
 from sftjob_trainer.data import IGNORE_INDEX, Example, load_examples
+from sftjob_trainer.dataset_folders import files_of
 from sftjob_trainer.distributed import DistContext, unwrap
 from sftjob_trainer.liger import liger_kernels_in
 from sftjob_trainer.loop import micro_batch_loss, model_inputs
 from sftjob_trainer.model import PrecisionPlan
-from sftjob_trainer.sources import files_of
 
 log = logging.getLogger("sftjob_trainer")
 
