@@ -1,9 +1,10 @@
-"""The trainer throughput benchmark's results: the verdicts on each row (ratio to the seed config, MFU
-target, peak memory against the planner's estimate and the card), or why a row gets none, and the files:
-JSON, a Markdown table, a PNG chart.
+"""The trainer throughput benchmark's results: each run's row from before it starts to its end (which
+run it is, a stop's mark, a copy of an identical run), the verdicts on each row (ratio to the seed
+config, or to the anchors' seed where the run measured none, MFU target, peak memory against the
+planner's estimate and the card), or why a row gets none, and the files: JSON, a Markdown table, a PNG.
 
-Every file records the GPU, driver, library versions and the exact command, so a number can be traced
-back to how it was measured.
+Every file records the GPU, driver, Python and library versions and the exact command (and the GPU
+session's, hack/gpu-check.sh), so a number can be traced back to how it was measured.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from throughput_runs import GLOBAL_BATCH  # beside this module
+from throughput_runs import GLOBAL_BATCH, Run  # beside this module
 
 from sftjob.gpus import profile_for_type
 from sftjob.memory import CUDA_CONTEXT_GIB
@@ -34,9 +35,22 @@ ESTIMATE_TOLERANCE = 0.15
 PEAK_STEPS = 2
 # What liger_kernels_in calls Liger's loss: no logits in memory, as a plan with Liger is estimated.
 LIGER_LOSS = "fused linear cross-entropy"
+# The seed rows of shared/research/h200-anchors.md (HF Trainer, the seed guide's arguments: fp16, batch
+# 4 x accumulation 8, padded; lengths 32..2,048; one H200, 2026-11-29), real tokens/s: what a row measured
+# on an H200 is compared with where its own run has no seed row.
+ANCHOR_SEEDS = {("1.1B", "full"): 6556.0, ("7B", "lora"): 3659.0}
+ANCHOR_GPU = "H200"
+ANCHOR_SOURCE = (
+    "shared/research/h200-anchors.md seed row (HF Trainer, fp16, 4 x 8, padded, lengths 32..2048, H200)"
+)
+# What --fake-peak puts in a CPU dry run's rows: never a measurement, and the rows say so.
+FAKE_PEAK_SOURCE = "dry-run fake"
+FAKE_PEAK_NOTE = "peak memory made up (dry run): its verdicts test the code, not the plan"
 # What finish_rows derives; cleared first, so rows copied between runs or finished twice stay right.
 DERIVED = (
     "ratioToSeed",
+    "ratioToAnchorSeed",
+    "anchorSource",
     "peakVsEstimate",
     "withinEstimate",
     "cardGiB",
@@ -48,19 +62,71 @@ DERIVED = (
 )
 
 
-def finish_rows(rows: list[dict[str, Any]]) -> None:
-    """Ratio to the seed config of the same model and method in the same run; for planned rows the peak
-    against the planner's estimate, whether it fits the card planned for, and the MFU target's verdict.
-    Only rows with numbers (``ok``, or ``partial``: cut off by the time limit) are judged, and of those
-    not the ones whose numbers say nothing about the plan: ``notJudged`` says why."""
+def identity(run: Run, card_gib: float | None) -> dict[str, Any]:
+    """A run's row before it starts: which run it is, so a stop at any point leaves a row that says so."""
+    return {
+        "model": run.model,
+        "method": run.method,
+        "config": run.config,
+        "planFor": run.plan_for,
+        "capGiB": run.cap_gib or card_gib,
+        "tokensPerSecond": None,
+        "mfu": None,
+        "peakGiB": None,
+    }
+
+
+def add_note(row: dict[str, Any], note: str) -> None:
+    row["note"] = "; ".join(filter(None, (row.get("note"), note)))
+
+
+def stopped(row: dict[str, Any], steps: int) -> None:
+    """Mark a row the time limit stopped before it ended: what its finished steps measured, if any."""
+    if "status" not in row:
+        done = row.get("stepsDone", 0)
+        row["status"] = "partial" if done else "timeout"
+        add_note(row, f"stopped by the time limit after {done} of {steps} steps")
+
+
+def copied(source: Run, measured: dict[str, Any], run: Run, fields: dict[str, Any]) -> dict[str, Any]:
+    """The row of a run whose settings are identical to an earlier run's: that run's numbers, this run's
+    own settings and plan (so its verdicts see, say, that its accumulation was capped), and a note."""
+    note = f"identical configuration to {source.name}: measured once, this row compares nothing new"
+    print(f"{run.name}: {note}", flush=True)
+    own = {"config": run.config, "planFor": run.plan_for, "sameAs": source.name, "wallSeconds": 0.0}
+    return measured | fields | own | {"note": "; ".join(filter(None, (measured.get("note"), note)))}
+
+
+def fake_peak(row: dict[str, Any]) -> dict[str, Any]:
+    """A CPU dry run's made-up peak (``--fake-peak``, only with ``--tiny``): 5% over the planner's
+    estimate where the row has one, so the verdict code runs; ``peakSource`` and the note mark it."""
+    allocated = round((row.get("predictedAllocatorGiB") or 1.0) * 1.05, 6)
+    note = row.get("note") or ""
+    return {
+        "peakGiB": allocated,
+        "peakReservedGiB": round(allocated * 1.1, 6),
+        "peakSource": FAKE_PEAK_SOURCE,
+        "note": note if FAKE_PEAK_NOTE in note else "; ".join(filter(None, (note, FAKE_PEAK_NOTE))),
+    }
+
+
+def finish_rows(rows: list[dict[str, Any]], gpu: str | None = None) -> None:
+    """Ratio to the seed config of the same model and method in the same run, or where the run has
+    none, on an H200 (``gpu``), to the anchors' seed (``ratioToAnchorSeed``, ``anchorSource``); for
+    planned rows the peak against the planner's estimate, whether it fits the card planned for, and the
+    MFU target's verdict. Only rows with numbers (``ok``, or ``partial``: cut off by a time limit) are
+    judged, and of those not the ones whose numbers say nothing about the plan: ``notJudged`` says why."""
     seeds = {(r["model"], r["method"]): r.get("tokensPerSecond") for r in rows if r["config"] == "seed"}
     for r in rows:
         for key in DERIVED:
             r.pop(key, None)
         seed = seeds.get((r["model"], r["method"]))
-        r["ratioToSeed"] = (
-            round(r["tokensPerSecond"] / seed, 2) if seed and r.get("tokensPerSecond") else None
-        )
+        rate = r.get("tokensPerSecond")
+        r["ratioToSeed"] = round(rate / seed, 2) if seed and rate else None
+        anchor = ANCHOR_SEEDS.get((r["model"], r["method"]))
+        if not seed and anchor and rate and ANCHOR_GPU in (gpu or ""):
+            r["ratioToAnchorSeed"] = round(rate / anchor, 2)
+            r["anchorSource"] = f"{ANCHOR_SOURCE}: {anchor:,.0f} tokens/s"
         if r.get("status") not in ("ok", "partial"):  # an OOM's peak is only what came before it
             continue
         if reason := _not_judged(r):
@@ -118,7 +184,7 @@ def environment(
     max_accumulation: int | None,
 ) -> dict[str, Any]:
     versions: dict[str, str | None] = {}
-    for package in ("torch", "transformers", "peft", "liger-kernel", "bitsandbytes", "sftjob"):
+    for package in ("torch", "transformers", "peft", "liger-kernel", "bitsandbytes", "pydantic", "sftjob"):
         try:
             versions[package] = version(package)
         except PackageNotFoundError:
@@ -127,6 +193,9 @@ def environment(
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        # hack/gpu-check.sh's own invocation, its SFTJOB_GPU_CHECK_* settings included, where it ran this.
+        "sessionCommand": os.environ.get("SFTJOB_GPU_CHECK_COMMAND"),
+        "python": sys.version.split()[0],
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "driver": driver.version if driver else None,
         "cuda": torch.version.cuda,
@@ -156,6 +225,7 @@ COLUMNS = (
     ("peakVsEstimate", "peak vs estimate"),
     ("fitsCard", "fits card"),
     ("ratioToSeed", "x seed"),
+    ("ratioToAnchorSeed", "x anchor seed"),
     ("verdict", "MFU target"),
     ("notJudged", "not judged"),
     ("workload", "workload"),
@@ -187,7 +257,8 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, s
     lines = [
         f"# Trainer throughput ({meta['mode']}), {meta['gpu']}, {meta['date']}",
         "",
-        f"Command: `{meta['command']}`; driver {meta['driver']}, CUDA {meta['cuda']},"
+        f"Command: `{meta['command']}`; Python {meta['python']}, driver {meta['driver']},"
+        f" CUDA {meta['cuda']},"
         f" {', '.join(f'{k} {v}' for k, v in meta['versions'].items())}; bf16 matmul peak"
         f" {meta['matmulPeakTflops']} TFLOP/s; {meta['steps']} steps,"
         f" first {meta['discardedSteps']} discarded; workload {meta['workload']}.",
@@ -196,6 +267,10 @@ def write_results(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, s
         "|" + "---|" * len(COLUMNS),
     ]
     lines += ["| " + " | ".join(_cell(k, r.get(k)) for k, _ in COLUMNS) + " |" for r in rows]
+    if meta.get("sessionCommand"):
+        lines += ["", f"Session: `{meta['sessionCommand']}`."]
+    if sources := sorted({r["anchorSource"] for r in rows if r.get("anchorSource")}):
+        lines += ["", "x anchor seed: over " + "; ".join(sources) + "."]
     paths[1].write_text("\n".join(lines) + "\n")
     png = _plot(rows, meta, out / f"{stem}.png")
     return paths + ([png] if png else [])

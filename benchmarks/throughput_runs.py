@@ -4,9 +4,11 @@ each mode, and the training settings each one trains with.
 Each model and method gets the seed guide's settings (``seed``), plain tuning with and without Liger
 (``plain``, ``plain+liger``) and the planner's plan for A800 at 80 GiB and for A40/L40S under a 46 GiB
 per-process cap (``planned``). Modes set the step counts and sample sizes: ``tiny`` for the CPU (CI),
-``quick`` and ``full`` for a GPU, ``plans`` for the planned rows' 20-step memory check. Workloads set the
-synthetic samples' length range and the LoRA dropout: issue 8's (8..4,096 tokens, the trainer's default
-dropout 0.05) or the anchors' (32..2,048, dropout 0) for rows compared with them like for like.
+``quick`` and ``full`` for a GPU, ``plans`` for the planned rows' 20-step memory check (with the full
+fine-tune's seed and plain rows, so the planned rows have a seed to compare with), ``tiny-plans`` for the
+same on the tiny shape (the CPU dry run of hack/gpu-check.sh). Workloads set the synthetic samples'
+length range and the LoRA dropout: issue 8's (8..4,096 tokens, the trainer's default dropout 0.05) or the
+anchors' (32..2,048, dropout 0) for rows compared with them like for like.
 
 The caps are the anchors' (shared/research/h200-anchors.md ran under 46 GiB), a little above the cards'
 own capacity (A40 44.35, L40S 44.42, A800 79.15 GiB): planned rows say apart whether their peak fits the
@@ -109,11 +111,16 @@ TINY_RUNS = [
     Run("tiny", "qlora", "seed"),
 ]
 
-# The planned rows, the 46 GiB cards first: a session cut short keeps every method's tightest plan (issue
-# 4 needs each method once), and the L40S rows are the A40's measurement again when the plans agree.
-PLANNED_RUNS = [
-    r for g in ("A40", "L40S", "A800") for r in GPU_RUNS if r.config == "planned" and r.plan_for == g
-]
+
+def plans_runs(full: str, adapters: str) -> list[Run]:
+    """``--plans``' runs, most valuable first so a session cut short keeps them: every method's plan
+    under both caps (A40 at 46 GiB, then A800 at 80), the full fine-tune's seed and plain rows (its
+    ``ratioToSeed``), then L40S, usually the A40 plan again (a copied row, measured once)."""
+    methods: tuple[tuple[str, Method], ...] = ((full, "full"), (adapters, "lora"), (adapters, "qlora"))
+    planned = [Run(m, method, "planned", 46.0, "A40") for m, method in methods]
+    planned += [Run(m, method, "planned", 80.0, "A800") for m, method in methods]
+    baselines = [r for r in _group(full, "full", (4, 2, None), liger=True) if r.config != "planned"]
+    return planned + baselines + [Run(m, method, "planned", 46.0, "L40S") for m, method in methods]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +134,9 @@ class Mode:
     samples: int
     global_batch: int = GLOBAL_BATCH  # what the planned rows ask the planner for
     workload: Workload = WORKLOADS["issue"]
+    planned_accumulation: int | None = None  # planned rows' cap: the micro-batch alone sets the peak
+    run_seconds: float | None = None  # a run's wall limit: past it, it stops as partial after a step
+    fake_peak: bool = False  # CPU dry runs only: a made-up peak, so the verdict code runs
 
     def with_workload(self, name: str) -> Mode:
         """The mode on the named workload, its samples no longer than the mode's packed rows."""
@@ -140,8 +150,10 @@ MODES = {
     "tiny": Mode(TINY_RUNS, 2, 1, None, 128, 24, 200),
     "quick": Mode(GPU_RUNS, 8, 3, 2, 4096, 300, 3000),
     "full": Mode(GPU_RUNS, 14, 4, None, 4096, 300, 6000),
-    # 20 steps at global batch 8 (so a 7B step is seconds, not tens): micro-batch and memory as at 32.
-    "plans": Mode(PLANNED_RUNS, 20, 4, None, 4096, 300, 4000, 8),
+    # 20 steps at global batch 8, the planned rows' accumulation capped at 2 (so a 7B step is about a
+    # second): the plan's micro-batch, so its memory, as at 32.
+    "plans": Mode(plans_runs("1.1B", "7B"), 20, 4, None, 4096, 300, 4000, 8, planned_accumulation=2),
+    "tiny-plans": Mode(plans_runs("tiny", "tiny"), 3, 1, None, 128, 24, 200, 8, planned_accumulation=2),
 }
 
 
@@ -192,16 +204,15 @@ def settings_for(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]
 
 
 def configure(run: Run, mode: Mode) -> tuple[TrainingSettings, dict[str, Any]]:
-    """What the run trains with (its settings, accumulation capped to the mode's limit) and the row's
+    """What the run trains with (its settings, accumulation capped to the mode's limits) and the row's
     fields that say it, planner details included: also for a row copied from an identical run."""
     planned, details = settings_for(run, mode)
     t = planned
-    if mode.max_accumulation is not None and t.gradient_accumulation_steps > mode.max_accumulation:
+    caps = [mode.max_accumulation, mode.planned_accumulation if run.config == "planned" else None]
+    cap = min((c for c in caps if c is not None), default=None)
+    if cap is not None and t.gradient_accumulation_steps > cap:
         t = t.model_copy(
-            update={
-                "gradient_accumulation_steps": mode.max_accumulation,
-                "global_batch_size": t.micro_batch_size * mode.max_accumulation,
-            }
+            update={"gradient_accumulation_steps": cap, "global_batch_size": t.micro_batch_size * cap}
         )
     w = mode.workload
     return t, {

@@ -15,11 +15,15 @@ that fails (out of memory, say) is recorded as such and the next one runs.
     python benchmarks/trainer_throughput.py --tiny      # CPU, a tiny model, seconds (CI)
 
 ``--plans`` is the planner's check (issue 4): every planned config (1.1B full, 7B LoRA, 7B QLoRA for
-A800 at 80 GiB and A40/L40S under a 46 GiB cap) runs 20 optimizer steps of a global batch of 8,
-and its row compares the measured allocator peak with the planner's estimate of it (``peakVsEstimate``,
-``withinEstimate`` at +-15%, ``fitsCard``: the reserved peak inside the card planned for). ``--profile``
-adds a torch profiler table of one more warm micro-batch and optimizer step per run
-(``<stem>-profile-<run>.txt``: the top kernels and ops by device time), for finding what limits MFU.
+A800 at 80 GiB and A40/L40S under a 46 GiB cap) runs 20 optimizer steps of a global batch of 8, its
+accumulation capped at 2 (the micro-batch sets the peak), and its row compares the measured allocator
+peak with the planner's estimate of it (``peakVsEstimate``, ``withinEstimate`` at +-15%, ``fitsCard``: the
+reserved peak inside the card planned for); the 1.1B seed and plain rows follow, for ``ratioToSeed``.
+With ``--tiny`` it runs the same on the tiny shape (``--fake-peak`` gives those CPU rows a made-up peak,
+marked ``peakSource``, so the verdict code runs: dry runs only). ``--run-seconds`` stops a run past that
+wall time after its next step (once it has a timed step), as ``partial``, and goes on to the next.
+``--profile [REGEX]`` adds a torch profiler table of one more warm micro-batch and optimizer step per
+run (or per run matching REGEX) (``<stem>-profile-<run>.txt``: the top kernels and ops by device time).
 ``--workload anchors`` trains on the anchors' samples (lengths 32..2,048, LoRA dropout 0) instead of
 issue 8's (8..4,096, dropout 0.05), to compare with them like for like; every row names its workload.
 A run whose settings equal an earlier run's is measured once: its row copies the numbers, keeps its own
@@ -27,7 +31,8 @@ settings and plan, and says that the two are identical.
 
 Stopped by SIGINT (``timeout --signal=INT``) or SIGTERM, it writes the rows so far and exits 130; the
 run it was in keeps what its finished steps measured (``stepsDone``, peak memory, tokens/s and MFU of
-the timed steps; ``status: partial``), which goes into its row after every step.
+the timed steps; ``status: partial``), which goes into its row after every step, or says which run it
+was (``status: timeout``) when it was stopped before a step ended.
 
 MFU (``mfu``) follows the anchors' convention so the numbers compare with
 shared/research/h200-anchors.md: 6·N (full) or 4·N (LoRA) FLOPs per real token, N = matmul weights;
@@ -51,7 +56,16 @@ from typing import Any
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the planner's pod env
 
 import torch
-from throughput_results import environment, finish_rows, write_results  # beside this script
+from throughput_results import (  # beside this script
+    add_note,
+    copied,
+    environment,
+    fake_peak,
+    finish_rows,
+    identity,
+    stopped,
+    write_results,
+)
 from throughput_runs import MODES, SHAPES, WORKLOADS, Mode, Run, configure
 from throughput_workload import (
     attention_check,
@@ -101,10 +115,12 @@ def measure(
     peak: float | None,
     row: dict[str, Any],
     profile: Path | None = None,
+    deadline: float | None = None,
 ) -> None:
     """Train the run's steps, writing into ``row`` after each one what the steps so far measured: an
-    interrupt (the time limit) keeps it. ``profile``: then one more warm micro-batch and optimizer step
-    under the profiler."""
+    interrupt (the time limit) keeps it. Past ``deadline`` (``perf_counter``) it stops after a step, once
+    one was timed, as ``partial``. ``profile``: then one more warm micro-batch and optimizer step under
+    the profiler."""
     t, fields = configure(run, mode)
     row |= fields
     if row.get("planFits") is False:
@@ -148,6 +164,14 @@ def measure(
             timed["tokens"] += result.tokens
             timed["pairs"] += result.attention_pairs
         row |= {"stepsDone": i + 1, "lastLoss": round(result.loss, 4)} | so_far(device, timed, flops, peak)
+        if mode.fake_peak:
+            row |= fake_peak(row)
+        if deadline and timed["steps"] and i + 1 < mode.steps and time.perf_counter() > deadline:
+            row["status"] = "partial"  # and no profile: the next run needs the time
+            add_note(
+                row, f"stopped by --run-seconds {mode.run_seconds:g} after {i + 1} of {mode.steps} steps"
+            )
+            return
     row["status"] = "ok"
     if profile is not None:  # one micro-batch: a whole 7B LoRA step is ~600k events
         step = functools.partial(train_step, parts, steps[-1][:1], precision, t.max_grad_norm, ctx)
@@ -180,8 +204,12 @@ def so_far(
     return numbers
 
 
-def add_note(row: dict[str, Any], note: str) -> None:
-    row["note"] = "; ".join(filter(None, (row.get("note"), note)))
+def llama_namespace() -> dict[str, Any]:
+    """The Llama modeling module's namespace, whose functions Liger patches: saved before a run and
+    restored after it, so the next run starts unpatched."""
+    import transformers.models.llama.modeling_llama as llama
+
+    return vars(llama)
 
 
 def run_isolated(
@@ -194,28 +222,21 @@ def run_isolated(
     row: dict[str, Any],
     profile: Path | None = None,
 ) -> None:
-    """One configuration into ``row``; its failure (OOM or otherwise) becomes the row, and memory is
-    freed after. An interrupt (the time limit) marks the row and goes on up, to end the benchmark."""
-    import transformers.models.llama.modeling_llama as llama
-
-    patched = dict(vars(llama))  # Liger patches module functions; undo that for the next run
-    row |= {
-        "model": run.model,
-        "method": run.method,
-        "config": run.config,
-        "planFor": run.plan_for,
-        "capGiB": run.cap_gib or card_gib,
-        "tokensPerSecond": None,
-        "mfu": None,
-        "peakGiB": None,
-    }
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        if run.cap_gib and card_gib:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, run.cap_gib / card_gib), device)
+    """One configuration into ``row`` (its ``identity`` already); its failure (OOM or otherwise) becomes
+    the row, and memory is freed after. An interrupt (the time limit) marks the row and goes on up, to
+    end the benchmark."""
     started = time.perf_counter()
+    deadline = started + mode.run_seconds if mode.run_seconds else None
+    namespace: dict[str, Any] | None = None
+    patched: dict[str, Any] = {}
     try:
-        measure(run, mode, device, examples, peak, row, profile)
+        namespace = llama_namespace()
+        patched = dict(namespace)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            if run.cap_gib and card_gib:
+                torch.cuda.set_per_process_memory_fraction(min(1.0, run.cap_gib / card_gib), device)
+        measure(run, mode, device, examples, peak, row, profile, deadline)
     except torch.OutOfMemoryError as exc:
         row |= {"status": "oom", "note": f"out of memory: {str(exc).splitlines()[0][:200]}"}
     except Exception as exc:  # record and go on to the next configuration
@@ -224,14 +245,12 @@ def run_isolated(
             "note": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
         }
     except KeyboardInterrupt:
-        if "status" not in row:  # stopped while it trained: keep what its finished steps measured
-            done = row.get("stepsDone", 0)
-            row["status"] = "partial" if done else "timeout"
-            add_note(row, f"stopped by the time limit after {done} of {mode.steps} steps")
+        stopped(row, mode.steps)
         raise
     finally:
-        vars(llama).clear()
-        vars(llama).update(patched)
+        if namespace is not None:
+            namespace.clear()
+            namespace.update(patched)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -244,29 +263,26 @@ def run_isolated(
         )
 
 
-def copied(source: Run, measured: dict[str, Any], run: Run, fields: dict[str, Any]) -> dict[str, Any]:
-    """The row of a run whose settings are identical to an earlier run's: that run's numbers, this run's
-    own settings and plan (so its verdicts see, say, that its accumulation was capped), and a note."""
-    note = f"identical configuration to {source.name}: measured once, this row compares nothing new"
-    print(f"{run.name}: {note}", flush=True)
-    own = {"config": run.config, "planFor": run.plan_for, "sameAs": source.name, "wallSeconds": 0.0}
-    return measured | fields | own | {"note": "; ".join(filter(None, (measured.get("note"), note)))}
-
-
-def main(argv: list[str] | None = None) -> int:
-    # `timeout --signal=INT` must stop a run cleanly also where SIGINT was ignored at the start (a command
-    # started in the background without job control), and so must a SIGTERM: both raise KeyboardInterrupt.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+def arguments(argv: list[str] | None) -> tuple[str, Mode, argparse.Namespace]:
+    """The mode's name, the mode as the flags change it, and the flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--tiny", action="store_true", help="CPU, tiny model, 2 steps (CI)")
     size.add_argument("--quick", action="store_true", help="GPU, 8 steps (3 discarded), accumulation <= 2")
-    size.add_argument(
-        "--plans", action="store_true", help="GPU, planned configs only, 20 steps, peak vs estimate"
+    parser.add_argument(
+        "--plans", action="store_true", help="planned configs, 20 steps, peak vs estimate (with --tiny: CPU)"
     )
     parser.add_argument(
-        "--profile", action="store_true", help="write a profiler table of one micro-batch per run"
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="REGEX",
+        help="write a profiler table of one micro-batch per run (or per run matching REGEX)",
+    )
+    parser.add_argument("--run-seconds", type=float, default=None, help="stop a run past this wall time")
+    parser.add_argument(
+        "--fake-peak", action="store_true", help="with --tiny only: a made-up peak, so the verdicts run"
     )
     parser.add_argument(
         "--max-accumulation", type=int, default=None, help="cap every run's accumulation (like for like)"
@@ -280,15 +296,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="regex on run names, e.g. '1.1B/full' or 'planned'")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args(argv)
-    mode_name = "tiny" if args.tiny else "quick" if args.quick else "plans" if args.plans else "full"
-    mode = MODES[mode_name].with_workload(args.workload)
+    if args.plans and args.quick:
+        parser.error("--plans has its own step counts: not with --quick")
+    if args.fake_peak and not args.tiny:  # a made-up peak must never reach a GPU's results
+        parser.error("--fake-peak is for the CPU dry run only: it needs --tiny")
+    if not args.tiny and not torch.cuda.is_available():
+        parser.error("no CUDA GPU: use --tiny for the CPU check")
+    sized = "tiny" if args.tiny else "quick" if args.quick else "full"
+    name = {"tiny": "tiny-plans", "full": "plans"}[sized] if args.plans else sized
+    mode = dataclasses.replace(
+        MODES[name].with_workload(args.workload), run_seconds=args.run_seconds, fake_peak=args.fake_peak
+    )
     if args.max_accumulation is not None:
         mode = dataclasses.replace(mode, max_accumulation=args.max_accumulation)
-    device = torch.device("cpu") if args.tiny or not torch.cuda.is_available() else torch.device("cuda", 0)
-    if device.type == "cpu" and not args.tiny:
-        parser.error("no CUDA GPU: use --tiny for the CPU check")
+    return name, mode, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    # `timeout --signal=INT` must stop a run cleanly also where SIGINT was ignored at the start (a command
+    # started in the background without job control), and so must a SIGTERM: both raise KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    mode_name, mode, args = arguments(argv)
+    try:
+        return run_all(mode_name, mode, args)
+    except KeyboardInterrupt:  # a stop in a run is caught there: this one came while starting up
+        print("interrupted before the first run began: no rows to write", flush=True)
+        return 130
+
+
+def run_all(mode_name: str, mode: Mode, args: argparse.Namespace) -> int:
+    """The runs, their rows written after each one; 130 if the time limit stopped one."""
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     torch.set_float32_matmul_precision("high")
     card_gib = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+    card = round(card_gib, 1) if card_gib else None
     peak = matmul_peak(device)
     runs = [r for r in mode.runs if args.only is None or re.search(args.only, r.name)]
     w = mode.workload
@@ -297,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         for v in {SHAPES[r.model].vocab_size for r in runs}
     }
     meta = environment(device, peak, mode_name, mode.steps, mode.discard, mode.max_accumulation)
-    meta["workload"] = w.describe()
+    meta |= {"workload": w.describe(), "runSeconds": mode.run_seconds, "fakePeak": mode.fake_peak}
     meta["attentionSelfCheck"] = attention_check(device)
     print(f"attention self-check: {meta['attentionSelfCheck']}; workload {meta['workload']}", flush=True)
     stem = (
@@ -305,32 +347,35 @@ def main(argv: list[str] | None = None) -> int:
         + (f"-accum{args.max_accumulation}" if args.max_accumulation else "")
         + (f"-{w.name}" if args.workload != "issue" else "")
     )
+    args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     measured: dict[str, tuple[Run, dict[str, Any]]] = {}  # A40 and L40S plans are often the same
-    interrupted = False
     for run in runs:
-        settings, fields = configure(run, mode)
-        key = f"{run.model}/{run.method}/{run.cap_gib}/{settings}"
-        if key in measured:
-            rows.append(copied(*measured[key], run, fields))
-        else:
-            card = round(card_gib, 1) if card_gib else None
-            profile = args.out / f"{stem}-profile-{re.sub(r'[^A-Za-z0-9.]+', '-', run.name)}.txt"
-            args.out.mkdir(parents=True, exist_ok=True)
-            row: dict[str, Any] = {}
-            try:
-                run_isolated(run, mode, device, examples, peak, card, row, profile if args.profile else None)
-            except KeyboardInterrupt:  # the time limit: keep this run's row, write, stop
-                interrupted = True
-            measured[key] = (run, row)
-            rows.append(row)
-        finish_rows(rows)  # written after every run, so a session cut short still leaves its results
-        paths = write_results(rows, meta, args.out, stem)
-        if interrupted:
+        row = identity(run, card)  # first: a stop from here on leaves a row that says which run it was
+        rows.append(row)
+        try:
+            settings, fields = configure(run, mode)
+            key = f"{run.model}/{run.method}/{run.cap_gib}/{settings}"
+            if key in measured:
+                row |= copied(*measured[key], run, fields)
+            else:
+                measured[key] = (run, row)
+                wanted = args.profile is not None and re.search(args.profile, run.name)
+                profile = args.out / f"{stem}-profile-{re.sub(r'[^A-Za-z0-9.]+', '-', run.name)}.txt"
+                run_isolated(run, mode, device, examples, peak, card, row, profile if wanted else None)
+            paths = save(rows, meta, args.out, stem)  # after every run: a session cut short keeps them
+        except KeyboardInterrupt:  # the time limit: keep this run's row, write, stop
+            stopped(row, mode.steps)
+            save(rows, meta, args.out, stem)
             print("interrupted: the rows so far are written", flush=True)
             return 130
     print("wrote " + ", ".join(str(p) for p in paths) if rows else "no run matched --only")
-    return 0 if any(r["status"] == "ok" for r in rows) else 1
+    return 0 if any(r.get("status") in ("ok", "partial") for r in rows) else 1  # numbers, at least
+
+
+def save(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, stem: str) -> list[Path]:
+    finish_rows(rows, meta["gpu"])
+    return write_results(rows, meta, out, stem)
 
 
 if __name__ == "__main__":

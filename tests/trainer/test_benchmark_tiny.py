@@ -134,17 +134,25 @@ def test_a_planned_peak_must_fit_the_card_itself_not_only_the_46_gib_cap(
     assert rows[0]["cardGiB"] == 44.35
 
 
-def test_the_plans_check_measures_every_methods_46_gib_plan_before_the_80_gib_ones(
+def test_the_plans_check_measures_every_methods_plan_under_both_caps_then_the_seed_then_l40s(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     runs = importlib.import_module("throughput_runs").MODES["plans"].runs
-    assert [r.name for r in runs[:3]] == [
+    assert [r.name for r in runs] == [
         "1.1B/full/planned-A40",
         "7B/lora/planned-A40",
         "7B/qlora/planned-A40",
+        "1.1B/full/planned-A800",
+        "7B/lora/planned-A800",
+        "7B/qlora/planned-A800",
+        "1.1B/full/seed",
+        "1.1B/full/plain",
+        "1.1B/full/plain+liger",
+        "1.1B/full/planned-L40S",
+        "7B/lora/planned-L40S",
+        "7B/qlora/planned-L40S",
     ]
-    assert {r.plan_for for r in runs[-3:]} == {"A800"}
 
 
 @pytest.mark.parametrize(
