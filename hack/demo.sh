@@ -14,6 +14,7 @@ case "${1:-}" in
   -h | --help) exec sed -n '2,6p' "$0" ;;
 esac
 if [ "$command" = up ]; then
+  install_openssl
   install_python_deps
 fi
 exec .venv/bin/python -m sftjob_dev.demo "$command" "$@"

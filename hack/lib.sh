@@ -40,6 +40,17 @@ build_kueue() {
 # prometheus and promtool from the Debian package (the metrics tests run their own Prometheus on a free
 # port). Installing it would also start its system service on :9090 and enable it at boot: a policy-rc.d
 # keeps it from starting during the install, and where systemd runs it is left disabled and stopped.
+# openssl makes the local control plane's certificates (hack/sftjob_dev/pki.py); a slim image lacks it.
+install_openssl() {
+  if command -v openssl >/dev/null; then return; fi
+  step "installing openssl (Debian package, system-wide)"
+  local sudo=
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  local apt=($sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=120)
+  "${apt[@]}" install -y --no-install-recommends openssl >/dev/null \
+    || { "${apt[@]}" update -qq && "${apt[@]}" install -y --no-install-recommends openssl >/dev/null; }
+}
+
 install_prometheus() {
   if command -v prometheus >/dev/null && command -v promtool >/dev/null; then return; fi
   step "installing prometheus (Debian package, system-wide; its service is left stopped and disabled)"

@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source hack/lib.sh
 
+install_openssl
 install_python_deps
 build_control_plane
 build_kueue

@@ -75,6 +75,10 @@ def _openssl(*args: str, cwd: Path) -> None:
         subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as e:
         raise ClusterError(f"openssl {args[0]} failed: {e.stderr.strip()}") from e
+    except FileNotFoundError as e:
+        if e.filename != "openssl":  # the folder, not the tool
+            raise
+        raise ClusterError("openssl is not installed: apt-get install openssl") from e
 
 
 def _new_key(path: Path) -> None:

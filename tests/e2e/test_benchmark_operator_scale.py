@@ -7,11 +7,15 @@ watch, the API server and /proc readings, the JSON and Markdown), never the perf
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sftjob_dev.cluster import Cluster
 
 pytestmark = pytest.mark.e2e
 
@@ -30,8 +34,24 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "--steady-seconds", "2", "--probe", str(PROBE), "--probe-rate", "8", "--settle-timeout", "90",
         "--out", str(out), "--name", "ci", "--run-dir", str(out),
     ]  # fmt: skip
-    run = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
-    assert run.returncode == 0, f"the benchmark failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    # A session of its own: on a timeout (or an interruption) its whole group, the benchmark and its
+    # operator, is killed; the control planes it started run in sessions of their own, and its `finally`
+    # that stops them never ran, so every one left in `out` is stopped here.
+    run = subprocess.Popen(
+        argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = run.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        stdout, stderr = run.communicate()
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        for leftover in out.glob("sftjob-bench-*"):
+            Cluster(leftover).down(quiet=True)
+    assert run.returncode == 0, f"the benchmark failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     assert (out / "ci.md").read_text().startswith("# Operator at scale")
     return dict(json.loads((out / "ci.json").read_text()))
 

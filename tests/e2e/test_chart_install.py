@@ -411,23 +411,66 @@ def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.Te
 def test_the_operator_runs_jobs_with_only_the_charts_permissions(
     release: Release, operator_run: OperatorRun
 ) -> None:
-    # The API server's words for an RBAC denial (other 403s, such as a terminating namespace, differ).
-    assert f'User "{release.user}" cannot' not in operator_run.log
+    assert not rbac_denials(operator_run.log, release.user)
     assert operator_run.roles, "the operator created the trainer's Role"
 
 
-def test_the_charts_defaults_reach_the_jobs(cluster: Cluster, release: Release) -> None:
+def rbac_denials(log: str, user: str) -> list[str]:
+    """The lines of an operator log in which the API server denied ``user`` by RBAC, in its own words
+    (other 403s, such as a terminating namespace, differ). The chart's operator logs JSON, its quotes
+    escaped, and an API error's raw body in a traceback escapes them once more: each line is decoded (one
+    that is not JSON is read as it is) and its escaped quotes undone before the words are looked for."""
+    denial = f'User "{user}" cannot'
+    found = []
+    for line in log.splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            text = f"{record.get('message', '')}\n{record.get('exc_info', '')}"
+        else:
+            text = line
+        if denial in text.replace('\\"', '"'):
+            found.append(line)
+    return found
+
+
+def test_an_rbac_denial_is_found_in_the_operators_json_log_whether_said_or_in_a_traceback() -> None:
+    user = "system:serviceaccount:sftjob-system-ab12cd:sft-sftjob-operator"
+    said = (
+        '{"message": "could not post event PodsCreated: events is forbidden: User \\"' + user + '\\"'
+        ' cannot create resource \\"events\\" in API group \\"\\" in the namespace \\"chart-job-1\\"'
+        ' (HTTP 403)", "timestamp": "2026-01-02T13:39:19.897362+00:00", "severity": "warn"}'
+    )
+    raised = (
+        '{"message": "reconciling chart-job-1/rbac-sft failed", "exc_info": "Traceback (most recent call'
+        " last):\\nkubernetes.client.exceptions.ApiException: (403)\\nReason: Forbidden\\nHTTP response"
+        ' body: {\\"kind\\":\\"Status\\",\\"message\\":\\"roles.rbac.authorization.k8s.io is forbidden:'
+        ' User \\\\\\"' + user + '\\\\\\" cannot create resource \\\\\\"roles\\\\\\"\\",'
+        '\\"code\\":403}\\n", "timestamp": "2026-01-02T13:39:19.896356+00:00", "severity": "error"}'
+    )
+    plain = f'[2026-01-02 13:39:19,896] kopf: events is forbidden: User "{user}" cannot create'
+    unrelated = '{"message": "namespace chart-job-1 is being terminated (HTTP 403)", "severity": "warn"}'
+    log = "\n".join([said, raised, plain, unrelated])
+    assert rbac_denials(log, user) == [said, raised, plain]
+    assert rbac_denials(log, "system:serviceaccount:other:account") == []
+
+
+def test_the_charts_defaults_reach_the_jobs(cluster: Cluster, release: Release, tmp_path: Path) -> None:
     # Not the `namespace` fixture's test-* namespace: the session's operator (tests/e2e/conftest.py), when
     # an earlier test started it, watches those and would race this one for the job.
     namespace = f"chart-defaults-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
     argv, env = operator_command(cluster, release, *free_ports(2))
-    process = subprocess.Popen(
-        argv,
-        env=outside_pod_env() | env | {"KUBECONFIG": str(release.kubeconfig)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log_path = tmp_path / "operator.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv,
+            env=outside_pod_env() | env | {"KUBECONFIG": str(release.kubeconfig)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         job = sftjob(namespace, "defaults")
         job["spec"]["gpu"] = {"type": "L40S", "count": 1}
@@ -443,9 +486,16 @@ def test_the_charts_defaults_reach_the_jobs(cluster: Cluster, release: Release) 
         policy = cluster.kubectl_json("-n", namespace, "get", "networkpolicy", "defaults-trainers")
         selected = policy["spec"]["podSelector"]["matchLabels"]
         assert selected.items() <= pod["metadata"]["labels"].items()
+    except BaseException:
+        sys.stderr.write(f"----- operator log -----\n{log_path.read_text(errors='replace')[-6000:]}\n")
+        raise
     finally:
         process.terminate()
-        process.wait(30)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 

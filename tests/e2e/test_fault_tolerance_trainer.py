@@ -25,8 +25,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.trainer]  # needs torch: see conftest
 
 DEMO_JOB = REPO / "examples" / "demo" / "tiny-copy.yaml"
 EVERY_STEPS = 40
-KILLED_STEPS = 160
-TERMED_STEPS = 120
+# Each test signals the first attempt once it passes its first checkpoint, which must be well before the
+# run's end: the tiny model trains some 40 steps/s on an idle machine, so a few hundred steps leave a
+# window of seconds even when the test's own polling is starved. The restarted attempt trains to the end.
+KILLED_STEPS = 600
+TERMED_STEPS = 600
+FINISH_TIMEOUT = 300  # the second attempt: a trainer start (a minute on a loaded machine), then its steps
 STARTED = re.compile(r"pod (?P<ns>[^/\s]+)/(?P<pod>\S+): trainer started \(PID (?P<pid>\d+)\)")
 RESUMED = re.compile(r"resumed from \S+ \(step (?P<step>\d+)\)")
 LOGGED_STEP = re.compile(r": step (?P<step>\d+)/\d+ \(epoch ")
@@ -102,7 +106,7 @@ def test_a_sigkilled_trainer_is_restarted_and_resumes_at_the_last_checkpoint(
     os.killpg(pid, signal.SIGKILL)
     checkpoint = disk_checkpoint(folder)  # final: nothing writes after the kill
 
-    status = jobs.wait_phase("killed", "Succeeded", timeout=180)
+    status = jobs.wait_phase("killed", "Succeeded", timeout=FINISH_TIMEOUT)
     first, second = status["attempts"]
     assert (first["reason"], first["exitCode"]) == ("Unknown", 137)
     assert "SIGKILL" in first["message"]
@@ -132,10 +136,15 @@ def test_a_sigtermed_trainer_saves_its_step_and_the_restart_loses_nothing(
     jobs.apply(demo_job("termed", max_steps=TERMED_STEPS))
     folder = job_dir(cluster, jobs, "termed")
     pid = trainer_pid(runner, jobs.namespace, "termed-1-0")
-    wait_for("the trainer to pass its first checkpoint", lambda: disk_checkpoint(folder) > 0, timeout=120)
+    wait_for(
+        "the trainer to pass its first checkpoint",
+        lambda: disk_checkpoint(folder) > 0,
+        timeout=120,
+        every=0.05,
+    )
     os.kill(pid, signal.SIGTERM)
 
-    status = jobs.wait_phase("termed", "Succeeded", timeout=180)
+    status = jobs.wait_phase("termed", "Succeeded", timeout=FINISH_TIMEOUT)
     first, second = status["attempts"]
     assert (first["reason"], first["exitCode"]) == ("Preempted", 20)
     saved_at = re.search(r"checkpoint saved at step (\d+)", first["message"])

@@ -137,7 +137,7 @@ def test_a_preempted_attempt_goes_back_to_the_queue_without_spending_a_restart(
     first = wait_for("low's first attempt to end", lambda: _ended(jobs, "low", 1))
     assert first["reason"] == "Preempted" and "stopped by Kueue" in first["message"], first
     wait_for("low's second attempt to be gated", lambda: _gated(jobs, "low", 1))
-    assert _reason(jobs, "low", "Scheduled", "Queued")
+    wait_for("low to say it is queued again", lambda: _reason(jobs, "low", "Scheduled", "Queued"))
     assert jobs.status("low")["phase"] != "Failed"
 
     jobs.steer(high["metadata"]["name"], outcome="succeed")

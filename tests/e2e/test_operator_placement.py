@@ -128,8 +128,15 @@ def test_a_pod_a_quota_refuses_is_reported_and_created_once_the_quota_allows_it(
         lambda: (c := jobs.condition("over-quota", "Scheduled")).get("reason") == "FailedCreate" and c,
     )
     assert "quota" in refused["message"] and refused["status"] == "False"
-    events = jobs.kubectl("get", "events", "--field-selector", "involvedObject.name=over-quota", "-o", "json")
-    assert "FailedCreate" in {e["reason"] for e in json.loads(events.stdout)["items"]}
+
+    def reasons() -> set[str]:
+        events = jobs.kubectl(
+            "get", "events", "--field-selector=involvedObject.name=over-quota", "-o", "json"
+        )
+        return {e["reason"] for e in json.loads(events.stdout)["items"]}
+
+    # The event is posted after the status write that was just seen.
+    wait_for("the FailedCreate event", lambda: "FailedCreate" in reasons(), timeout=15)
     jobs.kubectl("delete", "resourcequota", "no-gpus")
     jobs.running_pods("over-quota", timeout=60)
     status = jobs.wait_phase("over-quota", "Running")

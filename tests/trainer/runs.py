@@ -18,6 +18,8 @@ MakeConfig = Callable[..., Path]
 
 RANKS = 2  # torchrun's processes in the multi-rank tests: a one-node, two-GPU pod
 LAUNCH_TIMEOUT_SECONDS = 180
+# torchrun, on SIGTERM, gives its ranks 30 s before it kills them: a little longer for it to do so and exit.
+TORCHRUN_STOP_SECONDS = 40
 # trainer_config overrides for one epoch of 256 rows packed into 128-token rows, checkpointed every 2 steps
 # and all kept: a run to kill at a step and resume with another row length.
 ONE_PACKED_EPOCH: dict[str, object] = {
@@ -90,9 +92,21 @@ def torchrun(config_path: Path, termination_log: Path, entry: list[str] | None =
     try:
         return proc.wait(timeout=LAUNCH_TIMEOUT_SECONDS)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_torchrun(proc)
+
+
+def stop_torchrun(proc: subprocess.Popen[Any]) -> None:
+    """End a torchrun still running, its ranks too. Each rank runs in a session of its own, so killing
+    torchrun would leave them running: a SIGTERM has torchrun stop them (its SIGTERM, then its SIGKILL),
+    and only a torchrun that is still there after that is killed."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.communicate(timeout=TORCHRUN_STOP_SECONDS)  # reads its pipes, if any, so it can exit
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def wait_for_step(config_path: Path, proc: subprocess.Popen[bytes], step: int, timeout: float = 120) -> None:

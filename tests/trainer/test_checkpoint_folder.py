@@ -22,6 +22,7 @@ from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import checkpoints, ownership, resume, rng
 from sftjob_trainer.checkpoints import Trainables, TrainState, checkpoint_dirs
 from tests.trainer.checkpoint_cases import ONE_PROCESS, attempt, bad, trainables, unloadable
+from tests.trainer.runs import LAUNCH_TIMEOUT_SECONDS, stop_torchrun
 
 pytestmark = pytest.mark.trainer
 
@@ -425,11 +426,19 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     script.write_text(TWO_RANKS_RESUME)
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    done = subprocess.run(
-        [*launcher, str(script), str(folder)], env=env, capture_output=True, text=True, timeout=180
+    proc = subprocess.Popen(
+        [*launcher, str(script), str(folder)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return folder, done.stdout + done.stderr
+    try:
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_SECONDS)
+    finally:
+        stop_torchrun(proc)
+    assert proc.returncode == 0, output[-6000:]
+    return folder, output
 
 
 def _results(folder: Path) -> list[dict[str, object]]:

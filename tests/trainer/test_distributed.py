@@ -29,6 +29,7 @@ from tests.trainer.runs import (
     RANKS,
     MakeConfig,
     start_torchrun,
+    stop_torchrun,
     torchrun,
     train_log,
     trainer_output,
@@ -165,9 +166,7 @@ def test_sigterm_to_torchrun_stops_both_ranks_after_the_same_step_with_one_check
         proc.send_signal(signal.SIGTERM)  # what the kubelet sends the container's PID 1, torchrun
         proc.wait(timeout=LAUNCH_TIMEOUT_SECONDS)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_torchrun(proc)
     log = trainer_output(config)
     # torchrun reports any failed rank as exit code 1; each rank's own code is in the log.
     assert (

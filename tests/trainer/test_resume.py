@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,8 @@ from tests.trainer.runs import MakeConfig, start_trainer, train_log, trainer_out
 pytestmark = pytest.mark.trainer
 
 STEPS = 24
+# Past the second checkpoint, between saves (every 3 steps): fixed, so a failure can be rerun as it was.
+KILL_AFTER_STEP = 7
 
 
 def _checkpoint_root(config: Path) -> Path:
@@ -47,7 +48,7 @@ def test_kill_9_then_restart_resumes_with_the_losses_of_an_uninterrupted_run(
 
     interrupted = trainer_config("messages", name="interrupted", **overrides)
     proc = start_trainer(interrupted, termination_log)
-    wait_for_step(interrupted, proc, random.randint(4, 10))
+    wait_for_step(interrupted, proc, KILL_AFTER_STEP)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait(timeout=60) == -signal.SIGKILL, trainer_output(interrupted)
     killed_at = max(train_log(interrupted))
