@@ -13,7 +13,7 @@ import torch
 from sftjob.architectures import architecture_from_hf_config
 from sftjob.config import LoraSettings
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer.model import add_adapters, linear_layer_names
+from sftjob_trainer.adapters import add_adapters, linear_layer_names
 
 pytestmark = pytest.mark.trainer
 

@@ -23,7 +23,8 @@ import torch
 from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import attention, remote_code
-from sftjob_trainer.failures import adapter_target_error, load_failure
+from sftjob_trainer.adapters import add_adapters, freeze_outside_language_model
+from sftjob_trainer.failures import load_failure
 from sftjob_trainer.liger import apply_liger
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,14 @@ def resolve_model_class(model_config: Any, packing: bool, source: ModelSource) -
         found = remote_code.causal_lm_class(model_config, _model_ref(source), **_hub_kwargs(source))
     except Exception as exc:
         raise _load_error("model code", source, exc) from exc
+    if found is None:  # a vision-language model's own class (Qwen2.5-VL, Mistral 3), an encoder...
+        from transformers import __version__
+
+        raise TrainerError(
+            ExitCode.MODEL_LOAD_ERROR,
+            f"{model_config.model_type} has no causal-LM class in transformers {__version__}: sftjob trains"
+            " causal language models",
+        )
     reason = attention.eager_reason(model_config, found, None)
     problem = attention.packed_eager_problem(model_config, found) if packing and reason else None
     if problem is not None:
@@ -282,7 +291,23 @@ def prepare_for_training(
     that loading the adapter fetches the base it was trained on rather than the hub's ``main``. Its
     ``base_model_name_or_path`` is where the base was loaded from: the hub name, or for ``model.path`` the
     folder as the trainer pod sees it (``/model/<path>``).
+
+    A multimodal model's towers (:func:`sftjob_trainer.adapters.outside_language_model`) are frozen in
+    full fine-tuning, as LoRA leaves them: text never reaches them, and DDP fails on a trainable parameter
+    without a gradient.
+    Under FSDP (a model built without its weights) they stay trainable: FSDP takes a parameter without a
+    gradient, and a full fine-tune's checkpoint there must hold every weight (``resume.restore`` loads
+    no pretrained weights over it).
     """
+    if training.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
+        raise TrainerError(
+            ExitCode.CONFIG_ERROR,
+            f"{type(model).__name__} does not support gradient checkpointing: set"
+            " spec.training.gradientCheckpointing: false (with LoRA, more GPUs or larger ones should it"
+            " then not fit)",
+        )
+    if method == "full" and not any(p.is_meta for p in model.parameters()):
+        freeze_outside_language_model(model)
     if training.liger_kernels:
         apply_liger(model, device)
     checkpointing = {"use_reentrant": False}
@@ -301,51 +326,6 @@ def prepare_for_training(
     # Loaded models come in eval mode, in which transformers never recomputes a checkpointed layer (it
     # checks ``self.training``) and dropout is off: training mode, for both.
     return model.train()
-
-
-def add_adapters(model: Any, lora: LoraSettings, seed: int, revision: str | None) -> Any:
-    """The peft model with LoRA adapters, initialised from ``seed`` alone (lora_A drawn as peft draws it,
-    lora_B zeros), whatever drew from the global RNG before, which is left as it was.
-
-    LoRA under FSDP adds them to a model without weights on every rank and to rank 0's loaded copy
-    (:func:`pretrained_weights`), whose values are broadcast into the shards: the same adapters as one
-    process starts from.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    all_linear = lora.target_modules == "all-linear"
-    adapters = LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=linear_layer_names(model) if all_linear else lora.target_modules,
-        task_type="CAUSAL_LM",
-    )
-    # peft draws on the CPU; manual_seed reseeds the GPUs too, so their states are kept as well.
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        try:
-            return get_peft_model(model, adapters, revision=revision)
-        except ValueError as exc:  # a typo in spec.lora.targetModules fails the job, not each attempt
-            if (error := adapter_target_error(exc, lora.target_modules)) is not None:
-                raise error from exc
-            raise
-
-
-def linear_layer_names(model: Any) -> list[str]:
-    """What ``all-linear`` adapts: the linear layers (``nn.Linear``, ``Linear4bit`` subclasses it, GPT-2's
-    ``Conv1D``) but the head, by name (by path where another module has the name), as peft's ``all-linear``
-    in a dense model. Of a mixture (Mixtral, Qwen3-MoE, OLMoE) peft's would also take the fused experts and
-    router, without dropout and far more than the planner counts (``Architecture.lora_widths``)."""
-    from transformers.pytorch_utils import Conv1D
-
-    head = model.get_output_embeddings()
-    modules = dict(model.named_modules())
-    linear = {n for n, m in modules.items() if isinstance(m, torch.nn.Linear | Conv1D) and m is not head}
-    leaf = {n: n.rpartition(".")[2] for n in modules}
-    elsewhere = {leaf[n] for n in modules if n not in linear}
-    return sorted({n if leaf[n] in elsewhere else leaf[n] for n in linear})
 
 
 @dataclass(frozen=True)
