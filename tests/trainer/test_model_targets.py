@@ -1,16 +1,19 @@
 """What the trainer makes trainable, and the models and settings it refuses before training: a multimodal
-model's towers get no adapters and stay frozen, target modules that partly miss the model, gradient
-checkpointing on a model without it, and a config with no causal-LM class."""
+model's towers get no adapters (and, fully fine-tuned, no gradient, which DDP expects), target modules
+that partly miss the model, gradient checkpointing on a model without it, and a config with no causal-LM
+class."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from sftjob.config import LoraSettings, ModelSource, TrainingSettings
+from sftjob.config import LoraSettings, ModelSource, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
+from sftjob_trainer.adapters import towers_in_training
 from sftjob_trainer.model import prepare_for_training, resolve_model_class
 
 pytestmark = pytest.mark.trainer
@@ -76,25 +79,42 @@ def test_lora_adapts_only_a_multimodal_models_language_model(targets: Any) -> No
     assert _every_trainable_parameter_has_a_gradient(model)
 
 
-def test_full_fine_tuning_of_a_multimodal_model_freezes_its_towers() -> None:
+def test_full_fine_tuning_of_a_multimodal_model_trains_its_towers_too_and_ddp_expects_them_without_gradients(
+    tmp_path: Path,
+) -> None:
+    import torch.distributed as dist
+
+    from sftjob_trainer.distributed import DistContext, wrap_model
+
     model = prepare_for_training(_gemma3(), "full", LoraSettings(), TrainingSettings(), CPU)
+    assert all(p.requires_grad for p in model.parameters())  # one checkpoint layout under DDP and FSDP
+    assert towers_in_training(model)
 
-    trainable = _trainable(model)
-    assert any(name.startswith(LANGUAGE_MODEL) for name in trainable)
-    assert all(name.startswith((LANGUAGE_MODEL, HEAD)) for name in trainable)
-    assert not any(p.requires_grad for p in model.model.vision_tower.parameters())
-    assert not any(p.requires_grad for p in model.model.multi_modal_projector.parameters())
-    _backward(model)
-    assert _every_trainable_parameter_has_a_gradient(model)
+    config = TrainerConfig.model_validate(
+        {"model": {"name": "a/b"}, "dataset": {"name": "c/d"}, "training": {"global_batch_size": 1}}
+    )
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        # A context of two ranks, for wrap_model to wrap; DDP itself runs in this one-process group.
+        ctx = DistContext(rank=0, world_size=2, local_rank=0, local_world_size=2, device=CPU)
+        ddp = wrap_model(model, config, ctx, torch.float32)
+        # Over two ranks DDP would fail the second step without it (a single one never checks).
+        assert ddp.find_unused_parameters
+        for _ in range(2):
+            ids = torch.randint(0, VOCAB, (2, 12))
+            ddp(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.startswith(LANGUAGE_MODEL))
 
 
-def test_a_multimodal_model_built_without_weights_for_fsdp_keeps_its_towers_trainable() -> None:
-    from accelerate import init_empty_weights
+def test_a_text_only_models_full_fine_tuning_has_no_towers_in_training(tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
 
-    with init_empty_weights(include_buffers=False):
-        built = _gemma3()
-    model = prepare_for_training(built, "full", LoraSettings(), TrainingSettings(), CPU)
-    assert all(p.requires_grad for p in model.parameters())
+    model = prepare_for_training(
+        AutoModelForCausalLM.from_pretrained(tiny_model), "full", LoraSettings(), TrainingSettings(), CPU
+    )
+    assert not towers_in_training(model)
 
 
 @pytest.mark.parametrize("targets", [["fc1"], ["qproj"]], ids=["vision tower only", "typo"])

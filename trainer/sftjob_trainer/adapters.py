@@ -3,7 +3,7 @@
 ``lora.targetModules`` names layers, and ``all-linear`` means the linear layers peft's would take in a dense
 model, but the fused experts and router of a mixture (far more than the planner counts). A multimodal
 model (Gemma 3, loaded as ``Gemma3ForConditionalGeneration``) also holds towers text never reaches: they get
-no adapters, and full fine-tuning freezes them, since a trainable parameter without a gradient fails DDP.
+no adapters; full fine-tuning keeps them trainable without a gradient, which DDP is told to expect.
 Each name of an explicit ``targetModules`` must reach one of the language model's layers: peft itself
 refuses only a list none of which matches (Phi-3's fused ``qkv_proj`` where ``q_proj`` was named).
 """
@@ -116,18 +116,13 @@ def _subtrees_pattern(roots: list[str]) -> str:
     return f"(?:{'|'.join(re.escape(root) for root in roots)})(?:\\..*)?"
 
 
-def freeze_outside_language_model(model: Any) -> None:
-    """Full fine-tuning trains the language model alone: a multimodal model's towers are frozen."""
+def towers_in_training(model: Any) -> bool:
+    """Whether a multimodal model's towers hold trainable parameters (full fine-tuning trains every weight):
+    text never reaches them, so they get no gradient, which DDP must be told to expect. They stay trainable
+    rather than frozen so that a full fine-tune's checkpoint holds every weight under any layout: a resume
+    under FSDP loads no pretrained weights, only the checkpoint."""
     outside = outside_language_model(model)
-    frozen = [p for name in outside for p in model.get_submodule(name).parameters() if p.requires_grad]
-    for parameter in frozen:
-        parameter.requires_grad_(False)
-    if frozen:
-        log.info(
-            "full fine-tuning of the language model alone: %s frozen (%.2fM parameters text never reaches)",
-            ", ".join(outside),
-            sum(p.numel() for p in frozen) / 1e6,
-        )
+    return any(p.requires_grad for name in outside for p in model.get_submodule(name).parameters())
 
 
 def linear_layer_names(model: Any) -> list[str]:

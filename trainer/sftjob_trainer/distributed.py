@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from sftjob.config import TrainerConfig
 from sftjob.failures import COMMUNICATION_PROBE, ExitCode, TrainerError
 from sftjob.gpus import profile_for_product
+from sftjob_trainer.adapters import towers_in_training
 from sftjob_trainer.preflight import check_gpu
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,8 @@ def wrap_model(
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    # A multimodal model's towers, trained in full fine-tuning, get no gradient from text.
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=towers_in_training(model))
 
 
 def _fully_shard(model: nn.Module, compute_dtype: torch.dtype, mesh: DeviceMesh | None) -> nn.Module:

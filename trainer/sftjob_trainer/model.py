@@ -23,7 +23,7 @@ import torch
 from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerConfig, TrainingSettings
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import attention, remote_code
-from sftjob_trainer.adapters import add_adapters, freeze_outside_language_model
+from sftjob_trainer.adapters import add_adapters
 from sftjob_trainer.failures import load_failure
 from sftjob_trainer.liger import apply_liger
 
@@ -292,12 +292,8 @@ def prepare_for_training(
     ``base_model_name_or_path`` is where the base was loaded from: the hub name, or for ``model.path`` the
     folder as the trainer pod sees it (``/model/<path>``).
 
-    A multimodal model's towers (:func:`sftjob_trainer.adapters.outside_language_model`) are frozen in
-    full fine-tuning, as LoRA leaves them: text never reaches them, and DDP fails on a trainable parameter
-    without a gradient.
-    Under FSDP (a model built without its weights) they stay trainable: FSDP takes a parameter without a
-    gradient, and a full fine-tune's checkpoint there must hold every weight (``resume.restore`` loads
-    no pretrained weights over it).
+    A multimodal model's towers (:func:`sftjob_trainer.adapters.outside_language_model`) get no adapters;
+    full fine-tuning leaves them trainable (:func:`sftjob_trainer.adapters.towers_in_training`).
     """
     if training.gradient_checkpointing and not getattr(model, "supports_gradient_checkpointing", False):
         raise TrainerError(
@@ -306,8 +302,6 @@ def prepare_for_training(
             " spec.training.gradientCheckpointing: false (with LoRA, more GPUs or larger ones should it"
             " then not fit)",
         )
-    if method == "full" and not any(p.is_meta for p in model.parameters()):
-        freeze_outside_language_model(model)
     if training.liger_kernels:
         apply_liger(model, device)
     checkpointing = {"use_reentrant": False}
