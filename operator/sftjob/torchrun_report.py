@@ -91,13 +91,19 @@ def summarize(cause: RootCause, words: str) -> str:
     return f"{root}: {words}" if root and words else root or words
 
 
-def last_words(lines: Sequence[str]) -> str:
+def last_words(lines: Sequence[str], local_rank: int | None = None) -> str:
     """The last line with letters or digits that is neither a rule nor a C++ backtrace's: where a traceback
-    puts the error, and a C++ exception its what()."""
+    puts the error, and a C++ exception its what(). Tee'd lines are read without their prefix, and when some
+    are the worker ``local_rank``'s, only its own are (a peer's last lines are its shutdown)."""
+    tagged = [(worker_line(line), line) for line in lines]
+    if any(worker is not None and worker[0] == local_rank for worker, _ in tagged):
+        said = [worker[1] for worker, _ in tagged if worker is not None and worker[0] == local_rank]
+    else:
+        said = [worker[1] if worker is not None else line for worker, line in tagged]
     return next(
         (
             s
-            for s in (line.strip() for line in reversed(lines))
+            for s in (line.strip() for line in reversed(said))
             if _ALPHANUMERIC.search(s) and not RULE.match(s) and not CPP_BACKTRACE.match(s)
         ),
         "",

@@ -227,8 +227,9 @@ def crd_problem(crd: Mapping[str, Any] | None) -> tuple[int, str] | None:
     if found < c.CRD_SCHEMA_REVISION:
         return logging.ERROR, (
             f"the CRD {CRD_NAME} has schema revision {found} ({c.ANNOTATION_SCHEMA_REVISION}), older than"
-            f" this operator's {c.CRD_SCHEMA_REVISION}: the API server drops the spec and status fields added"
-            f" since. Update it: {CRD_UPDATE}"
+            f" this operator's {c.CRD_SCHEMA_REVISION}: the API server drops the spec and status fields, and"
+            " skips the admission rules, added since (the operator marks specs they refuse InvalidSpec)."
+            f" Update it: {CRD_UPDATE}"
         )
     if found > c.CRD_SCHEMA_REVISION:
         return logging.WARNING, (

@@ -85,6 +85,10 @@ STATIC_OOM_ADVICE = (
     " the OOM ladder lowers: use a cheaper method (lora, qlora), more GPUs for FSDP to shard the model over,"
     " or a GPU with more memory"
 )
+# When the nodes cannot give the pods more memory, a larger spec.resources.memory only leaves them Pending.
+HOST_MEMORY_EXHAUSTED_ADVICE = (
+    f"a lower spec.resources.cpu (it sets the dataloader workers) or nodes with more memory, then {RECREATE}"
+)
 # How many nodes a give-up message names when a GPU or driver fault followed the job across them.
 NODES_NAMED = 5
 
@@ -203,8 +207,7 @@ def attempt_settings(
         asked = CandidatePlans(_gpu_adjusted(policy, plans, earlier, replan)[0], plans.profile_by_product)
         exhausted = raise_host_memory(adjusted, asked, host_ooms, nodes, changes)
         if exhausted is not None:
-            advice = ADVICE[FailureClass.HOST_OOM]
-            return GiveUp(GiveUpReason.HOST_MEMORY_EXHAUSTED, f"{exhausted}; {advice}")
+            return GiveUp(GiveUpReason.HOST_MEMORY_EXHAUSTED, f"{exhausted}; {HOST_MEMORY_EXHAUSTED_ADVICE}")
 
     follows = _follows_the_job(history)
     if follows:

@@ -117,7 +117,7 @@ MESSAGE_SIGNATURES: tuple[tuple[re.Pattern[str], FailureClass], ...] = tuple(
 NO_KERNEL_IMAGE_SIGNATURE = re.compile(re.escape(NO_KERNEL_IMAGE), re.IGNORECASE)
 # A module the trainer imports is missing from the image, or is of another version: the exception a
 # failed rank ended with. A driver library that is not there is the node's GPU runtime's fault instead.
-IMPORT_FAILED = re.compile(r"\b(?:ModuleNotFoundError|ImportError): .*")
+IMPORT_FAILED = re.compile(r"\b(?:(?:ModuleNotFoundError|ImportError): |No module named ).*")
 DRIVER_LIBRARY = re.compile(r"\blib(?:cuda|nvidia-[\w-]+)\.so", re.IGNORECASE)
 
 
@@ -144,8 +144,8 @@ def read_message(message: str) -> TerminationMessage:
     before = lines[: report.start]
     while before and _torchrun_trailer(before[-1]):
         before.pop()
-    last = last_words(before)
     cause = report.root_cause
+    last = last_words(before, cause.local_rank)
     root = cause.describe()
     # When torchrun's output filled the tail, say so rather than guess.
     summary = f"{root}; {NOT_IN_TAIL}" if root and not last and cut else summarize(cause, last)

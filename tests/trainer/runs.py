@@ -67,9 +67,11 @@ def start_trainer(config_path: Path, termination_log: Path) -> subprocess.Popen[
 
 
 def start_torchrun(
-    config_path: Path, termination_log: Path, entry: list[str] | None = None
+    config_path: Path, termination_log: Path, entry: list[str] | None = None, *, launched: bool = False
 ) -> subprocess.Popen[bytes]:
-    """The trainer as a one-node multi-GPU pod runs it, with gloo over loopback instead of NCCL."""
+    """The trainer as a one-node multi-GPU pod runs it, with gloo over loopback instead of NCCL; with
+    ``launched``, under the trainer's launcher as the pod's PID 1 (sftjob_trainer.launch, torchrun's
+    --tee=2), which the returned process then is."""
     env = os.environ | {
         "SFTJOB_CONFIG": str(config_path),
         "SFTJOB_TERMINATION_LOG": str(termination_log),
@@ -77,6 +79,8 @@ def start_torchrun(
         "CUDA_VISIBLE_DEVICES": "",
     }
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
+    if launched:
+        launcher = [sys.executable, "-m", "sftjob_trainer.launch", *launcher, "--tee=2"]
     with (config_path.parent / "trainer.log").open("ab") as out:
         return subprocess.Popen(
             [*launcher, *(entry or ["-m", "sftjob_trainer.train"])],

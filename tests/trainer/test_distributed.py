@@ -153,17 +153,17 @@ def test_two_ranks_write_one_complete_copy_of_each_checkpoint_and_resume_like_an
     _assert_same_training(config, uninterrupted, range(3, STEPS + 1))
 
 
-def test_sigterm_to_torchrun_stops_both_ranks_after_the_same_step_with_one_checkpoint(
+def test_sigterm_to_the_pods_launcher_stops_both_ranks_after_the_same_step_with_one_checkpoint(
     trainer_config: MakeConfig, termination_log: Path
 ) -> None:
     batch = _batch(RANKS, steps=400)
     # With dataloader workers, as planned: torchrun signals the whole process group, workers included.
     batch["training"]["dataloaderWorkers"] = 2
     config = trainer_config("messages", name="preempted", **batch, checkpoints={"everySteps": 1000})
-    proc = start_torchrun(config, termination_log)
+    proc = start_torchrun(config, termination_log, launched=True)
     try:
         wait_for_step(config, proc, 3)
-        proc.send_signal(signal.SIGTERM)  # what the kubelet sends the container's PID 1, torchrun
+        proc.send_signal(signal.SIGTERM)  # what the kubelet sends the container's PID 1: it tells torchrun
         proc.wait(timeout=LAUNCH_TIMEOUT_SECONDS)
     finally:
         stop_torchrun(proc)

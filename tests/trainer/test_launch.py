@@ -14,6 +14,7 @@ import pytest
 
 from sftjob.failures import ExitCode, FailureClass, read_exit_tag, tag_exit_code
 from sftjob_operator.termination import message_class, read_message
+from sftjob_trainer.failures import EXITING
 
 pytestmark = pytest.mark.trainer
 
@@ -165,11 +166,24 @@ def test_the_rank_of_another_node_is_named_by_its_global_rank_with_its_local_ran
     assert termination_log.read_text() == "rank 9 killed by SIGKILL: the killed rank's words\n"
 
 
-def test_a_ranks_own_message_is_kept(tmp_path: Path, termination_log: Path) -> None:
-    own = tag_exit_code(ExitCode.COMMUNICATION_ERROR, "CUDA out of memory inside NCCL: Failed to CUDA calloc")
-    stderr = [f"[default1]:{WATCHDOG}", *report(1, -signal.SIGABRT)]
+def test_a_ranks_own_message_is_kept_though_it_was_killed_on_its_way_out(
+    tmp_path: Path, termination_log: Path
+) -> None:
+    own = tag_exit_code(ExitCode.COMMUNICATION_ERROR, "communication error between ranks: NCCL error")
+    said = f"[default1]:E sftjob_trainer.failures: {EXITING} COMMUNICATION_ERROR (16): NCCL error"
+    stderr = [said, f"[default1]:{WATCHDOG}", *report(1, -signal.SIGABRT)]
     launch(fake_torchrun(tmp_path, stderr, writes=own), termination_log)
     assert termination_log.read_text() == f"{own}\n"
+
+
+def test_a_peers_broken_collective_is_replaced_by_the_rank_killed_without_a_word(
+    tmp_path: Path, termination_log: Path
+) -> None:
+    echo = tag_exit_code(ExitCode.COMMUNICATION_ERROR, "communication error between ranks: Connection reset")
+    peer = f"[default0]:E sftjob_trainer.failures: {EXITING} COMMUNICATION_ERROR (16): Connection reset"
+    stderr = [peer, "[default1]:Fatal Python error: Segmentation fault", *report(1, -signal.SIGSEGV)]
+    launch(fake_torchrun(tmp_path, stderr, writes=echo), termination_log)
+    assert termination_log.read_text() == "rank 1 killed by SIGSEGV: Fatal Python error: Segmentation fault\n"
 
 
 def test_a_root_cause_that_stopped_on_sigterm_keeps_its_own_sigterm_code(

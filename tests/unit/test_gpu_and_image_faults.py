@@ -85,3 +85,11 @@ def test_an_import_warning_earlier_in_the_log_does_not_hide_the_error_that_ended
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     tail = torchrun_tail(f"ImportError: flash_attn is not installed, using sdpa\n{oom}", 0, 1, "see the log")
     assert ended(tail, own_image=True).reason is FailureClass.CUDA_OOM
+
+
+def test_a_jobs_own_image_older_than_the_launcher_is_a_config_error_naming_spec_image() -> None:
+    record = ended("/opt/conda/bin/python: No module named sftjob_trainer.launch\n", own_image=True)
+    assert record.reason is FailureClass.CONFIG_ERROR
+    assert record.message.startswith(
+        "spec.image cannot import what the trainer needs (No module named sftjob_trainer.launch)"
+    )

@@ -46,6 +46,8 @@ def test_host_oom_raises_the_memory_request_up_to_nine_tenths_of_node_allocatabl
         result.message
     )
     assert "(A800-SXM4-80GB: 134217728Ki)" in result.message
+    assert "spec.resources.memory" not in result.message  # more than the nodes have would stay Pending
+    assert "spec.resources.cpu" in result.message and "delete the job and create it again" in result.message
 
 
 def test_host_oom_gives_up_when_the_cap_leaves_less_than_a_tenth_more_memory() -> None:

@@ -87,6 +87,24 @@ def test_last_words_skip_a_cpp_backtrace_and_rules() -> None:
     assert last_words(["frame #3: y", ""]) == ""
 
 
+def test_last_words_of_tee_d_lines_are_the_root_causes_own_without_their_prefix() -> None:
+    said = [
+        f"[default1]:  what():  {WATCHDOG}",
+        "[default1]:frame #0: c10::Error::Error(...) + 0x98",
+        "[default0]:stopping on SIGTERM after step 12",
+    ]
+    assert last_words(said, local_rank=1) == f"what():  {WATCHDOG}"
+    assert last_words(said) == "stopping on SIGTERM after step 12"
+
+
+def test_a_kubelet_tail_of_tee_d_lines_names_the_root_causes_words() -> None:
+    backtrace = "[default1]:frame #0: c10::Error::Error(...) + 0x98"
+    tail = [f"[default1]:  what():  {WATCHDOG}", backtrace, *REPORT]
+    said = read_message("\n".join(tail) + "\n")
+    assert said.summary == f"rank 9 killed by SIGABRT: what():  {WATCHDOG}"
+    assert message_class(said, own_image=False) == (FailureClass.COMMUNICATION_ERROR, said.summary)
+
+
 def test_a_cause_without_last_words_is_summed_up_by_how_it_ended() -> None:
     assert summarize(RootCause(1, 1, -9), "") == "rank 1 killed by SIGKILL"
     assert summarize(RootCause(None, None, None), "words") == "words"

@@ -39,6 +39,8 @@ from sftjob.failures import (
 )
 
 log = logging.getLogger(__name__)
+# What a rank logs as it ends with a message of its own (the launcher reads it: sftjob_trainer.launch).
+EXITING = "exiting with"
 
 TERMINATION_LOG_ENV = "SFTJOB_TERMINATION_LOG"
 # The kubelet keeps the last 4096 bytes of the file: 1000 characters are at most 4000 bytes of UTF-8, so
@@ -343,7 +345,7 @@ def exit_with(exc: BaseException, started: float, *, several_ranks: bool, sigter
     code, reason = classify(exc)
     if code in (ExitCode.UNKNOWN, ExitCode.COMMUNICATION_ERROR):
         log.error("trainer failed", exc_info=exc)
-    log.error("exiting with %s (%d): %s", code.name, code, reason)
+    log.error("%s %s (%d): %s", EXITING, code.name, code, reason)
     echo = code == ExitCode.COMMUNICATION_ERROR or (code == ExitCode.PREEMPTED and sigterm)
     write_termination_message(reason, code, unless_written_since=started if several_ranks and echo else None)
     return code

@@ -31,7 +31,7 @@ from typing import IO
 
 from sftjob.failures import ExitCode, read_exit_tag
 from sftjob.torchrun_report import CPP_BACKTRACE, RootCause, last_words, read_report, summarize, worker_line
-from sftjob_trainer.failures import termination_log_path, write_termination_message
+from sftjob_trainer.failures import EXITING, termination_log_path, write_termination_message
 
 # Enough of a rank's last lines (C++ backtrace frames never kept) to find its last words past blank lines and
 # rules, and enough of torchrun's own to hold its whole report (some 8 lines per failed local rank).
@@ -48,6 +48,7 @@ class StderrTail:
     def __init__(self) -> None:
         self.ranks: dict[int, deque[str]] = {}
         self.torchrun: deque[str] = deque(maxlen=TORCHRUN_LINES)
+        self.wrote_own: set[int] = set()  # the local ranks that logged ending with a message of their own
 
     def add(self, line: str) -> None:
         line = line.rstrip("\r\n")
@@ -56,6 +57,8 @@ class StderrTail:
             self.torchrun.append(line)
             return
         local_rank, said = worker
+        if EXITING in said:
+            self.wrote_own.add(local_rank)
         if not CPP_BACKTRACE.match(said.strip()):
             self.ranks.setdefault(local_rank, deque(maxlen=RANK_LINES)).append(said)
 
@@ -113,14 +116,18 @@ class Launcher:
 
     def _write_root_cause(self, started: float) -> None:
         """Write the report's root cause as the termination message when no rank wrote one of its own since
-        the launch ``started`` (a ``time.time()``), or only the SIGTERM code of a peer torchrun stopped."""
+        the launch ``started`` (a ``time.time()``), or only a peer's echo: the SIGTERM code of a peer torchrun
+        stopped, or, when the root cause was killed by a signal, a peer's broken collective."""
         cause = self.tail.root_cause()
         if cause is None or not cause.exitcode:
             return  # no report: torchrun failed on its own (a rendezvous), and its log says how
         written = _message_since(termination_log_path(), started)
         if written is not None:
             code, _ = read_exit_tag(written)
-            if code != ExitCode.PREEMPTED or cause.exitcode == ExitCode.PREEMPTED:
+            # A peer's broken collective, when the root cause (killed by a signal) wrote no word of its own.
+            silent = cause.exitcode < 0 and cause.local_rank not in self.tail.wrote_own
+            echo = code == ExitCode.PREEMPTED or (code == ExitCode.COMMUNICATION_ERROR and silent)
+            if not echo or cause.exitcode == ExitCode.PREEMPTED:
                 return  # a rank's own reason (the root cause's SIGTERM code too, when it stopped first)
         write_termination_message(summarize(cause, self.tail.last_words(cause.local_rank)))
 
