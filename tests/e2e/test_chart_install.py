@@ -325,6 +325,18 @@ class OperatorRun:
     roles: list[Manifest]
 
 
+def start_operator(cluster: Cluster, release: Release, log_path: Path) -> subprocess.Popen[bytes]:
+    """The operator as the chart runs it, as the chart's ServiceAccount, its output in ``log_path``."""
+    argv, env = operator_command(cluster, release, *free_ports(2))
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            argv,
+            env=outside_pod_env() | env | {"KUBECONFIG": str(release.kubeconfig)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
 @pytest.fixture(scope="module")
 def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.TempPathFactory) -> OperatorRun:
     """The operator, as the chart's ServiceAccount, takes one job through a preemption, a second
@@ -333,15 +345,8 @@ def operator_run(cluster: Cluster, release: Release, tmp_path_factory: pytest.Te
     namespace = f"chart-job-{uuid.uuid4().hex[:6]}"
     job = "rbac-sft"
     cluster.kubectl("create", "namespace", namespace)
-    argv, env = operator_command(cluster, release, *free_ports(2))
     log_path = tmp_path_factory.mktemp("operator-run") / "operator.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            argv,
-            env=outside_pod_env() | env | {"KUBECONFIG": str(release.kubeconfig)},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    process = start_operator(cluster, release, log_path)
     roles: list[Manifest] = []
     try:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(sftjob(namespace, job)))
@@ -462,15 +467,8 @@ def test_the_charts_defaults_reach_the_jobs(cluster: Cluster, release: Release, 
     # an earlier test started it, watches those and would race this one for the job.
     namespace = f"chart-defaults-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", namespace)
-    argv, env = operator_command(cluster, release, *free_ports(2))
     log_path = tmp_path / "operator.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            argv,
-            env=outside_pod_env() | env | {"KUBECONFIG": str(release.kubeconfig)},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    process = start_operator(cluster, release, log_path)
     try:
         job = sftjob(namespace, "defaults")
         job["spec"]["gpu"] = {"type": "L40S", "count": 1}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -162,3 +163,12 @@ def tracker_env_defaults() -> list[str]:
 def _wandb_teardown() -> None:
     if "wandb" in sys.modules:
         sys.modules["wandb"].teardown()
+
+
+@pytest.fixture
+def signal_handlers_restored() -> Iterator[None]:
+    """For code that installs SIGINT/SIGTERM handlers of its own: the test process gets its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for number, handler in saved.items():
+        signal.signal(number, handler)

@@ -7,26 +7,17 @@ import importlib
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.trainer
+# The benchmark's main() installs SIGINT/SIGTERM handlers of its own.
+pytestmark = [pytest.mark.trainer, pytest.mark.usefixtures("signal_handlers_restored")]
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 ROW_KEYS = {"model", "method", "config", "gpu", "capGiB", "tokensPerSecond", "mfu", "peakGiB", "workload"}
 LIGER = ["fused linear cross-entropy", "RoPE", "LigerRMSNorm", "LigerSwiGLUMLP"]
-
-
-@pytest.fixture(autouse=True)
-def _signal_handlers_restored() -> Iterator[None]:
-    """main() installs its own SIGINT/SIGTERM handlers: give the test process its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    yield
-    for number, handler in saved.items():
-        signal.signal(number, handler)
 
 
 def test_tiny_benchmark_writes_json_and_markdown_with_every_config(

@@ -15,6 +15,7 @@ import pytest
 from sftjob.failures import ExitCode, FailureClass, read_exit_tag, tag_exit_code
 from sftjob_operator.termination import message_class, read_message
 from sftjob_trainer.failures import EXITING
+from tests.torchrun_output import report_block
 
 pytestmark = pytest.mark.trainer
 
@@ -57,28 +58,13 @@ time.sleep(30)
 def report(rank: int, exitcode: int, *, local_rank: int | None = None) -> list[str]:
     """torchrun's last lines once a worker failed (its log line, its traceback, its report)."""
     local = rank if local_rank is None else local_rank
-    signal_name = f"  ({signal.Signals(-exitcode).name})" if exitcode < 0 else ""
-    rule, section = "=" * 55, "-" * 55
     return [
         "E1202 13:39:25.131000 31712 torch/distributed/elastic/multiprocessing/api.py:1002]"
         f" failed (exitcode: {exitcode}) local_rank: {local} (pid: 32034) of binary: /usr/bin/python",
         "Traceback (most recent call last):",
         '  File "/usr/local/bin/torchrun", line 10, in <module>',
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
-        rule,
-        "sftjob_trainer.train FAILED",
-        section,
-        "Failures:",
-        "  <NO_OTHER_FAILURES>",
-        section,
-        "Root Cause (first observed failure):",
-        "[0]:",
-        "  time      : 2026-12-02_13:39:25",
-        "  host      : llama-sft-1-0",
-        f"  rank      : {rank} (local_rank: {local})",
-        f"  exitcode  : {exitcode} (pid: 32034){signal_name}",
-        "  error_file: <N/A>",
-        rule,
+        *report_block(rank, exitcode, local_rank=local),
     ]
 
 

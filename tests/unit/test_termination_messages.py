@@ -9,6 +9,7 @@ import pytest
 from sftjob.failures import ExitCode, FailureClass
 from sftjob_operator.attempt_end import end_record, peer_never_joined
 from sftjob_operator.classify import Outcome
+from tests.torchrun_output import report_block
 from tests.unit.classify_cases import NOW, RECORD, classify, exited, pod
 
 
@@ -142,8 +143,6 @@ def torchrun_tail(last_words: str, rank: int, exitcode: int, detail: str, *, loc
     without one: its ``last_words``, then torchrun's output, as the kubelet keeps it
     (:func:`kubelet_tail`)."""
     local = rank % local_ranks
-    signal_name = f"  ({detail.split('(')[1].split(')')[0]})" if exitcode < 0 else ""
-    rule, section = "=" * 60, "-" * 60
     closing = [
         f"W0501 12:00:00.100000 1 {_GLOG}:900] Sending process {40 + r} closing signal SIGTERM"
         for r in range(local_ranks)
@@ -170,21 +169,7 @@ def torchrun_tail(last_words: str, rank: int, exitcode: int, detail: str, *, loc
         f'  File "{_TORCH}/distributed/launcher/api.py", line 269, in launch_agent',
         "    raise ChildFailedError(",
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
-        rule,
-        "sftjob_trainer.train FAILED",
-        section,
-        "Failures:",
-        "  <NO_OTHER_FAILURES>",
-        section,
-        "Root Cause (first observed failure):",
-        "[0]:",
-        "  time      : 2026-05-01_12:00:00",
-        "  host      : llama-sft-1-0",
-        f"  rank      : {rank} (local_rank: {local})",
-        f"  exitcode  : {exitcode} (pid: {40 + local}){signal_name}",
-        "  error_file: <N/A>",
-        f"  traceback : {detail}",
-        rule,
+        *report_block(rank, exitcode, local_rank=local, detail=detail),
         "",
     ]
     return kubelet_tail("\n".join([last_words, *torchrun]))
