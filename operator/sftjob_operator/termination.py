@@ -6,29 +6,8 @@ its one-line message with that code (``[exit 11] dataset /data/train.jsonl is em
 a SIGKILLed rank) the launcher above torchrun (``sftjob_trainer.launch``) writes its root cause and last
 words instead, untagged (:mod:`sftjob.torchrun_report`). When nothing wrote a message (torchrun failed
 before any rank did, the launcher was killed too) the pod's ``FallbackToLogsOnError`` policy makes the
-message the last 2048 bytes of the log, which may end with torchrun's own traceback and its report::
-
-    torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB    <- the rank's last words
-    E1130 09:00:10.722000 1 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) ...
-    Traceback (most recent call last):
-      File ".../torch/distributed/run.py", line 1142, in <module>
-    ...
-    torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
-    ============================================================
-    sftjob_trainer.train FAILED
-    ------------------------------------------------------------
-    Failures:
-      <NO_OTHER_FAILURES>
-    ------------------------------------------------------------
-    Root Cause (first observed failure):
-    [0]:
-      time      : 2026-11-30_09:00:10
-      host      : llama-sft-1-0
-      rank      : 1 (local_rank: 1)
-      exitcode  : -6 (pid: 10526)  (SIGABRT)
-      error_file: <N/A>
-      traceback : Signal 6 (SIGABRT) received by PID 10526
-    ============================================================
+message the last 2048 bytes of the log, which may end with the rank's last words, then torchrun's own
+traceback and its report (shown in :mod:`sftjob.torchrun_report`).
 
 Such a tail is summed up as the root cause's rank and how it ended, then the last line the ranks wrote
 before torchrun took over (a C++ backtrace's frames skipped): ``rank 1 killed by SIGABRT: <last line>``.
