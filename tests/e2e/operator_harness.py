@@ -162,9 +162,14 @@ class Jobs:
         return next((c for c in self.status(name).get("conditions", []) if c["type"] == type), {})
 
     def wait_phase(self, name: str, phase: str, timeout: float = 30.0) -> dict[str, Any]:
+        # Each poll starts kubectl (a fraction of a core for a moment): a long wait, for a trainer that
+        # needs the machine's CPUs, polls once a second.
         return dict(
             wait_for(
-                f"{name} to be {phase}", lambda: (s := self.status(name)).get("phase") == phase and s, timeout
+                f"{name} to be {phase}",
+                lambda: (s := self.status(name)).get("phase") == phase and s,
+                timeout,
+                every=0.25 if timeout <= 30 else 1.0,
             )
         )
 

@@ -28,9 +28,9 @@ EVERY_STEPS = 40
 # Each test signals the first attempt once it passes its first checkpoint, which must be well before the
 # run's end: the tiny model trains some 40 steps/s on an idle machine, so a few hundred steps leave a
 # window of seconds even when the test's own polling is starved. The restarted attempt trains to the end.
-KILLED_STEPS = 600
-TERMED_STEPS = 600
-FINISH_TIMEOUT = 300  # the second attempt: a trainer start (a minute on a loaded machine), then its steps
+KILLED_STEPS = 320
+TERMED_STEPS = 320
+FINISH_TIMEOUT = 240  # the second attempt: a trainer start (a minute on a loaded machine), then its steps
 STARTED = re.compile(r"pod (?P<ns>[^/\s]+)/(?P<pod>\S+): trainer started \(PID (?P<pid>\d+)\)")
 RESUMED = re.compile(r"resumed from \S+ \(step (?P<step>\d+)\)")
 LOGGED_STEP = re.compile(r": step (?P<step>\d+)/\d+ \(epoch ")
