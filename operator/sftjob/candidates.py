@@ -56,6 +56,8 @@ class PlanRequest(BaseModel):
     rdma: bool = False
     # spec.model.trustRemoteCode: the model's own code, which may not keep packed examples apart.
     remote_code: bool = False
+    # spec.output.mergeAdapter: rank 0 loads the base once more, on the host, to merge the adapter into it.
+    merge_adapter: bool = False
 
     @property
     def world_size(self) -> int:

@@ -18,7 +18,7 @@ from pydantic.alias_generators import to_camel
 # The version of this contract. Bump it (and TrainerConfig.schema_version's Literal) on every change to what
 # the operator writes or the trainer reads: a trainer image pinned in spec.image checks it before anything
 # else and says which image it needs, rather than failing on the first field it does not know.
-SCHEMA_VERSION: Final = 5
+SCHEMA_VERSION: Final = 6
 Method = Literal["lora", "qlora", "full"]
 # No fp8: the trainer has no FP8 training path yet (torchao float8 would be it), so nothing plans for it.
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -277,7 +277,7 @@ class TrackingSettings(_Strict):
 
 
 class TrainerConfig(_Strict):
-    schema_version: Literal[5] = SCHEMA_VERSION
+    schema_version: Literal[6] = SCHEMA_VERSION
     job: JobRef = JobRef()
     model: ModelSource
     dataset: DatasetSource
@@ -288,6 +288,8 @@ class TrainerConfig(_Strict):
     distributed: DistributedSettings = DistributedSettings()
     checkpoints: CheckpointSettings = CheckpointSettings()
     output_dir: str = "/output"
+    # Beside the adapter, the base with the adapter merged in, in output_dir's ``merged`` folder.
+    merge_adapter: bool = False
     gpu: GpuExpectation = GpuExpectation()
     report: ReportSettings = ReportSettings()
     tracking: TrackingSettings = TrackingSettings()
@@ -311,6 +313,15 @@ class TrainerConfig(_Strict):
             raise ValueError(
                 f"method qlora runs on exactly one GPU (its 4-bit base is neither sharded nor replicated):"
                 f" distributed.sharding {d.sharding} and world_size {d.world_size} must be none and 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _merge_needs_an_adapter(self) -> TrainerConfig:
+        if self.merge_adapter and self.method == "full":
+            raise ValueError(
+                "merge_adapter merges a LoRA or QLoRA adapter into its base: method full writes the whole"
+                " model already"
             )
         return self
 

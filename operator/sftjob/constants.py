@@ -19,7 +19,7 @@ ANNOTATION_PROGRESS = "sftjob.io/progress"
 ANNOTATION_CHECKPOINT = "sftjob.io/last-checkpoint"
 # The SFTJob CRD's schema revision, its annotation: bumped with every schema change, so that an operator
 # finds a CRD older than its own in the cluster (whose schema drops the fields it writes).
-ANNOTATION_SCHEMA_REVISION, CRD_SCHEMA_REVISION = "sftjob.io/schema-revision", 5
+ANNOTATION_SCHEMA_REVISION, CRD_SCHEMA_REVISION = "sftjob.io/schema-revision", 6
 
 # Kueue's pod integration (spec.queueName): the LocalQueue, and each attempt's pods as one pod group that
 # Kueue admits whole (gang admission) and finishes when one of them fails (the operator starts the next).

@@ -89,6 +89,7 @@ def _assemble(
         fixed.precision,
         nodes=request.nodes,
         sharded=c.sharding in ("fsdp", "hsdp"),
+        merged=request.merge_adapter,
     )
     return Plan(
         gpu=gpu.key,

@@ -63,6 +63,7 @@ def pod_resources(
     *,
     nodes: int = 1,
     sharded: bool = False,
+    merged: bool = False,
 ) -> tuple[PodResources, int]:
     """Requests for one node's pod, and the CPUs each GPU's process gets.
 
@@ -80,6 +81,9 @@ def pod_resources(
       fine-tuned model on one GPU or under DDP goes through a host copy in the precision it trained in
       (bf16, or fp32 for an fp32 run), times ``LOAD_HEADROOM``; adapters are small. Checkpoints need no
       host memory (:func:`checkpoint_gib`);
+    - merging an adapter into its base (``merged``: ``spec.output.mergeAdapter``): rank 0 loads the base
+      once more on the CPU, unquantised, in the precision it computed in, and writes it merged
+      (trainer/sftjob_trainer/merging.py), times ``LOAD_HEADROOM``;
     - ``HOST_MEMORY_FLOOR_GIB``, for small models, the tokenised dataset and the rest;
     - all along: ``HOST_GIB_PER_PROCESS`` per training process, and the memory-backed /dev/shm,
       which counts against the pod's memory limit.
@@ -94,6 +98,8 @@ def pod_resources(
         rank0 = architecture.parameters * (FULL_STATE_BYTES["weights"] if fp32 else BF16_BYTES)
     else:
         rank0 = 0
+    if merged:
+        rank0 = max(rank0, architecture.parameters * (FULL_STATE_BYTES["weights"] if fp32 else BF16_BYTES))
     shm = max(SHM_FLOOR_GIB, SHM_GIB_PER_GPU * gpus_per_node)
     held = HOST_GIB_PER_PROCESS * gpus_per_node + shm
     memory = f"{_round_up(max(HOST_MEMORY_FLOOR_GIB, LOAD_HEADROOM * rank0 / GIB) + held)}Gi"

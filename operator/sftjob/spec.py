@@ -242,6 +242,7 @@ class CheckpointSpec(SpecModel):
 class OutputSpec(SpecModel):
     volume: VolumeSource | None = None
     path: RelativePath = "final"
+    merge_adapter: bool = False  # beside a LoRA or QLoRA adapter, its base with it merged in (merged/)
 
     @field_validator("path")
     @classmethod
@@ -338,6 +339,15 @@ class SFTJobSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
+    def _merge_needs_an_adapter(self) -> SFTJobSpec:
+        if self.output.merge_adapter and self.method == "full":
+            raise ValueError(
+                "spec.output.mergeAdapter merges a LoRA or QLoRA adapter into its base: spec.method full"
+                " writes the whole model already; remove mergeAdapter"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _multi_node_checkpoints_are_shared(self) -> SFTJobSpec:
         volume = self.checkpoints.volume
         if self.gpu.nodes > 1 and volume is not None and volume.host_path is not None:
@@ -399,4 +409,5 @@ def to_plan_request(spec: SFTJobSpec, gpus_per_node: int, nodes: int) -> PlanReq
         inter_node_gbs=inter_node_gbs(spec.network),
         rdma=spec.network.rdma is not None,
         remote_code=spec.model.trust_remote_code,
+        merge_adapter=spec.output.merge_adapter,
     )

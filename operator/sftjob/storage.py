@@ -4,9 +4,10 @@ instead of at the first save that fills it, hours into the run.
 The volume holds ``spec.checkpoints.keep`` complete checkpoints plus the one being written (a save
 writes a temporary folder before the oldest is deleted), one more with ``spec.evaluation.finalModel``
 Best (the best checkpoint is kept out of the rotation), the final model when ``spec.output`` has no
-volume of its own, and the hub download of the model (``HF_HOME`` lives on it, so a restart does not
-download again). Checkpoint sizes are the plan's (:attr:`~sftjob.plan.Plan.checkpoint_gib`, what the
-trainer writes); the dataset's cache is not counted, so the figure is a floor.
+volume of its own (with ``mergeAdapter``, the merged model too), and the hub download of the model
+(``HF_HOME`` lives on it, so a restart does not download again). Checkpoint sizes are the plan's
+(:attr:`~sftjob.plan.Plan.checkpoint_gib`, what the trainer writes); the dataset's cache is not counted,
+so the figure is a floor.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def volume_need(spec: SFTJobSpec, plan: Plan) -> VolumeNeed:
     else:
         lora = spec.lora
         final = architecture.lora_parameters(lora.r, lora.target_modules) * FULL_STATE_BYTES["weights"] / GIB
+        if spec.output.merge_adapter:  # the base beside it, the adapter merged in, as it computed
+            final += (
+                n * (FULL_STATE_BYTES["weights"] if plan.training.precision == "fp32" else BF16_BYTES) / GIB
+            )
     download = n * BF16_BYTES / GIB if spec.model.name else 0.0  # hub checkpoints ship in bf16
     best = spec.evaluation is not None and spec.evaluation.final_model == "Best"
     count = spec.checkpoints.keep + 1 + int(best)

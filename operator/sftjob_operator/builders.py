@@ -180,6 +180,7 @@ def trainer_config(job: JobRef, spec: SFTJobSpec, plan: Plan) -> TrainerConfig:
             keep=spec.checkpoints.keep,
         ),
         output_dir=output_dir(spec),
+        merge_adapter=spec.output.merge_adapter,
         gpu=GpuExpectation(required=True, memory_gib=round(plan.memory.total_gib, 2)),
         report=ReportSettings(
             interval_seconds=PROGRESS_INTERVAL_SECONDS,

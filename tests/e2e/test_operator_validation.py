@@ -58,6 +58,10 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "dataset without name or path": (spec_with(dataset={"split": "train"}), "spec.dataset"),
     "qlora on four GPUs": (spec_with(method="qlora", gpu={"type": "A800", "count": 4}), "spec.method"),
     "qlora on two nodes": (spec_with(method="qlora", gpu={"type": "A800", "nodes": 2}), "spec.method"),
+    "merging the adapter of a full fine-tune": (
+        spec_with(method="full", output={"mergeAdapter": True}),
+        "spec.output.mergeAdapter",
+    ),
     "huge model name": (spec_with(model={"name": "x" * 5000}), "spec.model.name"),
     "negative sequence length": (spec_with(dataset__maxSeqLength=-1), "spec.dataset.maxSeqLength"),
     "unknown dataset format": (spec_with(dataset__format="csv"), "spec.dataset.format"),
@@ -301,7 +305,7 @@ def test_a_multi_node_job_with_rdma_devices_and_pod_annotations_is_admitted(jobs
 def test_the_edges_of_the_output_memory_env_and_architecture_rules_are_admitted(jobs: Jobs) -> None:
     manifest = spec_with(
         model={"name": "acme/model", "architecture": architecture(slidingWindow=4096)},
-        output={"path": "./final"},
+        output={"path": "./final", "mergeAdapter": True},  # the default method, lora
         resources={"memory": "1Gi"},
         env=[{"name": "PETNAME", "value": "rex"}, {"name": "NVIDIA_TF32_OVERRIDE", "value": "0"}],
         podAnnotations={"example.com/apparmor": "notes"},
@@ -309,7 +313,8 @@ def test_the_edges_of_the_output_memory_env_and_architecture_rules_are_admitted(
     )
     result = jobs.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(manifest))
     admitted = json.loads(result.stdout)["spec"]
-    assert admitted["output"]["path"] == "./final" and admitted["resources"]["memory"] == "1Gi"
+    assert admitted["output"] == {"path": "./final", "mergeAdapter": True}
+    assert admitted["resources"]["memory"] == "1Gi"
     assert admitted["model"]["architecture"]["slidingWindow"] == 4096
 
 

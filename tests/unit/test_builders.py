@@ -341,3 +341,15 @@ def test_the_trainer_gets_the_jobs_bad_row_tolerance() -> None:
     s = spec(dataset={"name": "org/chats", "maxBadRowFraction": 0.2})
     cm = builders.config_map(JOB, s, plan_candidates(s, default_products(), fake_plan))
     assert TrainerConfig.model_validate_json(cm["data"][c.CONFIG_FILE]).dataset.max_bad_row_fraction == 0.2
+
+
+def test_merging_the_adapter_reaches_the_trainer_and_a_trainer_config_refuses_it_for_full() -> None:
+    s = spec(output={"mergeAdapter": True})
+    config = builders.trainer_config(JOB, s, plan_candidates(s, default_products(), fake_plan).first)
+    assert config.merge_adapter
+    plain = spec()
+    assert not builders.trainer_config(
+        JOB, plain, plan_candidates(plain, default_products(), fake_plan).first
+    ).merge_adapter
+    with pytest.raises(ValidationError, match="method full writes the whole model already"):
+        TrainerConfig.model_validate(config.model_dump() | {"method": "full"})

@@ -344,6 +344,19 @@ def test_the_crd_refuses_all_linear_beside_other_target_modules_with_the_models_
     assert "[all-linear]" in targets["description"]
 
 
+def test_merging_the_adapter_of_a_full_fine_tune_is_refused_by_the_crd_and_the_model_alike(
+    schema: Schema,
+) -> None:
+    spec = schema["properties"]["spec"]
+    rule = "self.method != 'full' || !has(self.output.mergeAdapter) || !self.output.mergeAdapter"
+    assert rule in [r["rule"] for r in spec["x-kubernetes-validations"]]
+    assert spec["properties"]["output"]["properties"]["mergeAdapter"]["type"] == "boolean"
+    body = {"model": {"name": "a/b"}, "dataset": {"name": "c/d"}, "output": {"mergeAdapter": True}}
+    with pytest.raises(ValidationError, match=r"spec\.method full writes the whole model already"):
+        SFTJobSpec.model_validate(body | {"method": "full"})
+    assert SFTJobSpec.model_validate(body | {"method": "qlora"}).output.merge_adapter
+
+
 @pytest.mark.parametrize(("block", "what"), [("model", "model"), ("dataset", "dataset")])
 def test_a_revision_beside_a_path_is_refused_by_the_crd_and_the_model_alike(
     schema: Schema, block: str, what: str

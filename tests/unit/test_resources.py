@@ -84,3 +84,16 @@ def test_every_pod_asks_for_the_same_memory_on_one_node_or_when_rank_zero_needs_
     assert small.worker_memory is None and small.memory_for(1) == small.memory  # the floor is the same
     lora, _ = pod_resources(QWEN_7B, "lora", 8, nodes=2)  # DDP: every process loads onto its own GPU
     assert lora.worker_memory is None
+
+
+def test_merging_the_adapter_asks_for_the_base_once_more_in_the_precision_it_computed_in():
+    along = HOST_GIB_PER_PROCESS + _shm_gib(1)
+    for method in ("lora", "qlora"):
+        merging, _ = pod_resources(LLAMA_70B, method, 1, merged=True)  # the base, unquantised, on the CPU
+        bf16_base = LLAMA_70B.parameters * 2 / GIB
+        assert int(merging.memory.removesuffix("Gi")) >= LOAD_HEADROOM * bf16_base + along
+        assert _memory_gib(method, 1, architecture=LLAMA_70B) == 48  # without: page cache only
+    fp32, _ = pod_resources(LLAMA_70B, "lora", 1, "fp32", merged=True)
+    assert int(fp32.memory.removesuffix("Gi")) >= LOAD_HEADROOM * LLAMA_70B.parameters * 4 / GIB + along
+    sharded, _ = pod_resources(QWEN_7B, "lora", 8, sharded=True)  # rank 0 holds a bf16 copy already
+    assert pod_resources(QWEN_7B, "lora", 8, sharded=True, merged=True)[0].memory == sharded.memory

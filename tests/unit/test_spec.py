@@ -49,6 +49,7 @@ def test_a_minimal_spec_gets_the_documented_defaults() -> None:
         {"model": {"path": "m", "volume": PVC, "revision": "v1.0"}},
         {"method": "qlora", "gpu": {"count": 4}},
         {"method": "qlora", "gpu": {"nodes": 2}},
+        {"method": "full", "output": {"mergeAdapter": True}},
         {"gpu": {"type": "A800", "types": ["A40"]}},
         {"gpu": {"types": ["A40", "A40"]}},
         {"gpu": {"type": "H100"}},

@@ -95,6 +95,15 @@ def test_an_output_volume_of_its_own_takes_the_final_model_off_the_checkpoint_vo
     assert volume_need(spec, plan).final_model_gib == 0
 
 
+def test_a_merged_adapter_takes_room_for_its_base_beside_the_adapter() -> None:
+    adapter, plan = job(method="lora")
+    merged, merged_plan = job(method="lora", output={"mergeAdapter": True})
+    base = volume_need(adapter, plan).download_gib  # the hub's bf16 files, as the merged model is written
+    assert volume_need(merged, merged_plan).final_model_gib == pytest.approx(
+        volume_need(adapter, plan).final_model_gib + base
+    )
+
+
 def test_keeping_the_best_checkpoint_asks_room_for_one_checkpoint_more() -> None:
     spec, plan = job(evaluation={"fraction": 0.01, "finalModel": "Best"})
     need = volume_need(spec, plan)

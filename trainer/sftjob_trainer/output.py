@@ -16,10 +16,13 @@ carried over), or an earlier output of a job of this namespace and name (a resta
 written, or the job deleted and created again). Any other folder (a volume's root, the checkpoint folder,
 a folder holding other files) keeps its other files: the temporary folder is made inside it and its files
 moved out one by one, ``summary.json`` set aside first and put back last. When it held an earlier output
-(its ``summary.json`` was there), that output's model and tokenizer files (:data:`MODEL_FILES`) are removed
-first, as they would load along with the new ones: a stale ``adapter_config.json`` beside a full model
-applies the old adapter to it. Without one, a user's files of those names stay, except those the new
-output writes.
+(its ``summary.json`` was there), that output's model and tokenizer files (:data:`MODEL_FILES`) and its
+merged model are removed first, as they would load along with the new ones: a stale
+``adapter_config.json`` beside a full model applies the old adapter to it. Without one, a user's files of
+those names stay, except those the new output writes.
+
+With ``mergeAdapter``, the adapter's output also holds the base with the adapter merged in, in its
+``merged`` folder (:mod:`sftjob_trainer.merging`), written into the temporary folder with the rest.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 
 from sftjob.config import JobRef, TrainerConfig
-from sftjob_trainer import ownership, strict_json
+from sftjob_trainer import merging, ownership, strict_json
 from sftjob_trainer.chat import answer_end_token
 from sftjob_trainer.distributed import DistContext, shards, unwrap
 from sftjob_trainer.durable import TMP_PREFIX, fsync_dir
@@ -101,9 +104,19 @@ def write_model(
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=not full)
         state_dict = _tied_once(get_model_state_dict(model, options=options), unwrap(model))
     dtype = precision_plan(config.method, config.training.precision).compute_dtype if full else None
-    return save(
-        config, ctx, summary, lambda folder: save_output(unwrap(model), tokenizer, folder, state_dict, dtype)
-    )
+
+    def write(folder: Path) -> None:
+        save_output(unwrap(model), tokenizer, folder, state_dict, dtype)
+        if config.merge_adapter:
+            merged = folder / merging.MERGED_FOLDER
+            merged.mkdir()
+            save_output(
+                merging.merged_model(config, folder), tokenizer, merged, None, merging.merge_dtype(config)
+            )
+
+    if config.merge_adapter:
+        summary = summary | {"mergedModel": merging.MERGED_FOLDER}
+    return save(config, ctx, summary, write)
 
 
 def save(
@@ -217,6 +230,8 @@ def _move_into(tmp: Path, out: Path) -> None:
         _remove_earlier_output(out)
     for path in tmp.iterdir():
         if path.name != SUMMARY_FILE:
+            if (out / path.name).is_dir() and not (out / path.name).is_symlink():  # a folder of that name
+                shutil.rmtree(out / path.name)  # rename replaces only an empty one
             os.replace(path, out / path.name)
     fsync_dir(out)
     os.replace(tmp / SUMMARY_FILE, out / SUMMARY_FILE)
@@ -226,8 +241,13 @@ def _move_into(tmp: Path, out: Path) -> None:
 
 
 def _remove_earlier_output(out: Path) -> None:
-    """The model and tokenizer files of the earlier output in ``out`` (:data:`MODEL_FILES`), its
-    tokenizer_config.json last: what says the BPE files are the output's until they are gone."""
+    """The merged model (first), and the model and tokenizer files of the earlier output in ``out``
+    (:data:`MODEL_FILES`), its tokenizer_config.json last: what says the BPE files are the output's until
+    they are gone."""
+    merged = out / merging.MERGED_FOLDER
+    if merged.is_dir() and not merged.is_symlink():
+        log.warning("removing the merged model of an earlier output from %s", out)
+        shutil.rmtree(merged)
     patterns = MODEL_FILES + (BPE_FILES if (out / TOKENIZER_CONFIG_FILE).is_file() else ())
     found = {p for pattern in patterns for p in out.glob(pattern) if p.is_file()}
     files = sorted(found, key=lambda p: (p.name == TOKENIZER_CONFIG_FILE, p.name))

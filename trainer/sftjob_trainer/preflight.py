@@ -77,7 +77,8 @@ def check_model_files(source: ModelSource) -> None:
             raise TrainerError(
                 ExitCode.MODEL_LOAD_ERROR,
                 f"model.path {folder} holds a LoRA adapter (adapter_config.json), not a model: merge it into"
-                " its base and point model.path at the merged model (docs/output.md shows how)",
+                " its base and point model.path at the merged model (docs/output.md shows how; a job with"
+                " output.mergeAdapter leaves one in its output's merged folder)",
             )
         raise TrainerError(ExitCode.MODEL_LOAD_ERROR, f"model.path {folder} has no config.json")
     index = folder / "model.safetensors.index.json"

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, data_order, heartbeat, output, remote_code, resume, selection
+from sftjob_trainer import checkpoints, data_order, heartbeat, merging, output, remote_code, resume, selection
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units, trim_heap
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -316,7 +316,10 @@ class Training:
             with heartbeat.busy(observer, "loading the best checkpoint", self.io_seconds):
                 output_step = selection.load_output(self.config, parts, state, ctx)
             summary |= {"stoppedEarly": state.step < course.total, "outputStep": output_step}
-        with heartbeat.saving(observer, "writing the output", self.io_seconds):
+        writing = self.io_seconds
+        if config.merge_adapter:  # the base read again, merged and written (merging.py)
+            writing += heartbeat.weights_seconds(2 * counts.total * merging.merge_dtype(config).itemsize)
+        with heartbeat.saving(observer, "writing the output", writing):
             output.write_model(self.config, self.ctx, model, tokenizer, summary)
         return summary
 
