@@ -24,8 +24,10 @@ from sftjob.kube_names import (
 )
 
 # SFTJOB_: the operator's contract with the trainer; PET_: torchrun takes every flag the operator leaves
-# unset from PET_<FLAG> (PET_NNODES, PET_MAX_RESTARTS...), so these would change how the trainer is run.
-RESERVED_ENV_PREFIXES = ("SFTJOB_", "PET_")
+# unset from PET_<FLAG> (PET_NNODES, PET_MAX_RESTARTS...), so these would change how the trainer is run;
+# TORCHELASTIC_: torchrun's own settings for its workers (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE changes the
+# [default<rank>]: prefix the launcher tells the ranks' last words apart by; TORCHELASTIC_ERROR_FILE).
+RESERVED_ENV_PREFIXES = ("SFTJOB_", "PET_", "TORCHELASTIC_")
 # Set by the operator for the trainer (its pod's identity, writable HOME and caches) and by the NVIDIA
 # device plugin and runtime (the GPUs the pod was given): a user's value would silently win (the last
 # duplicate of a pod's env wins), break reporting, or hand the trainer GPUs the scheduler gave another pod.
@@ -98,7 +100,7 @@ class EnvVar(SpecModel):
             raise ValueError(
                 f"spec.env: {name} is reserved: set by the operator, or read by torchrun or the NVIDIA"
                 f" container runtime (reserved are {', '.join(sorted(RESERVED_ENV_NAMES))}"
-                f" and names starting with {' or '.join(RESERVED_ENV_PREFIXES)})"
+                f" and names starting with {', '.join(RESERVED_ENV_PREFIXES)})"
             )
         return name
 

@@ -232,6 +232,10 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         spec_with(env=[{"name": "PET_MAX_RESTARTS", "value": "100"}]),
         "spec.env[0].name",
     ),
+    "torchrun's worker log prefix in the environment": (
+        spec_with(env=[{"name": "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "value": "${rank}"}]),
+        "spec.env[0].name",
+    ),
     "a packed-row length with packing off": (
         spec_with(training={"packing": False, "packingLength": 512}),
         "training.packingLength needs packing",

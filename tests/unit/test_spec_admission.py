@@ -71,6 +71,8 @@ def test_env_names_the_api_server_takes_for_a_path_are_refused_before_any_pod_is
         "NVIDIA_IMEX_CHANNELS",
         "PET_NNODES",
         "PET_MAX_RESTARTS",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
+        "TORCHELASTIC_ERROR_FILE",
     ],
 )
 def test_the_nvidia_runtimes_device_variables_and_torchruns_flags_are_reserved_env_names(name: str) -> None:
