@@ -39,15 +39,42 @@ def merge_dtype(config: TrainerConfig) -> torch.dtype:
 
 def merged_model(config: TrainerConfig, adapter: Path) -> Any:
     """The base, loaded on the CPU in :func:`merge_dtype` and not quantised, with the adapter saved in
-    ``adapter`` merged into its weights."""
+    ``adapter`` merged into its weights. Raises DIVERGED when a merged weight is not finite."""
     from peft import PeftModel
 
     unquantised = config.model_copy(update={"method": "lora"})  # QLoRA's base in the compute dtype
     base = load_model(unquantised, torch.device("cpu"), MERGE_ATTENTION)
     log.info("merging the adapter into %s (%s, on the CPU)", type(base).__name__, merge_dtype(config))
-    try:
-        return PeftModel.from_pretrained(base, adapter).merge_and_unload(safe_merge=True)
-    except ValueError as exc:  # safe_merge: a merged weight is not finite
+    adapted = PeftModel.from_pretrained(base, adapter)
+    _untie_adapted(adapted)
+    merged = adapted.merge_and_unload()  # each weight rounded once (safe_merge rounds B @ A first)
+    broken = [name for name, p in merged.named_parameters() if not torch.isfinite(p).all()]
+    if broken:
         raise TrainerError(
-            ExitCode.DIVERGED, f"the adapter could not be merged into its base: {exc}"
-        ) from exc
+            ExitCode.DIVERGED,
+            f"the adapter merged into its base makes {len(broken)} weights not finite ({broken[0]}, ...):"
+            " the adapter in the output folder is broken",
+        )
+    return merged
+
+
+def _untie_adapted(adapted: Any) -> None:
+    """Give the output head its own weight when the base ties it to the input embeddings and the adapter
+    adapts either (``targetModules`` naming ``lm_head`` or ``embed_tokens``): merged into the one shared
+    tensor, the head's ``B @ A`` would change the embeddings too. The config then says they are untied, so
+    that loading the merged model does not tie them again."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = adapted.get_base_model()
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embeddings is None:
+        return
+    weight = embeddings.base_layer.weight if isinstance(embeddings, BaseTunerLayer) else embeddings.weight
+    head_layer = head.base_layer if isinstance(head, BaseTunerLayer) else head
+    adapted_either = isinstance(head, BaseTunerLayer) or isinstance(embeddings, BaseTunerLayer)
+    if head_layer.weight is not weight or not adapted_either:
+        return
+    log.info("untying the output head from the input embeddings: the adapter adapts one of them")
+    head_layer.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+    for settings in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        settings.tie_word_embeddings = False

@@ -40,6 +40,7 @@ import torch
 from safetensors import SafetensorError
 
 from sftjob.config import JobRef, TrainerConfig
+from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import merging, ownership, strict_json
 from sftjob_trainer.chat import answer_end_token
 from sftjob_trainer.distributed import DistContext, shards, unwrap
@@ -129,6 +130,9 @@ def save(
     tmp = (out.parent if whole else out) / f"{TMP_PREFIX}{out.name}-attempt-{job.attempt}"
     try:
         if ctx.is_main:
+            if config.merge_adapter and not whole:
+                _check_merged_place(out)
+            _remove_unfinished(out)  # a killed attempt's, which may hold a whole merged model: its space back
             _write_aside(tmp, out if whole else None, summary | {"job": _identity(job)}, write)
         # Writing a 70B model takes longer than a collective may wait (PROCESS_GROUP_TIMEOUT): the other
         # ranks wait for rank 0 in the setup group instead, as for its download.
@@ -203,6 +207,8 @@ def _remove_unfinished(out: Path) -> None:
     """Other attempts' unfinished outputs (killed, or superseded), beside ``out`` or inside it."""
     unfinished = re.compile(rf"{re.escape(TMP_PREFIX + out.name)}-attempt-\d+(-replaced)?")
     for where in (out.parent, out):
+        if not where.is_dir():
+            continue
         for path in where.iterdir():
             if unfinished.fullmatch(path.name):
                 shutil.rmtree(path, ignore_errors=True)
@@ -241,11 +247,11 @@ def _move_into(tmp: Path, out: Path) -> None:
 
 
 def _remove_earlier_output(out: Path) -> None:
-    """The merged model (first), and the model and tokenizer files of the earlier output in ``out``
-    (:data:`MODEL_FILES`), its tokenizer_config.json last: what says the BPE files are the output's until
-    they are gone."""
+    """The merged model (first, when the earlier output wrote one), and the model and tokenizer files of
+    the earlier output in ``out`` (:data:`MODEL_FILES`), its tokenizer_config.json last: what says the BPE
+    files are the output's until they are gone."""
     merged = out / merging.MERGED_FOLDER
-    if merged.is_dir() and not merged.is_symlink():
+    if _earlier_merged(out) and merged.is_dir() and not merged.is_symlink():
         log.warning("removing the merged model of an earlier output from %s", out)
         shutil.rmtree(merged)
     patterns = MODEL_FILES + (BPE_FILES if (out / TOKENIZER_CONFIG_FILE).is_file() else ())
@@ -257,6 +263,32 @@ def _remove_earlier_output(out: Path) -> None:
     for path in files:
         path.unlink()
     fsync_dir(out)
+
+
+def _earlier_merged(out: Path) -> bool:
+    """Whether the earlier output in ``out`` (its ``summary.json``, or the one set aside while an output
+    moves in) wrote a merged model."""
+    for name in (EARLIER_SUMMARY_FILE, SUMMARY_FILE):
+        try:
+            return "mergedModel" in json.loads((out / name).read_text())
+        except (OSError, ValueError, TypeError):
+            continue
+    return False
+
+
+def _check_merged_place(out: Path) -> None:
+    """Before a merged model moves into a folder that is not the job's own: what holds its name there must
+    be an earlier output's merged model (replaced), not a user's folder, file or link (CONFIG_ERROR)."""
+    place = out / merging.MERGED_FOLDER
+    if not os.path.lexists(place):
+        return
+    if place.is_dir() and not place.is_symlink() and _earlier_merged(out):
+        return
+    raise TrainerError(
+        ExitCode.CONFIG_ERROR,
+        f"{place} is in the way of the merged model (output.mergeAdapter) and is no earlier output's merged"
+        " model: move it away, or choose another output.path",
+    )
 
 
 def save_output(
