@@ -69,10 +69,10 @@ def _untie_adapted(adapted: Any) -> None:
     head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
     if head is None or embeddings is None:
         return
-    weight = (
+    weight: Any = (
         embeddings.get_base_layer().weight if isinstance(embeddings, BaseTunerLayer) else embeddings.weight
     )
-    head_layer = head.get_base_layer() if isinstance(head, BaseTunerLayer) else head
+    head_layer: Any = head.get_base_layer() if isinstance(head, BaseTunerLayer) else head
     adapted_either = isinstance(head, BaseTunerLayer) or isinstance(embeddings, BaseTunerLayer)
     if head_layer.weight is not weight or not adapted_either:
         return
