@@ -69,7 +69,9 @@ class TrainState:
     ``identity`` what training this is (identity.py: the base model, the method, the adapter's shape, the
     dataset), which a resume compares with the job's, and ``versions`` the transformers and peft that
     saved it (``identity.model_code``: not part of the identity), which a checkpoint of the same training
-    that does not fit the model is explained by. The last three are empty in older checkpoints."""
+    that does not fit the model is explained by. The last three are empty in older checkpoints.
+    ``model_commit`` is the hub commit of the base model the attempt that saved it trained on, which a
+    resume trains on again (base_commit.py); None for ``model.path`` and in older checkpoints."""
 
     step: int = 0
     tokens: int = 0
@@ -87,6 +89,7 @@ class TrainState:
     identity: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, str] = field(default_factory=dict)
     nonfinite_in_a_row: int = 0  # steps skipped for a non-finite loss or gradients, up to this one
+    model_commit: str | None = None
 
 
 @dataclass
@@ -125,6 +128,17 @@ def newest_complete_step(root: Path) -> int:
     """The step of the newest checkpoint that looks complete, without loading it: where a restart will
     most likely resume (0 for a fresh start)."""
     return next((step for step, path in checkpoint_dirs(root) if problem(path) is None), 0)
+
+
+def newest_saved_state(root: Path) -> dict[str, Any] | None:
+    """The ``trainer_state.json`` of the newest checkpoint that looks complete, as saved (its tensors not
+    read): what the attempt will most likely resume from, known before the model loads; None for a fresh
+    start. Raises OSError or ValueError when it does not read."""
+    for _step, path in checkpoint_dirs(root):
+        if problem(path) is None:
+            saved: dict[str, Any] = json.loads((path / STATE_FILE).read_text())
+            return saved
+    return None
 
 
 def problem(path: Path) -> str | None:

@@ -12,7 +12,6 @@ checkpoint: what its data order is follows from the state it saved, not from how
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import zlib
 from dataclasses import asdict, replace
@@ -23,7 +22,7 @@ import numpy as np
 
 from sftjob.config import TrainingSettings
 from sftjob_trainer.batching import Course, Schedule, Unit, count_units, make_units, rest_examples
-from sftjob_trainer.checkpoints import STATE_FILE, Trainables, TrainState, checkpoint_dirs, problem
+from sftjob_trainer.checkpoints import Trainables, TrainState, newest_saved_state
 from sftjob_trainer.loop import continue_course, next_course
 
 log = logging.getLogger(__name__)
@@ -183,19 +182,18 @@ def expected_course(
     resume skips such a checkpoint, or stops): the setup's reports then leave the total and the epoch out
     until the resume knows them."""
     try:
-        for _step, path in checkpoint_dirs(root):
-            if problem(path) is None:
-                saved = json.loads((path / STATE_FILE).read_text())
-                course, step = saved.get("course") or {}, int(saved["step"])
-                layout = fingerprint(len(units), schedule, training.seed, training.packing)
-                order = data_order(saved.get("fingerprint") or {}, layout, step)
-                if "rest" not in order:
-                    expected = next_course(course, step, training, planned)
-                    return expected, replace(schedule, offset=expected.offset)
-                _, going = rest_of_epoch(order, step, units, schedule, packing_length, pack=False)
-                ending = _ending_with_data(course, step, training, planned, None, going)
-                return ending or next_course(course, step, training, planned), going
-        return next_course({}, 0, training, planned), schedule
+        saved = newest_saved_state(root)
+        if saved is None:
+            return next_course({}, 0, training, planned), schedule
+        course, step = saved.get("course") or {}, int(saved["step"])
+        layout = fingerprint(len(units), schedule, training.seed, training.packing)
+        order = data_order(saved.get("fingerprint") or {}, layout, step)
+        if "rest" not in order:
+            expected = next_course(course, step, training, planned)
+            return expected, replace(schedule, offset=expected.offset)
+        _, going = rest_of_epoch(order, step, units, schedule, packing_length, pack=False)
+        ending = _ending_with_data(course, step, training, planned, None, going)
+        return ending or next_course(course, step, training, planned), going
     except (OSError, ValueError, TypeError, KeyError, AttributeError, zlib.error) as exc:
         log.info("the course of the newest checkpoint in %s is not known before it loads: %s", root, exc)
         return None

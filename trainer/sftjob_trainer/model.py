@@ -148,12 +148,26 @@ def check_positions(model_config: Any, longest_example: int) -> None:
 
 
 def _hub_kwargs(source: ModelSource) -> dict[str, Any]:
-    return {
-        "revision": source.revision,
-        # A Secret written from a file often ends in a newline, which no HTTP header may carry.
-        "token": os.environ.get("HF_TOKEN", "").strip() or None,
-        "trust_remote_code": source.trust_remote_code,
-    }
+    return {"revision": source.revision, "token": hub_token(), "trust_remote_code": source.trust_remote_code}
+
+
+def hub_token() -> str | None:
+    # A Secret written from a file often ends in a newline, which no HTTP header may carry.
+    return os.environ.get("HF_TOKEN", "").strip() or None
+
+
+def resolve_commit(source: ModelSource) -> str | None:
+    """The commit a hub model's revision (unset: ``main``) points at now, as every ``from_pretrained``
+    resolves it for its own files (transformers' ``resolve_revision``: the hub asked, else the commit the
+    cache recorded for that revision, as offline); None for ``model.path``, or when neither knows it (the
+    hub unreachable and nothing cached, a repo or revision that does not exist: the load says why)."""
+    from huggingface_hub import ResolvedRevision
+    from transformers.utils.hub import resolve_revision
+
+    if source.name is None:
+        return None
+    found = resolve_revision(source.name, source.revision, token=hub_token())
+    return str(found.resolved) if isinstance(found, ResolvedRevision) else None
 
 
 def _model_ref(source: ModelSource) -> str:
@@ -235,7 +249,7 @@ def build_model(config: TrainerConfig, attention: str) -> Any:
     if model.can_generate():
         with contextlib.suppress(OSError):
             model.generation_config = GenerationConfig.from_pretrained(
-                _model_ref(source), revision=source.revision or "main", token=_hub_kwargs(source)["token"]
+                _model_ref(source), revision=source.revision or "main", token=hub_token()
             )
     return model.eval()  # from_pretrained's mode
 
@@ -287,8 +301,9 @@ def prepare_for_training(
 
     The model's config stays the base's, ``use_cache`` included (the training step passes
     ``use_cache=False`` itself), so a fully fine-tuned output generates with a KV cache as its base did.
-    ``revision``, the base's (``model.revision``), goes into the adapter's ``adapter_config.json``, so
-    that loading the adapter fetches the base it was trained on rather than the hub's ``main``. Its
+    ``revision``, the base's (``model.revision``: for a hub model the commit it was loaded at, which
+    base_commit.py put there), goes into the adapter's ``adapter_config.json``, so that loading the adapter
+    fetches the base it was trained on rather than the hub's ``main`` of the day. Its
     ``base_model_name_or_path`` is where the base was loaded from: the hub name, or for ``model.path`` the
     folder as the trainer pod sees it (``/model/<path>``).
 

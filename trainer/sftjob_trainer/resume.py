@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_op
 
 from sftjob.config import TrainerConfig
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import heartbeat, ownership
+from sftjob_trainer import base_commit, heartbeat, ownership
 from sftjob_trainer.checkpoint_loading import (
     Loading,
     OtherShapes,
@@ -95,11 +95,15 @@ def restore(
     layout: dict[str, Any],
     metrics: TrainerMetrics | None,
     observer: Observer | None,
+    *,
+    spec: TrainerConfig | None = None,
 ) -> tuple[TrainState, Path | None]:
     """Collective: this attempt takes the checkpoint folder over and starts from the newest checkpoint that
     loads (returned with it), or from the pretrained weights with a fresh state (and None). ``layout`` is
     this attempt's ``data_order.fingerprint``, recorded in the state with where the data order stands
-    (``data_order.data_order``).
+    (``data_order.data_order``). ``config`` loads the model (at the commit base_commit.pin chose, which
+    the state records); ``spec``, the job's config before that, names the training (identity.py):
+    ``config`` when not given.
 
     Under FSDP rank 0 alone reads the pretrained weights and broadcasts them into the shards: before the
     checkpoint for adapters (theirs holds no base; it overwrites the fresh adapters), after it for full
@@ -113,7 +117,7 @@ def restore(
     rank0_weights, full = loads_on_rank0(config, ctx), config.method == "full"
     if rank0_weights and not full:
         load_pretrained(config, ctx, parts.model, attention, metrics, observer)
-    trains = identity(config)
+    trains, commit = identity(spec or config), base_commit.loaded(config)
     with heartbeat.busy(observer, "restoring the newest checkpoint", heartbeat.io_seconds(parts.model)):
         resumed = load_latest(root, parts, ctx, trains)
     if rank0_weights and full and (resumed is None or resumed.without_buffers):
@@ -123,7 +127,8 @@ def restore(
             if why is not None:
                 raise storage_error(f"could not read the weights of {resumed.path} again: {why}")
     if resumed is None:
-        return TrainState(fingerprint=layout, identity=trains, versions=model_code()), None
+        fresh = TrainState(fingerprint=layout, identity=trains, versions=model_code(), model_commit=commit)
+        return fresh, None
     state, path, _ = resumed
     order = data_order(state.fingerprint, layout, state.step)
     if not same_data_order(state.fingerprint, layout):
@@ -138,6 +143,7 @@ def restore(
             " an older trainer's, does not record which examples its epoch has used)",
         )
     state.fingerprint, state.identity, state.versions = order, trains, model_code()
+    state.model_commit = commit
     return state, path
 
 

@@ -22,7 +22,17 @@ from torch.utils.data import DataLoader
 from sftjob.config import TrainerConfig
 from sftjob.constants import CONFIG_ENV, CONFIG_FILE, CONFIG_MOUNT
 from sftjob.failures import ExitCode, TrainerError
-from sftjob_trainer import checkpoints, data_order, heartbeat, merging, output, remote_code, resume, selection
+from sftjob_trainer import (
+    base_commit,
+    checkpoints,
+    data_order,
+    heartbeat,
+    merging,
+    output,
+    remote_code,
+    resume,
+    selection,
+)
 from sftjob_trainer.attention import FLATTENED
 from sftjob_trainer.batching import Layout, Schedule, StepBatches, Unit, make_units, trim_heap
 from sftjob_trainer.checkpoints import Trainables, TrainState
@@ -115,6 +125,7 @@ class Training:
         self, config: TrainerConfig, ctx: DistContext, stop: GracefulStop, metrics: TrainerMetrics | None
     ) -> None:
         self.config, self.ctx, self.stop, self.metrics = config, ctx, stop, metrics  # metrics: rank 0 only
+        self.spec = config  # the job's, its hub model not pinned to a commit: what names the training
         self.t = config.training
         self.io_seconds = heartbeat.BUSY_BASE_SECONDS  # how long a save or load reports: set with the model
         self.own_loss = False  # the trainer computes the loss, not the model (remote_code.py): set with it
@@ -142,6 +153,8 @@ class Training:
         # Data: every rank tokenizes the same rows the same way; the schedule picks its share.
         if self.metrics is not None:
             self.metrics.enter(Phase.LOADING_DATA)
+        # A hub model loads at one commit, the one its checkpoints were trained on (base_commit.py).
+        config = self.config = base_commit.pin(config, ctx)
         with heartbeat.downloads(config, Phase.LOADING_DATA, self.metrics):
             tokenizer = load_tokenizer(config.model)
             model_config = load_model_config(config.model)  # before the data: a bad model fails in seconds
@@ -262,7 +275,9 @@ class Training:
 
         # Resume: the newest checkpoint that loads, else the pretrained weights (resume.py).
         data_layout = data_order.fingerprint(len(units), schedule, t.seed, t.packing)
-        state, resumed = resume.restore(config, ctx, parts, attention, data_layout, self.metrics, observer)
+        state, resumed = resume.restore(
+            config, ctx, parts, attention, data_layout, self.metrics, observer, spec=self.spec
+        )
         resumed_from = state.step if resumed else None
         if evaluation is not None:
             selection.measured_on(state, evaluation.fingerprint)  # before the resume's report and evaluation
