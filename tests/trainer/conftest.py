@@ -16,6 +16,10 @@ from typing import Any
 
 import pytest
 
+# Before transformers (and huggingface_hub, which reads it once, when imported) is: no test reaches the hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
@@ -23,8 +27,6 @@ from sftjob_trainer import trackers, tracking  # noqa: E402
 from sftjob_trainer.tiny import make_tiny_model, make_tokenizer, write_dataset  # noqa: E402
 from tests.trainer.runs import MakeConfig  # noqa: E402
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Tiny matmuls gain nothing from threads on a shared 2-core machine; one thread in this process and in
 # the trainer processes the tests start also keeps their floating-point results identical.
 os.environ["OMP_NUM_THREADS"] = "1"
