@@ -15,8 +15,9 @@ import torch
 from huggingface_hub import constants
 from safetensors.torch import load_file
 
+from sftjob.config import ModelSource
 from sftjob.failures import ExitCode
-from sftjob_trainer import train
+from sftjob_trainer import model, train
 from sftjob_trainer.checkpoints import STATE_FILE, checkpoint_dirs
 from sftjob_trainer.tiny import make_tiny_model
 from tests.trainer.runs import MakeConfig
@@ -153,3 +154,38 @@ def test_a_model_path_run_records_no_commit(trainer_config: MakeConfig, tiny_mod
     assert _newest_state(config)["model_commit"] is None
     adapter = _output(config, "adapter_config.json")
     assert adapter["revision"] is None and adapter["base_model_name_or_path"] == str(tiny_model)
+
+
+def test_a_recorded_commit_gone_from_the_hub_fails_naming_it_and_the_way_on() -> None:
+    from huggingface_hub.errors import RevisionNotFoundError
+    from huggingface_hub.utils import httpx
+
+    url = f"https://huggingface.co/api/models/{NAME}/revision/{COMMIT_A}"
+    response = httpx.Response(404, request=httpx.Request("GET", url))
+    gone = OSError(f"{COMMIT_A} is not a valid git identifier (branch name, tag name or commit id)")
+    gone.__cause__ = RevisionNotFoundError("404 Client Error: Revision Not Found", response=response)
+    error = model._load_error("tokenizer", ModelSource(name=NAME, revision=COMMIT_A), gone)
+    assert error.code == ExitCode.MODEL_LOAD_ERROR
+    recorded = f"commit {COMMIT_A}: unless model.revision names it, the commit the job's checkpoints"
+    assert recorded in error.reason
+    assert "set model.revision to a commit or tag the repo has" in error.reason
+    branch = model._load_error("tokenizer", ModelSource(name=NAME, revision="v2"), gone)
+    assert "checkpoints" not in branch.reason  # a revision the spec names, not a recorded commit
+
+
+@pytest.mark.parametrize(
+    ("auto_map", "pinned"),
+    [
+        ("modeling_tiny.TinyForCausalLM", True),  # the model's own repo
+        (f"{NAME}--modeling_tiny.TinyForCausalLM", True),
+        ("mosaicml/mpt-7b--modeling_mpt.MPTForCausalLM", False),  # another repo's code: read at its main
+    ],
+)
+def test_remote_code_is_read_at_the_models_commit_only_when_it_lives_in_the_models_repo(
+    auto_map: str, pinned: bool
+) -> None:
+    from transformers import PretrainedConfig
+
+    source = ModelSource(name=NAME, revision=COMMIT_A, trust_remote_code=True)
+    config = PretrainedConfig(auto_map={"AutoModelForCausalLM": auto_map})
+    assert model._code_revision(source, config) == ({"code_revision": COMMIT_A} if pinned else {})

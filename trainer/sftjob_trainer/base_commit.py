@@ -14,21 +14,19 @@ resume of other training is refused as before. A ``model.path`` has no commit: n
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 from sftjob.config import TrainerConfig
 from sftjob_trainer.checkpoints import newest_saved_state
 from sftjob_trainer.distributed import DistContext
 from sftjob_trainer.identity import compare, identity
-from sftjob_trainer.model import resolve_commit
+from sftjob_trainer.model import COMMIT, resolve_commit
 
 log = logging.getLogger(__name__)
 
 # The identity fields (identity.identity) that say which base a checkpoint was trained on, and at which
 # revision: a recorded commit is the job's only when they are the job's.
 _BASE_FIELDS = ("model.name", "model.path", "model.revision")
-_COMMIT = re.compile(r"[0-9a-f]{40}")  # a git commit as the hub names it
 
 
 def pin(config: TrainerConfig, ctx: DistContext) -> TrainerConfig:
@@ -52,7 +50,7 @@ def loaded(config: TrainerConfig) -> str | None:
     resolve."""
     revision = config.model.revision
     hub = config.model.name is not None
-    return revision if hub and revision is not None and _COMMIT.fullmatch(revision) else None
+    return revision if hub and revision is not None and COMMIT.fullmatch(revision) else None
 
 
 def _commit(config: TrainerConfig) -> str | None:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +25,12 @@ from sftjob.config import LoraSettings, Method, ModelSource, Precision, TrainerC
 from sftjob.failures import ExitCode, TrainerError
 from sftjob_trainer import attention, remote_code
 from sftjob_trainer.adapters import add_adapters
-from sftjob_trainer.failures import load_failure
+from sftjob_trainer.failures import causes, load_failure
 from sftjob_trainer.liger import apply_liger
 
 log = logging.getLogger(__name__)
 
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a git commit as the hub names it
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -175,9 +177,24 @@ def _model_ref(source: ModelSource) -> str:
 
 
 def _load_error(what: str, source: ModelSource, exc: Exception) -> TrainerError:
-    """A network, hub, disk or memory failure keeps its retryable class; anything else is the model's."""
+    """A network, hub, disk or memory failure keeps its retryable class; anything else is the model's. A
+    commit the hub no longer has (a history squashed, a repo created again) is said to be the one the
+    checkpoints recorded when it may be (base_commit.py), with the way on."""
+    from huggingface_hub.errors import RevisionNotFoundError
+
     what = f"the {what} from {_model_ref(source)}"
-    return load_failure(exc, what) or TrainerError(ExitCode.MODEL_LOAD_ERROR, f"could not load {what}: {exc}")
+    failure = load_failure(exc, what)
+    if failure is not None:
+        return failure
+    reason = f"could not load {what}: {exc}"
+    gone = any(isinstance(cause, RevisionNotFoundError) for cause in causes(exc))
+    if gone and source.revision is not None and COMMIT.fullmatch(source.revision):
+        reason += (
+            f" (commit {source.revision}: unless model.revision names it, the commit the job's checkpoints"
+            " were trained on, gone from the hub since; to go on from those checkpoints on another base, set"
+            " model.revision to a commit or tag the repo has)"
+        )
+    return TrainerError(ExitCode.MODEL_LOAD_ERROR, reason)
 
 
 def load_model_config(source: ModelSource) -> Any:
@@ -256,9 +273,12 @@ def build_model(config: TrainerConfig, attention: str) -> Any:
 
 def _code_revision(source: ModelSource, model_config: Any) -> dict[str, Any]:
     """The revision of a remote-code model's own code, as rank 0's from_pretrained reads it (from_config
-    would fetch the code of ``main``); nothing for a built-in class, which takes no such argument."""
-    remote = "AutoModelForCausalLM" in (getattr(model_config, "auto_map", None) or {})
-    pinned = source.trust_remote_code and remote and source.revision
+    would fetch the code of ``main``); nothing for a built-in class, which takes no such argument, nor for
+    code in another repo (``auto_map`` naming ``org/repo--module.Class``, an MPT fine-tune's), which
+    from_pretrained reads at that repo's ``main``: the model's revision does not exist there."""
+    entry = (getattr(model_config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    elsewhere = isinstance(entry, str) and "--" in entry and entry.partition("--")[0] != source.name
+    pinned = source.trust_remote_code and entry is not None and not elsewhere and source.revision
     return {"code_revision": source.revision} if pinned else {}
 
 
